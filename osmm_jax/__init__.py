@@ -1,0 +1,57 @@
+"""osmm_jax: one-sided distributed matrix multiplication for JAX over MPI.
+
+Typical use, on every rank of an MPI job (SPMD)::
+
+    import osmm_jax as om
+    a = om.Layout.rows((M, K), weights=speeds)
+    b = om.Layout.replicated((K, N))
+    c = om.Layout.rows((M, N), weights=speeds)
+    p = om.plan(a, b, c)
+    c_local = om.matmul(a_local, b_local, p)   # eager, jit, grad, vmap
+
+The public names load on first use: layouts and plans are pure Python and need
+neither JAX nor MPI, so ``osmm_jax.Layout`` can be used on a laptop; the names
+that run products initialise MPI (through mpi4py) when first touched.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+__version__ = "0.1.0"
+
+_PUBLIC = {
+    "Layout": "osmm_jax._src.layout",
+    "split_sizes": "osmm_jax._src.layout",
+    "Plan": "osmm_jax._src.planner",
+    "LocalMultiply": "osmm_jax._src.planner",
+    "LocalUpdate": "osmm_jax._src.planner",
+    "Transfer": "osmm_jax._src.planner",
+    "plan": "osmm_jax._src.api",
+    "gather": "osmm_jax._src.api",
+    "stats": "osmm_jax._src.api",
+    "matmul": "osmm_jax._src.matmul",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'osmm_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))
+
+
+if TYPE_CHECKING:
+    from osmm_jax._src.api import gather, plan, stats
+    from osmm_jax._src.layout import Layout, split_sizes
+    from osmm_jax._src.matmul import matmul
+    from osmm_jax._src.planner import LocalMultiply, LocalUpdate, Plan, Transfer

@@ -1,0 +1,287 @@
+"""How one global 2-D matrix is split over the ranks of a communicator.
+
+A :class:`Layout` gives every rank one rectangular block of the global matrix
+(possibly empty). Either the blocks partition the matrix (every element is owned
+by exactly one rank: row, column and 2-D grid splits, uneven sizes allowed) or
+every rank owns the whole matrix (replicated).
+
+This module is pure Python: it imports neither JAX nor MPI, so plans can be
+computed and tested anywhere. Only ``nranks=None`` asks the default
+communicator for its size, lazily.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+Interval = tuple[int, int]
+"""A half-open index range ``(start, stop)`` into one dimension of a matrix."""
+
+Block = tuple[Interval, Interval]
+"""A rectangle of a matrix: ``(row_interval, col_interval)``."""
+
+
+def _default_nranks() -> int:
+    from osmm_jax._src import comm
+
+    return comm.default_comm().Get_size()
+
+
+def _check_dim(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int,)) and not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if value < 0:
+        raise ValueError(f"{name} must be non-negative, got {value}")
+    return value
+
+
+def _check_shape(shape) -> tuple[int, int]:
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        raise TypeError(f"shape must be a pair (rows, cols), got {shape!r}") from None
+    if len(dims) != 2:
+        raise ValueError(f"shape must be 2-D (rows, cols), got {shape!r}")
+    return (_check_dim(dims[0], "shape[0]"), _check_dim(dims[1], "shape[1]"))
+
+
+def _check_nranks(nranks) -> int:
+    if nranks is None:
+        nranks = _default_nranks()
+    nranks = _check_dim(nranks, "nranks")
+    if nranks < 1:
+        raise ValueError(f"nranks must be at least 1, got {nranks}")
+    return nranks
+
+
+def split_sizes(total: int, parts: int, weights=None, sizes=None, *, what: str = "sizes") -> tuple[int, ...]:
+    """Split ``total`` items into ``parts`` contiguous pieces.
+
+    With ``sizes`` the pieces are exactly those (validated: ``parts`` non-negative
+    integers summing to ``total``). Otherwise they are proportional to ``weights``
+    (default: equal) by the largest-remainder method, so they always sum to
+    ``total`` and no piece is off its ideal share by a whole item or more. Ties go
+    to the lower index, which keeps the result identical on every rank.
+    """
+    if sizes is not None and weights is not None:
+        raise ValueError(f"give either weights or {what}, not both")
+    if sizes is not None:
+        sizes = tuple(sizes)
+        if len(sizes) != parts:
+            raise ValueError(f"{what} has {len(sizes)} entries but there are {parts} ranks")
+        checked = tuple(_check_dim(s, f"{what}[{i}]") for i, s in enumerate(sizes))
+        if sum(checked) != total:
+            raise ValueError(f"{what} {list(checked)} sum to {sum(checked)}, not to the dimension {total}")
+        return checked
+    if weights is None:
+        weights = (1.0,) * parts
+    weights = tuple(weights)
+    if len(weights) != parts:
+        raise ValueError(f"weights has {len(weights)} entries but there are {parts} ranks")
+    checked_weights = []
+    for i, w in enumerate(weights):
+        try:
+            w = float(w)
+        except (TypeError, ValueError):
+            raise TypeError(f"weights[{i}] must be a number, got {w!r}") from None
+        if math.isnan(w) or math.isinf(w):
+            raise ValueError(f"weights[{i}] is {w}: weights must be finite")
+        if w < 0:
+            raise ValueError(f"weights[{i}] is {w}: weights must be non-negative")
+        checked_weights.append(w)
+    weight_sum = math.fsum(checked_weights)
+    if weight_sum <= 0:
+        raise ValueError(f"weights {list(weights)} are all zero: at least one rank must get work")
+    ideal = [total * w / weight_sum for w in checked_weights]
+    result = [math.floor(x) for x in ideal]
+    remainder = total - sum(result)
+    order = sorted(range(parts), key=lambda i: (-(ideal[i] - result[i]), i))
+    for i in order[:remainder]:
+        result[i] += 1
+    return tuple(result)
+
+
+def _intervals(sizes: Sequence[int]) -> tuple[Interval, ...]:
+    bounds = []
+    start = 0
+    for s in sizes:
+        bounds.append((start, start + s))
+        start += s
+    return tuple(bounds)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How one global matrix of ``shape`` is split over ``nranks`` ranks.
+
+    Immutable and hashable (usable as a static argument and a cache key). Rank
+    ``r`` owns the block ``blocks[r] = ((row_start, row_stop), (col_start,
+    col_stop))`` of the global matrix; an empty block is allowed. Build layouts
+    with the constructors :meth:`rows`, :meth:`cols`, :meth:`grid` and
+    :meth:`replicated`; :attr:`T` gives the layout of the transposed matrix.
+
+    Attributes:
+        shape: ``(rows, cols)`` of the global matrix.
+        blocks: one block per rank, in rank order.
+        is_replicated: every rank holds the whole matrix (its local block IS the
+            global value) instead of the blocks partitioning it.
+        kind: ``"rows"``, ``"cols"``, ``"grid"``, ``"replicated"``, or the
+            same with ``".T"`` for a transposed layout; descriptive only.
+    """
+
+    shape: tuple[int, int]
+    blocks: tuple[Block, ...]
+    is_replicated: bool = False
+    kind: str = "custom"
+
+    def __post_init__(self):
+        shape = _check_shape(self.shape)
+        object.__setattr__(self, "shape", shape)
+        blocks = tuple(((int(r0), int(r1)), (int(c0), int(c1))) for (r0, r1), (c0, c1) in self.blocks)
+        object.__setattr__(self, "blocks", blocks)
+        if not blocks:
+            raise ValueError("a layout needs at least one rank")
+        rows, cols = shape
+        for r, ((r0, r1), (c0, c1)) in enumerate(blocks):
+            if not (0 <= r0 <= r1 <= rows and 0 <= c0 <= c1 <= cols):
+                raise ValueError(f"block {blocks[r]} of rank {r} lies outside the matrix of shape {shape}")
+        if self.is_replicated:
+            if any(b != ((0, rows), (0, cols)) for b in blocks):
+                raise ValueError("a replicated layout gives every rank the whole matrix")
+        else:
+            self._check_partition()
+
+    def _check_partition(self) -> None:
+        rows, cols = self.shape
+        area = sum((r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in self.blocks)
+        if area != rows * cols:
+            raise ValueError(f"the blocks of a layout of shape {self.shape} cover {area} elements, not {rows * cols}")
+        nonempty = [(r, b) for r, b in enumerate(self.blocks) if _area(b)]
+        for i, (ra, a) in enumerate(nonempty):
+            for rb, b in nonempty[i + 1 :]:
+                if _overlap(a, b):
+                    raise ValueError(f"the blocks of ranks {ra} and {rb} overlap: {a} and {b}")
+
+    # -- constructors -------------------------------------------------------
+
+    @classmethod
+    def rows(cls, shape, weights=None, sizes=None, nranks=None) -> Layout:
+        """Contiguous row blocks in rank order.
+
+        Block heights are proportional to ``weights`` (default equal), or
+        exactly ``sizes``. ``nranks=None`` means the default communicator's size
+        (or ``len(weights)``/``len(sizes)`` when given).
+        """
+        shape = _check_shape(shape)
+        nranks = _infer_nranks(nranks, weights, sizes)
+        heights = split_sizes(shape[0], nranks, weights, sizes)
+        blocks = tuple((iv, (0, shape[1])) for iv in _intervals(heights))
+        return cls(shape, blocks, False, "rows")
+
+    @classmethod
+    def cols(cls, shape, weights=None, sizes=None, nranks=None) -> Layout:
+        """Contiguous column blocks in rank order; as :meth:`rows` over columns."""
+        shape = _check_shape(shape)
+        nranks = _infer_nranks(nranks, weights, sizes)
+        widths = split_sizes(shape[1], nranks, weights, sizes)
+        blocks = tuple(((0, shape[0]), iv) for iv in _intervals(widths))
+        return cls(shape, blocks, False, "cols")
+
+    @classmethod
+    def grid(cls, shape, grid, row_weights=None, col_weights=None, row_sizes=None, col_sizes=None) -> Layout:
+        """2-D blocks on a ``grid = (pr, pc)`` process grid; rank ``i*pc + j`` owns block ``(i, j)``.
+
+        Row band heights follow ``row_weights`` (``pr`` entries) or
+        ``row_sizes``; column band widths ``col_weights`` or ``col_sizes``.
+        """
+        shape = _check_shape(shape)
+        try:
+            pr, pc = grid
+        except (TypeError, ValueError):
+            raise TypeError(f"grid must be a pair (pr, pc), got {grid!r}") from None
+        pr, pc = _check_dim(pr, "grid[0]"), _check_dim(pc, "grid[1]")
+        if pr < 1 or pc < 1:
+            raise ValueError(f"grid dimensions must be at least 1, got {grid!r}")
+        heights = split_sizes(shape[0], pr, row_weights, row_sizes, what="row_sizes")
+        widths = split_sizes(shape[1], pc, col_weights, col_sizes, what="col_sizes")
+        row_ivs, col_ivs = _intervals(heights), _intervals(widths)
+        blocks = tuple((row_ivs[i], col_ivs[j]) for i in range(pr) for j in range(pc))
+        return cls(shape, blocks, False, "grid")
+
+    @classmethod
+    def replicated(cls, shape, nranks=None) -> Layout:
+        """Every rank holds the whole matrix."""
+        shape = _check_shape(shape)
+        nranks = _check_nranks(nranks)
+        full = ((0, shape[0]), (0, shape[1]))
+        return cls(shape, (full,) * nranks, True, "replicated")
+
+    # -- queries ------------------------------------------------------------
+
+    @property
+    def nranks(self) -> int:
+        """Number of ranks the layout is made for."""
+        return len(self.blocks)
+
+    @property
+    def T(self) -> Layout:
+        """The layout of the transposed matrix: rank r owns the transpose of its block."""
+        kind = self.kind[:-2] if self.kind.endswith(".T") else self.kind + ".T"
+        if self.is_replicated:
+            kind = "replicated"
+        blocks = tuple((cols, rows) for rows, cols in self.blocks)
+        return Layout((self.shape[1], self.shape[0]), blocks, self.is_replicated, kind)
+
+    def local_shape(self, rank: int) -> tuple[int, int]:
+        """Shape ``(rows, cols)`` of the block that ``rank`` holds."""
+        (r0, r1), (c0, c1) = self.blocks[self._check_rank(rank)]
+        return (r1 - r0, c1 - c0)
+
+    def local_slices(self, rank: int) -> tuple[slice, slice]:
+        """Row and column slices of ``rank``'s block into the global matrix."""
+        (r0, r1), (c0, c1) = self.blocks[self._check_rank(rank)]
+        return (slice(r0, r1), slice(c0, c1))
+
+    def shard(self, x, rank: int):
+        """``rank``'s block of the global array ``x`` (numpy or JAX, shape ``self.shape``)."""
+        if tuple(x.shape) != self.shape:
+            raise ValueError(f"expected a global array of shape {self.shape}, got {tuple(x.shape)}")
+        rows, cols = self.local_slices(rank)
+        return x[rows, cols]
+
+    def owners(self, rows: Interval, cols: Interval) -> tuple[int, ...]:
+        """Ranks whose block contains the whole rectangle ``rows x cols``."""
+        return tuple(
+            r for r, ((r0, r1), (c0, c1)) in enumerate(self.blocks)
+            if r0 <= rows[0] and rows[1] <= r1 and c0 <= cols[0] and cols[1] <= c1
+        )
+
+    def _check_rank(self, rank) -> int:
+        rank = _check_dim(rank, "rank")
+        if rank >= self.nranks:
+            raise ValueError(f"rank {rank} is out of range for a layout over {self.nranks} ranks")
+        return rank
+
+    def __repr__(self) -> str:
+        return f"Layout({self.kind}, shape={self.shape}, nranks={self.nranks}, blocks={list(self.blocks)})"
+
+
+def _infer_nranks(nranks, weights, sizes) -> int:
+    if nranks is None:
+        given = weights if weights is not None else sizes
+        if given is not None:
+            return _check_nranks(len(tuple(given)))
+    return _check_nranks(nranks)
+
+
+def _area(block: Block) -> int:
+    (r0, r1), (c0, c1) = block
+    return (r1 - r0) * (c1 - c0)
+
+
+def _overlap(a: Block, b: Block) -> bool:
+    (ar, ac), (br, bc) = a, b
+    return ar[0] < br[1] and br[0] < ar[1] and ac[0] < bc[1] and bc[0] < ac[1]

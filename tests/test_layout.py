@@ -1,0 +1,93 @@
+"""Layouts, without MPI or JAX: constructors, validation, blocks, transposes."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from strategies import layouts, weights
+
+from osmm_jax._src.layout import Layout, split_sizes
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 1000), st.integers(1, 8).flatmap(lambda p: weights(p)))
+def test_split_sizes_is_proportional_and_exact(total, ws):
+    sizes = split_sizes(total, len(ws), ws)
+    assert sum(sizes) == total and all(s >= 0 for s in sizes)
+    for s, w in zip(sizes, ws):
+        assert abs(s - total * w / math.fsum(ws)) < 1
+        if w == 0:
+            assert s == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 5).flatmap(lambda p: st.tuples(st.just(p), st.integers(0, 9), st.integers(0, 9))).flatmap(
+    lambda t: st.tuples(st.just(t), layouts((t[1], t[2]), t[0]))))
+def test_blocks_partition_or_replicate_the_matrix(args):
+    (nranks, rows, cols), layout = args
+    x = np.arange(rows * cols).reshape(rows, cols)
+    seen = np.zeros_like(x)
+    for r in range(nranks):
+        block = layout.shard(x, r)
+        assert block.shape == layout.local_shape(r)
+        row_slice, col_slice = layout.local_slices(r)
+        np.testing.assert_array_equal(block, x[row_slice, col_slice])
+        seen[row_slice, col_slice] += 1
+    assert (seen == (nranks if layout.is_replicated else 1)).all()
+    assert layout.T.T == layout
+    for r in range(nranks):
+        assert layout.T.local_shape(r) == layout.local_shape(r)[::-1]
+
+
+def test_constructors():
+    rows = Layout.rows((10, 3), weights=[1, 0, 4])
+    assert rows.blocks == (((0, 2), (0, 3)), ((2, 2), (0, 3)), ((2, 10), (0, 3)))
+    assert rows.local_shape(1) == (0, 3)
+    cols = Layout.cols((3, 7), sizes=[0, 7])
+    assert cols.local_shape(0) == (3, 0) and cols.local_shape(1) == (3, 7)
+    grid = Layout.grid((4, 6), (2, 3))
+    assert grid.nranks == 6
+    assert grid.local_slices(4) == (slice(2, 4), slice(2, 4))  # rank i*pc + j owns block (i, j) = (1, 1)
+    rep = Layout.replicated((3, 3), nranks=4)
+    assert rep.is_replicated and all(rep.local_shape(r) == (3, 3) for r in range(4))
+    assert hash(rows) == hash(Layout.rows((10, 3), weights=[1, 0, 4]))
+    assert Layout.rows((9, 2), nranks=3) == Layout.rows((9, 2), sizes=[3, 3, 3])
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: Layout.rows((4, 4), weights=[1, -1]), "non-negative"),
+        (lambda: Layout.rows((4, 4), weights=[1, float("nan")]), "finite"),
+        (lambda: Layout.rows((4, 4), weights=[0, 0]), "all zero"),
+        (lambda: Layout.rows((4, 4), sizes=[1, 2]), "sum to 3, not to the dimension 4"),
+        (lambda: Layout.rows((4, 4), sizes=[5, -1]), "non-negative"),
+        (lambda: Layout.rows((4, 4), weights=[1, 1], nranks=3), "2 entries but there are 3 ranks"),
+        (lambda: Layout.cols((4, 4), weights=[1], sizes=[4]), "either weights or sizes"),
+        (lambda: Layout.grid((4, 4), (2, 2), row_weights=[1]), "1 entries but there are 2 ranks"),
+        (lambda: Layout.grid((4, 4), (0, 2)), "at least 1"),
+        (lambda: Layout.rows((4, 4, 4), nranks=2), "2-D"),
+        (lambda: Layout.rows((4, -1), nranks=2), "non-negative"),
+        (lambda: Layout.replicated((4, 4), nranks=0), "at least 1"),
+        (lambda: Layout((4, 4), (((0, 4), (0, 3)), ((0, 4), (2, 4)))), "cover 20 elements"),
+        (lambda: Layout((4, 4), (((0, 2), (0, 4)), ((1, 3), (0, 2)), ((3, 4), (0, 4)))), "overlap"),
+    ],
+)
+def test_bad_layouts_raise_clear_errors(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_bad_types_raise_type_errors():
+    with pytest.raises(TypeError):
+        Layout.rows((4.5, 4), nranks=2)
+    with pytest.raises(TypeError):
+        Layout.rows((4, 4), weights=["a", 1])
+    with pytest.raises(ValueError, match="out of range"):
+        Layout.rows((4, 4), nranks=2).local_shape(2)
+    with pytest.raises(ValueError, match="global array of shape"):
+        Layout.rows((4, 4), nranks=2).shard(np.zeros((3, 4)), 0)

@@ -1,0 +1,203 @@
+"""The planner, without MPI or JAX: coverage, flop and byte accounting, exact results."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from strategies import products
+
+from osmm_jax._src.layout import Layout
+from osmm_jax._src.planner import backward_plans, make_plan
+
+
+def _size(iv):
+    return iv[1] - iv[0]
+
+
+def simulate(plan, a, b):
+    """Run a plan with numpy: each rank's products, local updates and deliveries; returns C blocks."""
+    products_by_rank = {}
+    for m in plan.multiplies:
+        products_by_rank[(m.rank, m.rows, m.inner, m.cols)] = (
+            a[slice(*m.rows), slice(*m.inner)] @ b[slice(*m.inner), slice(*m.cols)]
+        )
+    blocks = [np.zeros(plan.c.local_shape(r)) for r in range(plan.nranks)]
+
+    def deliver(origin, target, rows, cols, inner):
+        part = sum(products_by_rank[(origin, rows, k, cols)] for k in inner)
+        (r0, _), (c0, _) = plan.c.blocks[target]
+        blocks[target][rows[0] - r0 : rows[1] - r0, cols[0] - c0 : cols[1] - c0] += part
+
+    for u in plan.local_updates:
+        deliver(u.rank, u.rank, u.rows, u.cols, u.inner)
+    for t in plan.transfers:
+        if t.op != "get":
+            deliver(t.origin, t.target, t.rows, t.cols, t.inner)
+    return blocks
+
+
+@settings(max_examples=300, deadline=None)
+@given(products())
+def test_plan_computes_the_product_exactly(layouts):
+    a_layout, b_layout, c_layout = layouts
+    plan = make_plan(a_layout, b_layout, c_layout)
+    rng = np.random.default_rng(0)
+    a = rng.integers(-4, 5, a_layout.shape).astype(np.float64)
+    b = rng.integers(-4, 5, b_layout.shape).astype(np.float64)
+    expected = a @ b
+    for rank, block in enumerate(simulate(plan, a, b)):
+        np.testing.assert_array_equal(block, c_layout.shard(expected, rank))
+
+
+@settings(max_examples=300, deadline=None)
+@given(products())
+def test_every_c_element_gets_each_contraction_index_exactly_once(layouts):
+    plan = make_plan(*layouts)
+    (M, K), N = plan.a.shape, plan.b.shape[1]
+    for rank in range(plan.nranks):
+        count = np.zeros((M, N, K), dtype=np.int64)
+        updates = [u for u in plan.local_updates if u.rank == rank]
+        updates += [t for t in plan.transfers if t.op != "get" and t.target == rank]
+        for u in updates:
+            for k in u.inner:
+                count[slice(*u.rows), slice(*u.cols), slice(*k)] += 1
+        rows, cols = plan.c.local_slices(rank)
+        assert (count[rows, cols] == 1).all()
+        outside = count.copy()
+        outside[rows, cols] = 0
+        assert not outside.any(), "a delivery lands outside the target's C block"
+
+
+@settings(max_examples=300, deadline=None)
+@given(products())
+def test_flops_and_bytes_add_up(layouts):
+    plan = make_plan(*layouts)
+    M, K, N = plan.dims
+    primary = sum(m.flops for m in plan.multiplies if m.primary)
+    assert primary == 2 * M * N * K
+    assert sum(plan.flops) >= primary
+    assert len(plan.flops) == len(plan.comm_bytes) == plan.nranks
+    # Bytes: exactly what the transfers move, charged to the rank the data leaves.
+    expected = [0] * plan.nranks
+    for t in plan.transfers:
+        expected[t.target if t.op == "get" else t.origin] += 4 * _size(t.rows) * _size(t.cols)
+    assert list(plan.comm_bytes) == expected
+    assert plan.bytes_sent(8, 8) == tuple(2 * x for x in expected)
+
+
+@settings(max_examples=300, deadline=None)
+@given(products())
+def test_transfers_are_needed_and_well_formed(layouts):
+    plan = make_plan(*layouts)
+    needed = set()
+    for m in plan.multiplies:
+        assert plan.a.owners(m.rows, m.inner), "A piece must lie inside one block"
+        assert m.a_source in plan.a.owners(m.rows, m.inner)
+        assert m.b_source in plan.b.owners(m.inner, m.cols)
+        if m.a_source != m.rank:
+            needed.add((m.rank, "A", m.rows, m.inner, m.a_source))
+        if m.b_source != m.rank:
+            needed.add((m.rank, "B", m.inner, m.cols, m.b_source))
+    gets = [(t.origin, t.matrix, t.rows, t.cols, t.target) for t in plan.transfers if t.op == "get"]
+    assert len(gets) == len(set(gets)), "the same piece is fetched twice"
+    assert set(gets) == needed, "every get feeds a multiply and every remote piece is fetched"
+    computed = {(m.rank, m.rows, m.inner, m.cols) for m in plan.multiplies}
+    receivers = {}
+    for t in plan.transfers:
+        assert t.origin != t.target
+        assert 0 <= t.origin < plan.nranks and 0 <= t.target < plan.nranks
+        if t.op == "get":
+            continue
+        assert t.matrix == "C" and t.op in ("put", "accumulate")
+        for k in t.inner:
+            assert (t.origin, t.rows, k, t.cols) in computed
+        receivers.setdefault((t.target, t.rows, t.cols), []).append(t)
+    for (target, rows, cols), ts in receivers.items():
+        local = [u for u in plan.local_updates if (u.rank, u.rows, u.cols) == (target, rows, cols)]
+        if any(t.op == "put" for t in ts):
+            assert len(ts) == 1 and not local, "a put must be the only contribution to its rectangle"
+
+
+def test_row_split_with_replicated_b_needs_no_communication():
+    a = Layout.rows((10, 6), weights=[1, 2, 3])
+    b = Layout.replicated((6, 4), nranks=3)
+    c = Layout.rows((10, 4), weights=[1, 2, 3])
+    plan = make_plan(a, b, c)
+    assert plan.transfers == ()
+    assert plan.comm_bytes == (0, 0, 0)
+    assert [m.rows for m in plan.multiplies] == [(0, 2), (2, 5), (5, 10)]
+    assert plan.flops == (2 * 2 * 6 * 4, 2 * 3 * 6 * 4, 2 * 5 * 6 * 4)
+
+
+def test_k_split_reduce_scatters_by_accumulate_with_half_an_allreduce_of_bytes():
+    n = 8
+    plan = make_plan(Layout.cols((n, n), nranks=2), Layout.rows((n, n), nranks=2), Layout.rows((n, n), nranks=2))
+    assert {t.op for t in plan.transfers} == {"accumulate"}
+    # Each rank sends the half of C it does not own: n*n/2 floats. An all-reduce of
+    # the whole C moves at least twice that per rank.
+    assert plan.comm_bytes == (4 * n * n // 2, 4 * n * n // 2)
+
+
+def test_transfers_rotate_targets_by_origin():
+    n = 12
+    plan = make_plan(Layout.cols((n, n), nranks=3), Layout.rows((n, n), nranks=3), Layout.rows((n, n), nranks=3))
+    for origin in range(3):
+        targets = [t.target for t in plan.transfers if t.origin == origin]
+        assert targets == [(origin + 1) % 3, (origin + 2) % 3]
+
+
+def test_replicated_everything_computes_locally():
+    plan = make_plan(*(Layout.replicated((5, 5), nranks=3) for _ in range(3)))
+    assert plan.transfers == ()
+    assert plan.flops == (250, 250, 250)
+
+
+def test_plan_rejects_mismatched_layouts():
+    with pytest.raises(ValueError, match="inner dimensions"):
+        make_plan(Layout.rows((4, 5), nranks=2), Layout.rows((4, 3), nranks=2), Layout.rows((4, 3), nranks=2))
+    with pytest.raises(ValueError, match="different numbers of ranks"):
+        make_plan(Layout.rows((4, 4), nranks=2), Layout.rows((4, 4), nranks=3), Layout.rows((4, 4), nranks=2))
+    with pytest.raises(ValueError, match="C layout has shape"):
+        make_plan(Layout.rows((4, 4), nranks=2), Layout.rows((4, 4), nranks=2), Layout.rows((4, 5), nranks=2))
+    with pytest.raises(TypeError, match="osmm_jax.Layout"):
+        make_plan(Layout.rows((4, 4), nranks=2), "rows", Layout.rows((4, 4), nranks=2))
+
+
+def test_plans_are_hashable_equal_and_immutable():
+    layouts = (Layout.rows((6, 4), nranks=2), Layout.replicated((4, 3), nranks=2), Layout.rows((6, 3), nranks=2))
+    p1, p2 = make_plan(*layouts), make_plan(*layouts, 0)
+    assert p1 == p2 and hash(p1) == hash(p2) and p1.fingerprint == p2.fingerprint
+    assert make_plan(*layouts, 7) != p1
+    other = make_plan(Layout.rows((6, 4), weights=[2, 1]), layouts[1], layouts[2])
+    assert other.fingerprint != p1.fingerprint
+    with pytest.raises(AttributeError):
+        p1.a = layouts[1]
+
+
+def test_backward_plans_use_transposed_layouts():
+    a, b, c = Layout.rows((6, 4), nranks=2), Layout.replicated((4, 3), nranks=2), Layout.rows((6, 3), nranks=2)
+    plan_da, plan_db = backward_plans(make_plan(a, b, c))
+    assert (plan_da.a, plan_da.b, plan_da.c) == (c, b.T, a)
+    assert (plan_db.a, plan_db.b, plan_db.c) == (a.T, c, b)
+    # Data-parallel: dB = A.T @ dC is a K-split product whose result every rank holds.
+    assert all(t.op == "accumulate" and t.matrix == "C" for t in plan_db.transfers)
+
+
+def test_describe_names_ranks_multiplies_and_transfers():
+    plan = make_plan(Layout.cols((8, 8), nranks=2), Layout.rows((8, 8), nranks=2), Layout.rows((8, 8), nranks=2))
+    text = plan.describe()
+    assert "over 2 ranks" in text and "rank 0:" in text and "rank 1:" in text
+    assert "accumulate C[4:8, 0:8] into rank 1" in text
+
+
+def test_planner_imports_neither_jax_nor_mpi():
+    code = (
+        "import sys; import osmm_jax._src.planner as p, osmm_jax._src.layout as l;"
+        "p.make_plan(l.Layout.rows((4,4),nranks=2), l.Layout.cols((4,4),nranks=2), l.Layout.grid((4,4),(2,1)));"
+        "bad = [m for m in ('jax', 'mpi4py', 'mpi4jax') if m in sys.modules]; assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
