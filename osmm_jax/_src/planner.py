@@ -12,10 +12,12 @@ arXiv 2510.08874.
 For each cell and each rank that must end up with ``C[m, n]``:
 
 * a C owner that also owns both input pieces computes the cell for itself;
-* the other C owners are served by ONE rank that computes the cell once and
-  delivers it by one-sided RMA: the candidate (an owner of A, B or C) that moves
-  the fewest elements (inputs it lacks, fetched by ``get``, plus results it must
-  send), ties going to the least loaded rank, then the lowest rank.
+* the other C owners are served by ONE rank that delivers the cell by
+  one-sided RMA: one of the self-serving owners if there are any (so no cell is
+  computed twice just to save a send), otherwise the candidate (an owner of A,
+  B or C) that moves the fewest elements (inputs it lacks, fetched by ``get``,
+  plus results it must send); ties go to the least loaded rank, then the
+  lowest rank.
 
 Partials a rank delivers to the same C rectangle of the same target are summed
 locally first, so each (origin, target, C cell) pair costs one transfer: a
@@ -200,6 +202,10 @@ class Plan:
             sent[t.sender] += t.elements * (input_itemsize if t.op == "get" else accum_itemsize)
         return tuple(sent)
 
+    def backward(self) -> tuple[Plan, Plan]:
+        """The plans of the backward products ``(dA = dC @ B.T, dB = A.T @ dC)``."""
+        return backward_plans(self)
+
     # -- per-rank views used by the executors -------------------------------
 
     def multiplies_on(self, rank: int) -> tuple[LocalMultiply, ...]:
@@ -241,9 +247,14 @@ class Plan:
 
     @functools.cached_property
     def receive_elements(self) -> int:
-        """Largest C block that receives deliveries (sizes every rank's reduce window)."""
-        targets = {t.target for t in self.transfers if t.op != "get"}
-        return max((_area(self.c, r) for r in targets), default=0)
+        """Largest C block of any rank (sizes every rank's reduce window; 0 if nothing is delivered).
+
+        Every rank's window must hold its own C block, receiver or not: the
+        native reduce adds the window to the local partial.
+        """
+        if not self.has_deliveries:
+            return 0
+        return max(_area(self.c, r) for r in range(self.nranks))
 
     # -- reporting ----------------------------------------------------------
 
@@ -354,7 +365,10 @@ def _schedule(a: Layout, b: Layout, c: Layout):
                         send = _size(m) * _size(n) * sum(1 for r in remaining if r != p)
                         return (fetch + send, load[p], p)
 
-                    server = min(set(owners_a) | set(owners_b) | set(owners_c), key=cost)
+                    # A cell already computed by a self-serving owner is sent from there:
+                    # fetching its inputs elsewhere would compute it twice.
+                    candidates = self_serving or set(owners_a) | set(owners_b) | set(owners_c)
+                    server = min(candidates, key=cost)
                     if (server, mi, ki, ni) not in products:
                         load[server] += flops
                     products[(server, mi, ki, ni)] = True

@@ -1,0 +1,75 @@
+"""Host-side entry points that bind the pure planner to an MPI communicator."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from osmm_jax._src import comm as comm_mod
+from osmm_jax._src import native
+from osmm_jax._src.layout import Layout
+from osmm_jax._src.planner import Plan, make_plan
+
+
+def plan(a_layout: Layout, b_layout: Layout, c_layout: Layout, *, comm=None) -> Plan:
+    """The plan of ``C = A @ B`` for the three layouts, on ``comm``.
+
+    Args:
+        a_layout, b_layout, c_layout: layouts of A (M x K), B (K x N), C (M x N).
+        comm: an mpi4py intracommunicator whose ranks run the product (default
+            COMM_WORLD). osmm_jax communicates on a private duplicate of it,
+            created collectively on first use, so call this on every rank.
+
+    Returns:
+        An immutable, hashable :class:`Plan`, identical on every rank; cached,
+        so calling again with equal layouts is cheap.
+
+    Raises:
+        TypeError / ValueError: not layouts, mismatched dimensions, or layouts
+            made for a different number of ranks than ``comm`` has.
+    """
+    private = comm_mod.private_comm(comm)
+    size = private.Get_size()
+    for name, layout in (("a_layout", a_layout), ("b_layout", b_layout), ("c_layout", c_layout)):
+        if isinstance(layout, Layout) and layout.nranks != size:
+            raise ValueError(
+                f"{name} is for {layout.nranks} ranks but the communicator has {size}; "
+                f"build layouts with nranks={size} (or nranks=None for COMM_WORLD)"
+            )
+    return make_plan(a_layout, b_layout, c_layout, comm_mod.comm_key(private))
+
+
+def gather(x_local, layout: Layout, *, comm=None) -> np.ndarray:
+    """The whole global matrix, assembled on every rank from each rank's block (eager, host-side).
+
+    A collective over ``comm`` (default COMM_WORLD): every rank must call it.
+    Meant for tests, demos and notebooks, not for hot loops. Returns numpy.
+    """
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be an osmm_jax.Layout, got {type(layout).__name__}")
+    private = comm_mod.private_comm(comm)
+    rank, size = private.Get_rank(), private.Get_size()
+    if layout.nranks != size:
+        raise ValueError(f"layout is for {layout.nranks} ranks but the communicator has {size}")
+    block = np.asarray(x_local)
+    error = None
+    if block.shape != layout.local_shape(rank):
+        error = f"block has shape {block.shape} but the layout gives rank {rank} {layout.local_shape(rank)}"
+    comm_mod.agree(private, "osmm_jax.gather", repr((layout.shape, layout.blocks, layout.is_replicated)), error)
+    if layout.is_replicated:
+        return block.copy()
+    blocks = private.allgather(block)
+    out = np.empty(layout.shape, dtype=block.dtype)
+    for r, part in enumerate(blocks):
+        rows, cols = layout.local_slices(r)
+        out[rows, cols] = part
+    return out
+
+
+def stats() -> dict:
+    """This rank's cumulative native counters.
+
+    Keys: ``rma_ops`` (RMA operations issued), ``rma_bytes`` (bytes they
+    moved), ``accumulates``, ``puts``, ``gets``, ``fences``, ``windows`` (live
+    persistent windows) and ``window_bytes`` (their total size).
+    """
+    return native.stats()

@@ -1,0 +1,147 @@
+"""MPI on the host side: private communicators, preflight agreement, shutdown.
+
+osmm_jax never communicates on a communicator the user owns: every product runs
+on a private duplicate (of COMM_WORLD by default), so its traffic cannot match
+the user's own messages. Native code receives that duplicate's handle as an
+integer, which is also the plan's ``comm_key``.
+
+Before the first MPI operation of every product, all ranks exchange a small
+record (plan fingerprint, method, and any input error found locally): if one
+rank passed a bad block or ranks built different plans, EVERY rank raises the
+same clear error instead of some of them waiting forever in a collective.
+"""
+
+from __future__ import annotations
+
+import atexit
+import threading
+
+from mpi4py import MPI
+
+_lock = threading.Lock()
+_private: dict[int, MPI.Intracomm] = {}  # handle of the user's comm -> private duplicate
+_by_key: dict[int, MPI.Intracomm] = {}  # handle of a private duplicate -> itself
+
+
+def check_thread_level() -> None:
+    """Raise if MPI was initialised without MPI_THREAD_MULTIPLE.
+
+    XLA may run a custom call on a worker thread while Python keeps issuing MPI
+    calls on the main thread, so full thread support is required.
+    """
+    provided = MPI.Query_thread()
+    if provided < MPI.THREAD_MULTIPLE:
+        names = {
+            MPI.THREAD_SINGLE: "MPI_THREAD_SINGLE",
+            MPI.THREAD_FUNNELED: "MPI_THREAD_FUNNELED",
+            MPI.THREAD_SERIALIZED: "MPI_THREAD_SERIALIZED",
+        }
+        raise RuntimeError(
+            f"osmm_jax needs MPI initialised with MPI_THREAD_MULTIPLE, but it provides "
+            f"{names.get(provided, provided)}. Do not set mpi4py.rc.thread_level (its default, "
+            f"'multiple', is what osmm_jax needs), or initialise MPI with MPI_Init_thread(MPI_THREAD_MULTIPLE)."
+        )
+
+
+def private_comm(comm=None) -> MPI.Intracomm:
+    """The private duplicate osmm_jax uses for ``comm`` (default COMM_WORLD); created once, collectively."""
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    if not isinstance(comm, MPI.Intracomm):
+        raise TypeError(f"comm must be an mpi4py intracommunicator, got {type(comm).__name__}")
+    if comm == MPI.COMM_NULL:
+        raise ValueError("comm is MPI.COMM_NULL")
+    handle = comm_key(comm)
+    with _lock:
+        if handle in _by_key:  # already one of ours
+            return _by_key[handle]
+        dup = _private.get(handle)
+        if dup is None:
+            dup = comm.Dup()
+            _private[handle] = dup
+            _by_key[comm_key(dup)] = dup
+        return dup
+
+
+def default_comm() -> MPI.Intracomm:
+    """The private duplicate of COMM_WORLD."""
+    return private_comm(None)
+
+
+def comm_key(comm: MPI.Intracomm) -> int:
+    """The integer that identifies a communicator in plans and native calls.
+
+    mpi4py's handle as a signed 64-bit value (it reports MPICH's int handles
+    unsigned and sign-extended); native code takes its low ``sizeof(MPI_Comm)`` bytes.
+    """
+    handle = int(comm.handle) & 0xFFFFFFFFFFFFFFFF
+    return handle - (1 << 64) if handle >= (1 << 63) else handle
+
+
+def comm_for_key(key: int) -> MPI.Intracomm:
+    """The private communicator a plan's ``comm_key`` names."""
+    try:
+        return _by_key[key]
+    except KeyError:
+        raise ValueError(
+            "this plan was not made by osmm_jax.plan() in this process (unknown communicator); "
+            "build plans with osmm_jax.plan(a_layout, b_layout, c_layout, comm=...)"
+        ) from None
+
+
+def agree(comm: MPI.Intracomm, what: str, token: str, local_error: str | None) -> None:
+    """Collectively check that every rank is about to do the same thing, with valid inputs.
+
+    Each rank contributes ``token`` (e.g. a plan fingerprint and method) and the
+    error it found in its own inputs (or None). Raises the same ValueError on
+    every rank if any rank found an error or the tokens differ, naming the ranks.
+    """
+    records = comm.allgather((token, local_error))
+    errors = [(r, err) for r, (_, err) in enumerate(records) if err]
+    if errors:
+        detail = "; ".join(f"rank {r}: {err}" for r, err in errors)
+        raise ValueError(f"{what}: invalid input on {len(errors)} of {len(records)} ranks: {detail}")
+    groups: dict[str, list[int]] = {}
+    for r, (tok, _) in enumerate(records):
+        groups.setdefault(tok, []).append(r)
+    if len(groups) > 1:
+        detail = "; ".join(f"ranks {ranks} have {tok}" for tok, ranks in groups.items())
+        raise ValueError(
+            f"{what}: ranks disagree (every rank must call with the same layouts, plan and method): {detail}"
+        )
+
+
+def _shutdown() -> None:
+    """Free persistent windows collectively, before MPI_Finalize.
+
+    Registered with atexit after mpi4py is imported, so it runs before
+    mpi4py's own finalisation. Pending custom calls finish first.
+    """
+    try:
+        import jax
+
+        jax.effects_barrier()
+    except Exception:  # noqa: BLE001 - interpreter teardown; nothing left to run
+        pass
+    from osmm_jax._src import native
+
+    native.free_windows()
+
+
+def check_mpi_abi() -> None:
+    """Raise if the native extension and mpi4py loaded different MPI libraries."""
+    from osmm_jax._src import native
+
+    ours, theirs = native.mpi_library_version().strip(), MPI.Get_library_version().strip()
+    if ours.splitlines()[0] != theirs.splitlines()[0]:
+        raise ImportError(
+            "osmm_jax's native extension and mpi4py use different MPI libraries:\n"
+            f"  osmm_jax: {ours.splitlines()[0]}\n  mpi4py:   {theirs.splitlines()[0]}\n"
+            "Rebuild osmm_jax against the MPI that mpi4py loads (see BUILD.md)."
+        )
+
+
+check_thread_level()
+check_mpi_abi()
+# Registered after mpi4py's own exit hook, so it runs first (atexit is LIFO).
+atexit.register(_shutdown)

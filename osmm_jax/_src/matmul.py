@@ -1,0 +1,325 @@
+"""``osmm_jax.matmul``: a distributed product as a differentiable JAX operation.
+
+Section order: public function, input checks, executors (one_sided,
+allreduce), differentiation.
+
+Every rank calls :func:`matmul` with the same plan and its own local blocks
+(SPMD). The executors turn the rank's share of the plan into static slices and
+XLA dots (the GEMMs run in XLA, which is much faster than hand-written loops and
+fuses the slicing), plus the native data movement:
+
+* ``one_sided``: ``osmm_fetch`` (MPI_Get of remote input pieces, only if the
+  plan needs any), local dots, then ``osmm_reduce`` (MPI_Accumulate / MPI_Put of
+  partials straight into their owners' windows, only if the plan delivers any).
+* ``allreduce``: the baseline. Each rank places its products into a zero
+  full-size C, ``mpi4jax.allreduce`` sums it, and each rank slices its block.
+
+Under ``jax.vmap`` a batch of products runs one after another (see
+:func:`_batchable_forward`).
+
+Accumulation precision: products and sums are formed in float32 for float32,
+bfloat16 and float16 inputs, and in float64 for float64; the result is cast
+back to the input dtype once, at the end. 16-bit partials therefore travel as
+float32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from osmm_jax._src import comm as comm_mod
+from osmm_jax._src import config, primitives
+from osmm_jax._src.planner import Plan, backward_plans
+
+SUPPORTED_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16))
+
+_ALIGN = 64  # bytes; the B region of the expose window starts on this boundary
+
+_OPS = {"accumulate": 0, "put": 1}
+_MATRICES = {"A": 0, "B": 1}
+
+
+# -- public function ------------------------------------------------------------------
+
+
+def matmul(a_local, b_local, plan: Plan, *, method: str | None = None):
+    """This rank's block of ``C = A @ B`` in ``plan``'s C layout.
+
+    Args:
+        a_local: this rank's block of A, shape ``plan.a.local_shape(rank)``.
+        b_local: this rank's block of B, shape ``plan.b.local_shape(rank)``,
+            same dtype as ``a_local`` (float32, float64, bfloat16 or float16).
+        plan: from :func:`osmm_jax.plan`; the same on every rank.
+        method: ``"one_sided"`` (default) or ``"allreduce"`` (the mpi4jax
+            baseline); ``None`` reads ``OSMM_USE_ALLREDUCE``.
+
+    Returns:
+        A JAX array of shape ``plan.c.local_shape(rank)`` and the input dtype.
+
+    Works eagerly, under ``jax.jit``, inside loops, under ``jax.grad`` /
+    ``jax.vjp`` (the backward products are distributed products with transposed
+    layouts) and under ``jax.vmap`` (a batch of distributed products, run one
+    after another). Every rank must call it at the same point of the program.
+    Before any MPI traffic, all ranks check together that they hold the same
+    plan and method and valid blocks; otherwise every rank raises ValueError.
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be an osmm_jax Plan (from osmm_jax.plan), got {type(plan).__name__}")
+    method = config.resolve_method(method)
+    comm = comm_mod.comm_for_key(plan.comm_key)
+    rank = comm.Get_rank()
+    a_local, b_local, error = _check_inputs(a_local, b_local, plan, rank)
+    comm_mod.agree(comm, "osmm_jax.matmul", f"plan {plan.fingerprint} method {method}", error)
+    return _matmul(plan, method, a_local, b_local)
+
+
+# -- input checks -----------------------------------------------------------------------
+
+
+def _as_array(x, name):
+    if isinstance(x, jax.Array) or hasattr(x, "aval"):
+        return x, None
+    try:
+        return jnp.asarray(x), None
+    except (TypeError, ValueError) as exc:
+        return None, f"{name} is not an array ({type(x).__name__}: {exc})"
+
+
+def _check_inputs(a_local, b_local, plan: Plan, rank: int):
+    """Validate this rank's blocks; returns (a, b, error message or None)."""
+    given = (getattr(a_local, "dtype", None), getattr(b_local, "dtype", None))
+    a_local, err_a = _as_array(a_local, "a_local")
+    b_local, err_b = _as_array(b_local, "b_local")
+    if err_a or err_b:
+        return a_local, b_local, err_a or err_b
+    # Compare the dtypes as given: JAX would silently turn a float64 numpy array into
+    # float32 when x64 is off, hiding the mismatch.
+    dtype_a, dtype_b = (np.dtype(d) if d is not None else x.dtype for d, x in zip(given, (a_local, b_local)))
+    if dtype_a != dtype_b:
+        return a_local, b_local, f"a_local is {dtype_a} but b_local is {dtype_b}; they must match"
+    if np.dtype(a_local.dtype) not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        return a_local, b_local, f"dtype {a_local.dtype} is not supported (use one of {names})"
+    for name, x, layout in (("a_local", a_local, plan.a), ("b_local", b_local, plan.b)):
+        expected = layout.local_shape(rank)
+        if tuple(x.shape) != expected:
+            return a_local, b_local, (
+                f"{name} has shape {tuple(x.shape)} but the {layout.kind} layout of "
+                f"{'A' if name == 'a_local' else 'B'} {layout.shape} gives rank {rank} a block of {expected}"
+            )
+    return a_local, b_local, None
+
+
+def accumulation_dtype(dtype) -> np.dtype:
+    """The dtype products are summed in: float64 for float64, else float32."""
+    return np.dtype(jnp.float64) if np.dtype(dtype) == np.dtype(jnp.float64) else np.dtype(jnp.float32)
+
+
+# -- executors ----------------------------------------------------------------------------
+
+
+def _forward(plan: Plan, method: str, a, b):
+    return _batchable_forward(plan, method)(a, b)
+
+
+@functools.lru_cache(maxsize=512)
+def _batchable_forward(plan: Plan, method: str):
+    """The forward product of ``plan``, with a vmap rule that loops over the batch.
+
+    Every rank must issue the same MPI operations in the same order. Under a
+    plain vmap, whether an intermediate is batched can differ between ranks (a
+    rank with an empty block has nothing batched to send), so each rank would
+    issue a different number of collectives. Looping over the batch instead
+    runs ``axis_size`` complete products, identically on every rank.
+    """
+    rank = comm_mod.comm_for_key(plan.comm_key).Get_rank()
+    execute = _allreduce_forward if method == "allreduce" else _one_sided_forward
+
+    @jax.custom_batching.custom_vmap
+    def forward(a, b):
+        return execute(plan, rank, a, b)
+
+    @forward.def_vmap
+    def _loop_over_batch(axis_size, in_batched, a, b):
+        a_batched, b_batched = in_batched
+        outs = [forward(a[i] if a_batched else a, b[i] if b_batched else b) for i in range(axis_size)]
+        return jnp.stack(outs), True
+
+    return forward
+
+
+def _local_piece(x, layout, rank, rows, cols):
+    """The global rectangle ``rows x cols`` of a matrix, cut from ``rank``'s local block ``x``."""
+    (r0, _), (c0, _) = layout.blocks[rank]
+    return x[rows[0] - r0 : rows[1] - r0, cols[0] - c0 : cols[1] - c0]
+
+
+def _fetch_remote_pieces(plan: Plan, rank: int, a, b) -> dict:
+    """Get every remote A/B piece this rank's multiplies need; ``{(matrix, rows, cols): array}``."""
+    itemsize = np.dtype(a.dtype).itemsize
+    a_elems, b_elems = plan.expose_elements
+    b_offset = -(-a_elems * itemsize // _ALIGN) * _ALIGN
+    records, shapes, offset = [], {}, 0
+    for t in plan.gets_by(rank):
+        layout = plan.a if t.matrix == "A" else plan.b
+        (r0, _), (c0, c1) = layout.blocks[t.target]
+        rows, cols = t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]
+        records += [_MATRICES[t.matrix], t.target, offset, rows, cols, t.rows[0] - r0, t.cols[0] - c0, c1 - c0]
+        shapes[(t.matrix, t.rows, t.cols)] = (offset, rows, cols)
+        offset += rows * cols
+    expose_a, expose_b = plan.exposes(rank)
+    fetched = primitives.fetch(
+        a,
+        b,
+        comm=plan.comm_key,
+        window_bytes=b_offset + b_elems * itemsize,
+        b_offset=b_offset,
+        expose_a=expose_a,
+        expose_b=expose_b,
+        gets=records,
+        fetched_elements=offset,
+    )
+    return {key: fetched[off : off + r * c].reshape(r, c) for key, (off, r, c) in shapes.items()}
+
+
+def _products(plan: Plan, rank: int, a, b, multiplies, remote: dict) -> dict:
+    """The GEMMs of ``multiplies``: ``{(rows, inner, cols): A[rows, inner] @ B[inner, cols]}``.
+
+    Local pieces are cut from ``a``/``b``; others come from ``remote``, keyed
+    ``(matrix, rows, cols)``. Products are in the accumulation dtype.
+    """
+    acc = accumulation_dtype(a.dtype)
+    products = {}
+    for m in multiplies:
+        if m.a_source == rank:
+            a_piece = _local_piece(a, plan.a, rank, m.rows, m.inner)
+        else:
+            a_piece = remote[("A", m.rows, m.inner)]
+        if m.b_source == rank:
+            b_piece = _local_piece(b, plan.b, rank, m.inner, m.cols)
+        else:
+            b_piece = remote[("B", m.inner, m.cols)]
+        products[(m.rows, m.inner, m.cols)] = jnp.dot(a_piece, b_piece, preferred_element_type=acc)
+    return products
+
+
+def _partial(products: dict, rows, cols, inner):
+    return functools.reduce(jnp.add, [products[(rows, k, cols)] for k in inner])
+
+
+def _one_sided_forward(plan: Plan, rank: int, a, b):
+    acc = accumulation_dtype(a.dtype)
+    remote = _fetch_remote_pieces(plan, rank, a, b) if plan.has_gets else {}
+    products = _products(plan, rank, a, b, plan.multiplies_on(rank), remote)
+    c_shape = plan.c.local_shape(rank)
+    (cr0, _), (cc0, _) = plan.c.blocks[rank]
+    local = jnp.zeros(c_shape, acc)
+    for u in plan.local_updates_on(rank):
+        part = _partial(products, u.rows, u.cols, u.inner)
+        if (u.rows[1] - u.rows[0], u.cols[1] - u.cols[0]) == c_shape:
+            local = local + part
+        else:
+            local = local.at[u.rows[0] - cr0 : u.rows[1] - cr0, u.cols[0] - cc0 : u.cols[1] - cc0].add(part)
+    if not plan.has_deliveries:
+        return local.astype(a.dtype)
+    records, pieces, offset = [], [], 0
+    for t in plan.deliveries_from(rank):
+        (tr0, _), (tc0, tc1) = plan.c.blocks[t.target]
+        rows, cols = t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]
+        records += [_OPS[t.op], t.target, offset, rows, cols, t.rows[0] - tr0, t.cols[0] - tc0, tc1 - tc0]
+        pieces.append(_partial(products, t.rows, t.cols, t.inner).reshape(-1))
+        offset += rows * cols
+    staging = jnp.concatenate(pieces) if pieces else jnp.zeros((0,), acc)
+    out = primitives.reduce(
+        staging,
+        local,
+        comm=plan.comm_key,
+        window_bytes=plan.receive_elements * acc.itemsize,
+        transfers=records,
+    )
+    return out.astype(a.dtype)
+
+
+def _allreduce_forward(plan: Plan, rank: int, a, b):
+    import mpi4jax
+    from mpi4py import MPI
+
+    comm = comm_mod.comm_for_key(plan.comm_key)
+    acc = accumulation_dtype(a.dtype)
+    multiplies = [m for m in plan.multiplies_on(rank) if m.primary]
+    remote = {}
+    if plan.has_gets:
+        # Inputs a rank lacks are assembled the baseline way too: zero-padded blocks, summed.
+        a_full = _allreduce_assemble(a, plan.a, rank, comm)
+        b_full = _allreduce_assemble(b, plan.b, rank, comm)
+        for m in multiplies:
+            remote[("A", m.rows, m.inner)] = a_full[m.rows[0] : m.rows[1], m.inner[0] : m.inner[1]]
+            remote[("B", m.inner, m.cols)] = b_full[m.inner[0] : m.inner[1], m.cols[0] : m.cols[1]]
+    M, _, N = plan.dims
+    total = jnp.zeros((M, N), acc)
+    for (rows, _, cols), product in _products(plan, rank, a, b, multiplies, remote).items():
+        total = total.at[rows[0] : rows[1], cols[0] : cols[1]].add(product)
+    total = mpi4jax.allreduce(total, op=MPI.SUM, comm=comm)
+    row_slice, col_slice = plan.c.local_slices(rank)
+    return total[row_slice, col_slice].astype(a.dtype)
+
+
+def _allreduce_assemble(x, layout, rank, comm):
+    """The whole matrix on every rank, summed from zero-padded blocks (replicated layouts pass through)."""
+    import mpi4jax
+    from mpi4py import MPI
+
+    if layout.is_replicated:
+        return x
+    rows, cols = layout.local_slices(rank)
+    padded = jnp.zeros(layout.shape, accumulation_dtype(x.dtype)).at[rows, cols].set(x)
+    return mpi4jax.allreduce(padded, op=MPI.SUM, comm=comm).astype(x.dtype)
+
+
+# -- differentiation ------------------------------------------------------------------------
+
+
+@jax.custom_jvp
+def _first_order_only(x):
+    """Identity that refuses forward-mode differentiation.
+
+    A custom_vjp's forward pass is only differentiated when a derivative of a
+    derivative is taken. The native primitives have no derivative rules, and
+    mpi4jax's all-reduce transposes to the identity, which would make a
+    second derivative of the baseline silently wrong: refuse clearly instead.
+    """
+    return x
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(primals, tangents):
+    raise NotImplementedError(
+        "osmm_jax.matmul supports first-order reverse-mode differentiation (jax.grad, jax.vjp, "
+        "jax.value_and_grad); forward-mode (jax.jvp) and higher-order derivatives are not supported"
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _matmul(plan: Plan, method: str, a, b):
+    return _forward(plan, method, a, b)
+
+
+def _matmul_fwd(plan: Plan, method: str, a, b):
+    return _forward(plan, method, _first_order_only(a), _first_order_only(b)), (a, b)
+
+
+def _matmul_bwd(plan: Plan, method: str, residuals, d_c):
+    """dA = dC @ B.T and dB = A.T @ dC, each a distributed product with transposed layouts."""
+    a, b = residuals
+    plan_da, plan_db = backward_plans(plan)
+    d_c = d_c.astype(a.dtype)
+    d_a = _matmul(plan_da, method, d_c, b.T)
+    d_b = _matmul(plan_db, method, a.T, d_c)
+    return d_a, d_b
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)

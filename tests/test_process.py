@@ -1,0 +1,66 @@
+"""Whole-process behaviour: imports, the thread-level check, clean exit under mpiexec."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(args, timeout=240, env=None):
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=REPO,
+                          env={**os.environ, **(env or {})})
+
+
+def test_layouts_and_plans_need_neither_jax_nor_mpi():
+    code = textwrap.dedent("""
+        import sys, osmm_jax as om
+        a = om.Layout.rows((6, 4), nranks=3)
+        assert om.Layout.grid((4, 4), (2, 2)).nranks == 4
+        bad = [m for m in ("jax", "mpi4py", "mpi4jax") if m in sys.modules]
+        assert not bad, bad
+    """)
+    result = _run([sys.executable, "-c", code])
+    assert result.returncode == 0, result.stderr
+
+
+def test_insufficient_thread_level_is_refused_clearly():
+    code = textwrap.dedent("""
+        import mpi4py
+        mpi4py.rc.thread_level = "serialized"
+        from mpi4py import MPI
+        import osmm_jax as om
+        om.plan
+    """)
+    result = _run([sys.executable, "-c", code])
+    assert result.returncode != 0
+    assert "MPI_THREAD_MULTIPLE" in result.stderr and "MPI_THREAD_SERIALIZED" in result.stderr
+
+
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="needs the venv's mpiexec")
+def test_program_exits_cleanly_after_one_sided_products():
+    code = textwrap.dedent("""
+        import jax, jax.numpy as jnp, numpy as np
+        from mpi4py import MPI
+        import osmm_jax as om
+        rank = MPI.COMM_WORLD.Get_rank()
+        a, b, c = om.Layout.cols((64, 64)), om.Layout.rows((64, 64)), om.Layout.rows((64, 64))
+        p = om.plan(a, b, c)
+        x = np.arange(64 * 64, dtype=np.float32).reshape(64, 64) / 4096
+        out = jax.jit(lambda u, v: om.matmul(u, v, p))(a.shard(x, rank), b.shard(x, rank))
+        np.testing.assert_allclose(out, c.shard(x @ x, rank), rtol=1e-5)
+        assert om.stats()["windows"] >= 1
+        print("done", rank)
+    """)
+    result = _run([str(MPIEXEC), "-n", "2", sys.executable, "-c", code])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("done") == 2
+    noise = [line for line in result.stderr.splitlines() if line.strip() and "UserWarning" not in line]
+    assert not noise, "stderr should be empty at exit:\n" + result.stderr
