@@ -1,0 +1,126 @@
+# Developer entry points. `make install` builds everything into ./.venv (idempotent: a second
+# run with nothing changed does nothing and returns at once).
+#
+#   make install   venv + dependencies (pyproject.toml) + mpi4jax + editable osmm_jax build
+#   make format    ruff format + clang-format -i
+#   make lint      ruff check + ruff format --check + clang-format --dry-run -Werror
+#   make clean     remove build outputs (keeps .venv)
+#
+# Python edits need no reinstall (editable install). C++ / CMake edits are rebuilt
+# incrementally (build/<wheel tag>/) by the next `make install`. Other targets should depend
+# on `install`, e.g. `test: install`.
+
+SHELL := /bin/bash
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check
+ABS_VENV := $(CURDIR)/$(VENV)
+
+# Stamp files inside the venv: dependencies (keyed on pyproject.toml) and the native build
+# (keyed on the C++ sources and CMake files).
+DEPS_STAMP := $(VENV)/.osmm-deps.stamp
+BUILD_STAMP := $(VENV)/.osmm-build.stamp
+NATIVE_SOURCES := $(wildcard xla_ffi/*.cc xla_ffi/*.h) CMakeLists.txt pyproject.toml
+
+# Needed before building anything (the editable build runs without build isolation).
+BOOTSTRAP_DEPS := scikit-build-core nanobind jax jaxlib mpi4py mpich numpy
+
+# mpi4jax ships as an sdist. Its build needs an MPI compiler on PATH (the mpich wheel's, in the
+# venv) and, when nvcc is on PATH, CUDA_ROOT (it looks for CUDA headers next to nvcc).
+# CUDA_ROOT: the caller's, else /usr/local/cuda, else two levels above the real nvcc.
+MPI4JAX_ENV = PATH="$(ABS_VENV)/bin:$$PATH" MPI4JAX_BUILD_MPICC="$(ABS_VENV)/bin/mpicc" \
+	$$(if command -v nvcc >/dev/null 2>&1; then \
+	     if [ -n "$${CUDA_ROOT:-}" ]; then echo "CUDA_ROOT=$$CUDA_ROOT"; \
+	     elif [ -d /usr/local/cuda/include ]; then echo "CUDA_ROOT=/usr/local/cuda"; \
+	     else echo "CUDA_ROOT=$$(dirname "$$(dirname "$$(readlink -f "$$(command -v nvcc)")")")"; fi; \
+	   fi)
+
+CXX_SOURCES := $(wildcard xla_ffi/*.cc xla_ffi/*.h)
+RUFF := $(VENV)/bin/ruff
+CLANG_FORMAT := $(VENV)/bin/clang-format
+
+.PHONY: install deps native format lint clean
+
+install: $(DEPS_STAMP)
+	@$(MAKE) --no-print-directory native
+
+deps: $(DEPS_STAMP)
+
+# A sub-make re-reads the stamps after the dependency step, which already built the package.
+native: $(BUILD_STAMP)
+	@:
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(DEPS_STAMP): pyproject.toml | $(PY)
+	$(PIP) install --upgrade pip
+	$(PIP) install $(BOOTSTRAP_DEPS)
+	@# scikit-build-core needs CMake >= 3.18; take it from PyPI if the system has none.
+	cmake --version 2>/dev/null | awk 'NR == 1 { split($$3, v, "."); ok = v[1] > 3 || (v[1] == 3 && v[2] >= 18) } END { exit !ok }' \
+		|| $(PIP) install "cmake>=3.18"
+	$(PIP) show -q mpi4jax 2>/dev/null || env $(MPI4JAX_ENV) $(PIP) install mpi4jax
+	$(PIP) install --no-build-isolation -e ".[test,dev]"
+	touch $@ $(BUILD_STAMP)
+
+$(BUILD_STAMP): $(DEPS_STAMP) $(NATIVE_SOURCES)
+	$(PIP) install --no-build-isolation --no-deps -e .
+	touch $@
+
+format: $(DEPS_STAMP)
+	$(RUFF) format .
+	$(RUFF) check --fix-only --select I .
+	$(CLANG_FORMAT) -i $(CXX_SOURCES)
+
+lint: $(DEPS_STAMP)
+	$(RUFF) check .
+	$(RUFF) format --check .
+	$(CLANG_FORMAT) --dry-run -Werror $(CXX_SOURCES)
+
+clean:
+	rm -rf build dist *.egg-info .pytest_cache .ruff_cache .hypothesis
+	find osmm_jax tests -name __pycache__ -type d -prune -exec rm -rf {} +
+	find osmm_jax -name '*.so' -delete
+	rm -f $(BUILD_STAMP)
+
+# ---------------------------------------------------------------------------------------------
+# The main job and the tests.
+#
+#   make demo      the FFN training-step demo on 3 local ranks (examples/ffn_demo.py)
+#   make test      planner/layout/process tests, then the MPI tests on 1, 2, 3 and 4 ranks
+#
+# Each MPI run is bounded twice: pytest-timeout stops a test stuck for TEST_TIMEOUT seconds
+# (dumping every thread's stack), and `timeout` stops a whole run after MPI_RUN_TIMEOUT.
+
+MPIEXEC := $(VENV)/bin/mpiexec
+TEST_RANKS ?= 1 2 3 4
+TEST_TIMEOUT ?= 300
+MPI_RUN_TIMEOUT ?= 1800
+DEMO_RANKS ?= 3
+
+.PHONY: demo test test-serial test-mpi
+
+demo: install
+	$(MPIEXEC) -n $(DEMO_RANKS) $(PY) examples/ffn_demo.py
+
+test: test-serial test-mpi
+
+test-serial: install
+	$(PY) -m pytest tests --ignore=tests/mpi -q --timeout=$(TEST_TIMEOUT)
+
+test-mpi: install
+	@set -e; for n in $(TEST_RANKS); do \
+	  timeout --kill-after=30 $(MPI_RUN_TIMEOUT) $(MPIEXEC) -n $$n $(PY) tests/mpi/run.py tests/mpi -q \
+	    --timeout=$(TEST_TIMEOUT) --timeout-method=thread \
+	    || { echo "MPI tests FAILED on $$n rank(s)"; exit 1; }; \
+	done
+
+# A few minutes: one_sided against the all-reduce baseline on the K-split reduction (2 ranks)
+# and on the communication-free row split (3 ranks). More cases: python -m benchmarks.compare_methods --help
+.PHONY: bench
+bench: install
+	$(MPIEXEC) -n 2 $(PY) -m benchmarks.compare_methods --case k_split --size 2048
+	$(MPIEXEC) -n 3 $(PY) -m benchmarks.compare_methods --case rows --size 2048
+	$(MPIEXEC) -n 4 $(PY) -m benchmarks.compare_methods --case grid --size 1024

@@ -1,0 +1,69 @@
+// Small helpers shared by the osmm_jax native sources: MPI handle conversion, MPI error
+// formatting, and checked integer arithmetic for validating transfer records.
+#ifndef OSMM_JAX_XLA_FFI_COMMON_H_
+#define OSMM_JAX_XLA_FFI_COMMON_H_
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <string_view>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace osmm {
+
+namespace ffi = xla::ffi;
+
+// mpi4py's `comm.handle` as an int64. MPICH's MPI_Comm is an int, OpenMPI's a pointer: the
+// low sizeof(MPI_Comm) bytes of the (little-endian) int64 are the handle in both cases.
+inline MPI_Comm CommFromHandle(int64_t handle) {
+  static_assert(sizeof(MPI_Comm) <= sizeof(int64_t), "MPI_Comm wider than int64");
+  MPI_Comm comm;
+  std::memcpy(&comm, &handle, sizeof(MPI_Comm));
+  return comm;
+}
+
+// A key that identifies a communicator in the window cache.
+inline uint64_t CommKey(MPI_Comm comm) {
+  uint64_t key = 0;
+  std::memcpy(&key, &comm, sizeof(MPI_Comm));
+  return key;
+}
+
+// "<what> failed: <MPI_Error_string>" for a non-success MPI return code.
+inline ffi::Error MpiError(int rc, std::string_view what) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  std::string message = std::string(what) + " failed (MPI error " + std::to_string(rc) + ")";
+  if (MPI_Error_string(rc, text, &length) == MPI_SUCCESS && length > 0) {
+    message += ": ";
+    message.append(text, static_cast<size_t>(length));
+  }
+  return ffi::Error::Internal(std::move(message));
+}
+
+// Succeeds iff MPI is initialised and not yet finalised.
+inline ffi::Error RequireMpiReady() {
+  int initialized = 0;
+  int finalized = 0;
+  MPI_Initialized(&initialized);
+  MPI_Finalized(&finalized);
+  if (!initialized) {
+    return ffi::Error::Internal(
+        "MPI is not initialised: import mpi4py.MPI before running osmm_jax operations");
+  }
+  if (finalized) {
+    return ffi::Error::Internal("MPI has already been finalised");
+  }
+  return ffi::Error::Success();
+}
+
+// Checked int64 arithmetic: false on overflow.
+inline bool MulOk(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
+inline bool AddOk(int64_t a, int64_t b, int64_t* out) { return !__builtin_add_overflow(a, b, out); }
+
+}  // namespace osmm
+
+#endif  // OSMM_JAX_XLA_FFI_COMMON_H_

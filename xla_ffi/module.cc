@@ -1,0 +1,105 @@
+// The nanobind module osmm_jax._src._osmm_ffi: hands the FFI handlers to JAX and exposes the
+// native layer's counters and window cache to Python.
+#include <mpi.h>
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+#include "common.h"
+#include "counters.h"
+#include "handlers.h"
+#include "windows.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename Fn>
+nb::capsule EncapsulateHandler(Fn* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Fn, XLA_FFI_CallFrame*>,
+                "an XLA FFI handler must take XLA_FFI_CallFrame* and return XLA_FFI_Error*");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+nb::dict Registrations() {
+  nb::dict d;
+  d["osmm_fetch"] = EncapsulateHandler(OsmmFetch);
+  d["osmm_reduce"] = EncapsulateHandler(OsmmReduce);
+  return d;
+}
+
+nb::dict Stats() {
+  const osmm::Counters& c = osmm::GlobalCounters();
+  nb::dict d;
+  d["rma_ops"] = c.rma_ops.load();
+  d["rma_bytes"] = c.rma_bytes.load();
+  d["accumulates"] = c.accumulates.load();
+  d["puts"] = c.puts.load();
+  d["gets"] = c.gets.load();
+  d["fences"] = c.fences.load();
+  d["windows"] = osmm::LiveWindowCount();
+  d["window_bytes"] = osmm::LiveWindowBytes();
+  return d;
+}
+
+void FreeWindows() {
+  std::string message;
+  {
+    // Collective and possibly slow: let other Python threads run meanwhile.
+    nb::gil_scoped_release release;
+    xla::ffi::Error err = osmm::FreeWindows();
+    if (err.failure()) message = err.message();
+  }
+  if (!message.empty()) throw std::runtime_error(message);
+}
+
+void PrepareComm(int64_t handle) {
+  std::string message;
+  {
+    nb::gil_scoped_release release;
+    xla::ffi::Error err = osmm::RequireMpiReady();
+    MPI_Comm dup = MPI_COMM_NULL;
+    if (err.success()) err = osmm::PrivateComm(osmm::CommFromHandle(handle), &dup);
+    if (err.failure()) message = err.message();
+  }
+  if (!message.empty()) throw std::runtime_error(message);
+}
+
+std::string MpiLibraryVersion() {
+  char text[MPI_MAX_LIBRARY_VERSION_STRING];
+  int length = 0;
+  // Allowed before MPI_Init and after MPI_Finalize.
+  if (MPI_Get_library_version(text, &length) != MPI_SUCCESS) {
+    throw std::runtime_error("MPI_Get_library_version failed");
+  }
+  return std::string(text, static_cast<size_t>(length));
+}
+
+}  // namespace
+
+NB_MODULE(_osmm_ffi, m) {
+  m.doc() = "Native layer of osmm_jax: XLA FFI handlers for one-sided MPI transfers.";
+  m.def("registrations", &Registrations,
+        "Dict of FFI target name -> capsule, for jax.ffi.register_ffi_target (cpu, api 1).");
+  m.def("stats", &Stats,
+        "Counters: rma_ops, rma_bytes, accumulates, puts, gets, fences; live windows and "
+        "window_bytes.");
+  m.def("reset_stats", &osmm::ResetCounters,
+        "Zero the event counters (live window figures are unaffected).");
+  m.def("free_windows", &FreeWindows,
+        "Free all cached MPI windows in creation order. Collective: call on every rank, after "
+        "jax.effects_barrier() and before MPI_Finalize. Idempotent.");
+  m.def("prepare_comm", &PrepareComm, nb::arg("comm"),
+        "Create the native layer's private duplicate of the communicator with handle `comm` "
+        "(signed int64, as passed to the handlers). Collective over that communicator; "
+        "optional (the first handler call does it otherwise), but calling it from the thread "
+        "that owns the communicator keeps every collective on it on that thread.");
+  m.def("mpi_library_version", &MpiLibraryVersion,
+        "MPI_Get_library_version() of the MPI this module was linked against.");
+  m.def(
+      "mpi_comm_handle_size", [] { return static_cast<int>(sizeof(MPI_Comm)); },
+      "sizeof(MPI_Comm) in this module's MPI (4 for MPICH, 8 for OpenMPI).");
+}

@@ -1,0 +1,199 @@
+#include "windows.h"
+
+#include <atomic>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace osmm {
+
+// One cache slot. Entries are never destroyed (only their MPI window is), so a lease stays
+// valid even if FreeWindows runs concurrently; the entry mutex serialises use of the window.
+struct WindowEntry {
+  uint64_t comm_key = 0;
+  WindowSlot slot = WindowSlot::kReduce;
+  std::mutex mu;
+  MPI_Win win = MPI_WIN_NULL;
+  std::byte* base = nullptr;
+  int64_t bytes = 0;
+};
+
+namespace {
+
+struct CommEntry {
+  uint64_t comm_key = 0;
+  MPI_Comm dup = MPI_COMM_NULL;
+};
+
+struct Cache {
+  std::mutex mu;                                      // guards `entries` and `comms`
+  std::vector<std::unique_ptr<WindowEntry>> entries;  // creation order
+  std::vector<CommEntry> comms;                       // creation order
+  std::atomic<int64_t> live_count{0};                 // readable without mu
+  std::atomic<int64_t> live_bytes{0};
+};
+
+Cache& GlobalCache() {
+  // Never destroyed: no MPI call may run from a static destructor after MPI_Finalize.
+  static Cache* cache = new Cache();
+  return *cache;
+}
+
+// Rounds a request up to a multiple of 64 bytes (at least 64), identically on every rank.
+int64_t AllocationSize(int64_t bytes) {
+  constexpr int64_t kAlign = 64;
+  if (bytes < kAlign) return kAlign;
+  return (bytes + kAlign - 1) / kAlign * kAlign;
+}
+
+// Frees entry->win (collective). Caller holds entry->mu and cache.mu.
+ffi::Error FreeEntryLocked(Cache& cache, WindowEntry* entry) {
+  if (entry->win == MPI_WIN_NULL) return ffi::Error::Success();
+  int rc = MPI_Win_free(&entry->win);
+  cache.live_count -= 1;
+  cache.live_bytes -= entry->bytes;
+  entry->win = MPI_WIN_NULL;
+  entry->base = nullptr;
+  entry->bytes = 0;
+  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Win_free");
+  return ffi::Error::Success();
+}
+
+// Allocates a zeroed window of `bytes` bytes for entry (collective). Caller holds entry->mu
+// and cache.mu.
+ffi::Error AllocateEntryLocked(Cache& cache, WindowEntry* entry, MPI_Comm comm, int64_t bytes) {
+  MPI_Info info = MPI_INFO_NULL;
+  if (MPI_Info_create(&info) == MPI_SUCCESS) {
+    // Only fences synchronise these windows, and accumulates are element-wise sums whose order
+    // does not matter: let MPI skip lock bookkeeping and accumulate ordering.
+    MPI_Info_set(info, "no_locks", "true");
+    MPI_Info_set(info, "accumulate_ordering", "none");
+    MPI_Info_set(info, "same_size", "true");
+    MPI_Info_set(info, "same_disp_unit", "true");
+  }
+  void* base = nullptr;
+  MPI_Win win = MPI_WIN_NULL;
+  int rc = MPI_Win_allocate(static_cast<MPI_Aint>(bytes), /*disp_unit=*/1, info, comm, &base, &win);
+  if (info != MPI_INFO_NULL) MPI_Info_free(&info);
+  if (rc != MPI_SUCCESS) {
+    return MpiError(rc, "MPI_Win_allocate(" + std::to_string(bytes) + " bytes)");
+  }
+  rc = MPI_Win_set_errhandler(win, MPI_ERRORS_RETURN);
+  std::memset(base, 0, static_cast<size_t>(bytes));
+  entry->win = win;
+  entry->base = static_cast<std::byte*>(base);
+  entry->bytes = bytes;
+  cache.live_count += 1;
+  cache.live_bytes += bytes;
+  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Win_set_errhandler");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+MPI_Win WindowLease::win() const { return entry_->win; }
+std::byte* WindowLease::base() const { return entry_->base; }
+int64_t WindowLease::bytes() const { return entry_->bytes; }
+
+ffi::Error AcquireWindow(MPI_Comm comm, WindowSlot slot, int64_t bytes, WindowLease* lease) {
+  if (bytes < 0) {
+    return ffi::Error::InvalidArgument("window size must be >= 0, got " + std::to_string(bytes));
+  }
+  Cache& cache = GlobalCache();
+  std::unique_lock<std::mutex> cache_lock(cache.mu);
+  const uint64_t key = CommKey(comm);
+  WindowEntry* entry = nullptr;
+  for (auto& e : cache.entries) {
+    if (e->comm_key == key && e->slot == slot) {
+      entry = e.get();
+      break;
+    }
+  }
+  if (entry == nullptr) {
+    cache.entries.push_back(std::make_unique<WindowEntry>());
+    entry = cache.entries.back().get();
+    entry->comm_key = key;
+    entry->slot = slot;
+  }
+  std::unique_lock<std::mutex> entry_lock(entry->mu);
+  if (entry->win == MPI_WIN_NULL || entry->bytes < bytes) {
+    // Same decision on every rank: `bytes` and the cache history are identical everywhere.
+    if (ffi::Error err = FreeEntryLocked(cache, entry); err.failure()) return err;
+    if (ffi::Error err = AllocateEntryLocked(cache, entry, comm, AllocationSize(bytes));
+        err.failure()) {
+      return err;
+    }
+  }
+  cache_lock.unlock();
+  lease->entry_ = entry;
+  lease->lock_ = std::move(entry_lock);
+  return ffi::Error::Success();
+}
+
+ffi::Error PrivateComm(MPI_Comm comm, MPI_Comm* out) {
+  Cache& cache = GlobalCache();
+  std::lock_guard<std::mutex> lock(cache.mu);
+  const uint64_t key = CommKey(comm);
+  for (const CommEntry& e : cache.comms) {
+    if (e.comm_key == key && e.dup != MPI_COMM_NULL) {
+      *out = e.dup;
+      return ffi::Error::Success();
+    }
+  }
+  MPI_Comm dup = MPI_COMM_NULL;
+  if (int rc = MPI_Comm_dup(comm, &dup); rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_dup");
+  MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
+  bool reused = false;
+  for (CommEntry& e : cache.comms) {
+    if (e.comm_key == key) {
+      e.dup = dup;
+      reused = true;
+      break;
+    }
+  }
+  if (!reused) cache.comms.push_back(CommEntry{key, dup});
+  *out = dup;
+  return ffi::Error::Success();
+}
+
+ffi::Error FreeWindows() {
+  Cache& cache = GlobalCache();
+  std::lock_guard<std::mutex> cache_lock(cache.mu);
+  int finalized = 0;
+  int initialized = 0;
+  MPI_Finalized(&finalized);
+  MPI_Initialized(&initialized);
+  const bool can_free = initialized && !finalized;
+  ffi::Error first_error = ffi::Error::Success();
+  for (auto& e : cache.entries) {
+    std::lock_guard<std::mutex> entry_lock(e->mu);
+    if (e->win == MPI_WIN_NULL) continue;
+    if (can_free) {
+      ffi::Error err = FreeEntryLocked(cache, e.get());
+      if (err.failure() && first_error.success()) first_error = std::move(err);
+    } else {
+      // MPI is gone, and its windows with it: just forget them.
+      cache.live_count -= 1;
+      cache.live_bytes -= e->bytes;
+      e->win = MPI_WIN_NULL;
+      e->base = nullptr;
+      e->bytes = 0;
+    }
+  }
+  for (CommEntry& e : cache.comms) {
+    if (e.dup == MPI_COMM_NULL) continue;
+    if (can_free) {
+      int rc = MPI_Comm_free(&e.dup);
+      if (rc != MPI_SUCCESS && first_error.success()) first_error = MpiError(rc, "MPI_Comm_free");
+    }
+    e.dup = MPI_COMM_NULL;
+  }
+  return first_error;
+}
+
+int64_t LiveWindowCount() { return GlobalCache().live_count.load(); }
+
+int64_t LiveWindowBytes() { return GlobalCache().live_bytes.load(); }
+
+}  // namespace osmm

@@ -1,0 +1,76 @@
+// Persistent MPI windows, cached per (communicator, slot), and a private duplicate of each
+// communicator for the native layer's own small collectives.
+//
+// Creating an MPI window is collective and expensive, and memory from MPI_Win_allocate is much
+// faster to accumulate into than a window created over an arbitrary buffer. So each
+// (communicator, slot) pair owns one allocated window that lives across calls: it is created
+// lazily by the first handler that needs it and replaced by a larger one (collectively) when
+// a call asks for more bytes than it has. Every call passes a size that is identical on all
+// ranks, and all ranks run the same custom calls in the same order, so every rank takes the
+// same create/grow decisions at the same point.
+//
+// Windows use byte displacements (disp_unit 1) and MPI_ERRORS_RETURN. The memory of a
+// freshly (re)allocated window is zeroed; the reduce handler keeps its window all-zero
+// between calls.
+#ifndef OSMM_JAX_XLA_FFI_WINDOWS_H_
+#define OSMM_JAX_XLA_FFI_WINDOWS_H_
+
+#include <mpi.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+
+#include "common.h"
+
+namespace osmm {
+
+enum class WindowSlot : int {
+  kReduce = 0,  // receives partial C blocks (accumulate / put targets)
+  kExpose = 1,  // holds this rank's A and B blocks for remote gets
+};
+
+struct WindowEntry;  // defined in windows.cc
+
+// Exclusive use of one cached window for the duration of a handler call.
+class WindowLease {
+ public:
+  WindowLease() = default;
+  WindowLease(WindowLease&&) = default;
+  WindowLease& operator=(WindowLease&&) = default;
+
+  MPI_Win win() const;
+  std::byte* base() const;
+  int64_t bytes() const;
+
+ private:
+  friend ffi::Error AcquireWindow(MPI_Comm, WindowSlot, int64_t, WindowLease*);
+  WindowEntry* entry_ = nullptr;
+  std::unique_lock<std::mutex> lock_;
+};
+
+// Returns (in *lease) the window of (comm, slot) with at least `bytes` bytes, creating or
+// growing it first if needed. Collective over `comm` whenever it creates or grows; `bytes`
+// must be identical on every rank. The handlers pass their private duplicate as `comm`.
+ffi::Error AcquireWindow(MPI_Comm comm, WindowSlot slot, int64_t bytes, WindowLease* lease);
+
+// Returns (in *out) this layer's private duplicate of `comm`, creating it (MPI_Comm_dup,
+// collective over `comm`) on first use. The handlers' own collectives (agreement, window
+// creation) run on the duplicate, so they can never be confused with collectives the caller
+// issues on `comm`, possibly from another thread while a computation is in flight. Creating
+// it ahead of time from the caller's thread (prepare_comm in the Python module) removes the
+// one remaining collective on `comm` from the handlers.
+ffi::Error PrivateComm(MPI_Comm comm, MPI_Comm* out);
+
+// Frees every cached window, in creation order (identical on all ranks), then the private
+// communicators, in creation order. Collective over all communicators that own windows.
+// Idempotent; once MPI is finalised it only forgets the handles.
+ffi::Error FreeWindows();
+
+// Number of live windows and their total size in bytes.
+int64_t LiveWindowCount();
+int64_t LiveWindowBytes();
+
+}  // namespace osmm
+
+#endif  // OSMM_JAX_XLA_FFI_WINDOWS_H_
