@@ -62,14 +62,21 @@ def timed(fn, *args, repeats: int):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scale", type=float, default=0.5, help="fraction of the seed FFN size (4096x4096x11008)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per method (median reported)")
+    parser.add_argument(
+        "--scale", type=float, default=0.5, help="fraction of the seed FFN size (4096x4096x11008)"
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed steps per method (median reported)"
+    )
     args = parser.parse_args()
     M, K, N = (max(8, int(round(d * args.scale))) for d in (4096, 4096, 11008))
 
     speeds = np.array(COMM.allgather(measure_gemm_rate()))
     say(f"osmm_jax FFN step: Y[{M}x{N}] = X[{M}x{K}] @ W[{K}x{N}] (float32) on {SIZE} ranks")
-    say("measured GEMM rates (GFLOP/s): " + ", ".join(f"rank {r}: {s:.1f}" for r, s in enumerate(speeds)))
+    say(
+        "measured GEMM rates (GFLOP/s): "
+        + ", ".join(f"rank {r}: {s:.1f}" for r, s in enumerate(speeds))
+    )
 
     x_layout = om.Layout.rows((M, K), weights=speeds)
     w_layout = om.Layout.replicated((K, N))
@@ -108,20 +115,28 @@ def main() -> int:
     dw_ref = COMM.allreduce(x64.T @ (g64 @ v), op=MPI.SUM)
     ok = True
     for method, (y, dw) in results.items():
-        y_err = np.abs(np.asarray(y, np.float64) @ v - y_ref).max() / max(np.abs(y_ref).max(), 1e-30)
-        dw_err = np.abs(np.asarray(dw, np.float64) @ v - dw_ref).max() / max(np.abs(dw_ref).max(), 1e-30)
+        y_err = np.abs(np.asarray(y, np.float64) @ v - y_ref).max() / max(
+            np.abs(y_ref).max(), 1e-30
+        )
+        dw_err = np.abs(np.asarray(dw, np.float64) @ v - dw_ref).max() / max(
+            np.abs(dw_ref).max(), 1e-30
+        )
         errs = COMM.allgather((y_err, dw_err))
         worst = max(max(e) for e in errs)
         good = worst < 1e-4
         ok &= good
-        say(f"{method:>9}: step {times[method] * 1e3:8.1f} ms   relative error {worst:.1e}   {'OK' if good else 'WRONG'}")
+        say(
+            f"{method:>9}: step {times[method] * 1e3:8.1f} ms   relative error {worst:.1e}   {'OK' if good else 'WRONG'}"
+        )
 
     bytes_per_rank = COMM.gather(sent["one_sided"])
     predicted = plan_dw.comm_bytes
     say("\nbytes sent per rank per step by one_sided (measured / planned):")
     if RANK == 0:
         for r in range(SIZE):
-            print(f"  rank {r}: {bytes_per_rank[r] / 2**20:8.2f} MiB / {predicted[r] / 2**20:8.2f} MiB")
+            print(
+                f"  rank {r}: {bytes_per_rank[r] / 2**20:8.2f} MiB / {predicted[r] / 2**20:8.2f} MiB"
+            )
     say(f"\none_sided vs allreduce: {times['allreduce'] / times['one_sided']:.2f}x")
     if not ok:
         say("RESULT CHECK FAILED")

@@ -34,7 +34,18 @@ _PUBLIC = {
     "matmul": "osmm_jax._src.matmul",
 }
 
-__all__ = sorted(_PUBLIC)
+__all__ = [
+    "Layout",
+    "LocalMultiply",
+    "LocalUpdate",
+    "Plan",
+    "Transfer",
+    "gather",
+    "matmul",
+    "plan",
+    "split_sizes",
+    "stats",
+]
 
 
 def __getattr__(name: str):

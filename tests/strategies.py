@@ -12,7 +12,9 @@ KINDS = ("rows", "cols", "grid", "replicated")
 @st.composite
 def weights(draw, parts: int):
     """Non-negative weights, at least one positive, sometimes with zeros (empty blocks)."""
-    ws = draw(st.lists(st.sampled_from([0.0, 0.5, 1.0, 1.0, 2.0, 3.7]), min_size=parts, max_size=parts))
+    ws = draw(
+        st.lists(st.sampled_from([0.0, 0.5, 1.0, 1.0, 2.0, 3.7]), min_size=parts, max_size=parts)
+    )
     if not any(ws):
         ws[draw(st.integers(0, parts - 1))] = 1.0
     return ws

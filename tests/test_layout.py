@@ -25,8 +25,11 @@ def test_split_sizes_is_proportional_and_exact(total, ws):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 5).flatmap(lambda p: st.tuples(st.just(p), st.integers(0, 9), st.integers(0, 9))).flatmap(
-    lambda t: st.tuples(st.just(t), layouts((t[1], t[2]), t[0]))))
+@given(
+    st.integers(1, 5)
+    .flatmap(lambda p: st.tuples(st.just(p), st.integers(0, 9), st.integers(0, 9)))
+    .flatmap(lambda t: st.tuples(st.just(t), layouts((t[1], t[2]), t[0])))
+)
 def test_blocks_partition_or_replicate_the_matrix(args):
     (nranks, rows, cols), layout = args
     x = np.arange(rows * cols).reshape(rows, cols)
@@ -51,7 +54,10 @@ def test_constructors():
     assert cols.local_shape(0) == (3, 0) and cols.local_shape(1) == (3, 7)
     grid = Layout.grid((4, 6), (2, 3))
     assert grid.nranks == 6
-    assert grid.local_slices(4) == (slice(2, 4), slice(2, 4))  # rank i*pc + j owns block (i, j) = (1, 1)
+    assert grid.local_slices(4) == (
+        slice(2, 4),
+        slice(2, 4),
+    )  # rank i*pc + j owns block (i, j) = (1, 1)
     rep = Layout.replicated((3, 3), nranks=4)
     assert rep.is_replicated and all(rep.local_shape(r) == (3, 3) for r in range(4))
     assert hash(rows) == hash(Layout.rows((10, 3), weights=[1, 0, 4]))

@@ -119,7 +119,9 @@ def test_transfers_are_needed_and_well_formed(layouts):
     for (target, rows, cols), ts in receivers.items():
         local = [u for u in plan.local_updates if (u.rank, u.rows, u.cols) == (target, rows, cols)]
         if any(t.op == "put" for t in ts):
-            assert len(ts) == 1 and not local, "a put must be the only contribution to its rectangle"
+            assert len(ts) == 1 and not local, (
+                "a put must be the only contribution to its rectangle"
+            )
 
 
 def test_row_split_with_replicated_b_needs_no_communication():
@@ -135,7 +137,9 @@ def test_row_split_with_replicated_b_needs_no_communication():
 
 def test_k_split_reduce_scatters_by_accumulate_with_half_an_allreduce_of_bytes():
     n = 8
-    plan = make_plan(Layout.cols((n, n), nranks=2), Layout.rows((n, n), nranks=2), Layout.rows((n, n), nranks=2))
+    plan = make_plan(
+        Layout.cols((n, n), nranks=2), Layout.rows((n, n), nranks=2), Layout.rows((n, n), nranks=2)
+    )
     assert {t.op for t in plan.transfers} == {"accumulate"}
     # Each rank sends the half of C it does not own: n*n/2 floats. An all-reduce of
     # the whole C moves at least twice that per rank.
@@ -144,7 +148,9 @@ def test_k_split_reduce_scatters_by_accumulate_with_half_an_allreduce_of_bytes()
 
 def test_transfers_rotate_targets_by_origin():
     n = 12
-    plan = make_plan(Layout.cols((n, n), nranks=3), Layout.rows((n, n), nranks=3), Layout.rows((n, n), nranks=3))
+    plan = make_plan(
+        Layout.cols((n, n), nranks=3), Layout.rows((n, n), nranks=3), Layout.rows((n, n), nranks=3)
+    )
     for origin in range(3):
         targets = [t.target for t in plan.transfers if t.origin == origin]
         assert targets == [(origin + 1) % 3, (origin + 2) % 3]
@@ -158,17 +164,33 @@ def test_replicated_everything_computes_locally():
 
 def test_plan_rejects_mismatched_layouts():
     with pytest.raises(ValueError, match="inner dimensions"):
-        make_plan(Layout.rows((4, 5), nranks=2), Layout.rows((4, 3), nranks=2), Layout.rows((4, 3), nranks=2))
+        make_plan(
+            Layout.rows((4, 5), nranks=2),
+            Layout.rows((4, 3), nranks=2),
+            Layout.rows((4, 3), nranks=2),
+        )
     with pytest.raises(ValueError, match="different numbers of ranks"):
-        make_plan(Layout.rows((4, 4), nranks=2), Layout.rows((4, 4), nranks=3), Layout.rows((4, 4), nranks=2))
+        make_plan(
+            Layout.rows((4, 4), nranks=2),
+            Layout.rows((4, 4), nranks=3),
+            Layout.rows((4, 4), nranks=2),
+        )
     with pytest.raises(ValueError, match="C layout has shape"):
-        make_plan(Layout.rows((4, 4), nranks=2), Layout.rows((4, 4), nranks=2), Layout.rows((4, 5), nranks=2))
+        make_plan(
+            Layout.rows((4, 4), nranks=2),
+            Layout.rows((4, 4), nranks=2),
+            Layout.rows((4, 5), nranks=2),
+        )
     with pytest.raises(TypeError, match="osmm_jax.Layout"):
         make_plan(Layout.rows((4, 4), nranks=2), "rows", Layout.rows((4, 4), nranks=2))
 
 
 def test_plans_are_hashable_equal_and_immutable():
-    layouts = (Layout.rows((6, 4), nranks=2), Layout.replicated((4, 3), nranks=2), Layout.rows((6, 3), nranks=2))
+    layouts = (
+        Layout.rows((6, 4), nranks=2),
+        Layout.replicated((4, 3), nranks=2),
+        Layout.rows((6, 3), nranks=2),
+    )
     p1, p2 = make_plan(*layouts), make_plan(*layouts, 0)
     assert p1 == p2 and hash(p1) == hash(p2) and p1.fingerprint == p2.fingerprint
     assert make_plan(*layouts, 7) != p1
@@ -179,7 +201,11 @@ def test_plans_are_hashable_equal_and_immutable():
 
 
 def test_backward_plans_use_transposed_layouts():
-    a, b, c = Layout.rows((6, 4), nranks=2), Layout.replicated((4, 3), nranks=2), Layout.rows((6, 3), nranks=2)
+    a, b, c = (
+        Layout.rows((6, 4), nranks=2),
+        Layout.replicated((4, 3), nranks=2),
+        Layout.rows((6, 3), nranks=2),
+    )
     plan_da, plan_db = backward_plans(make_plan(a, b, c))
     assert (plan_da.a, plan_da.b, plan_da.c) == (c, b.T, a)
     assert (plan_db.a, plan_db.b, plan_db.c) == (a.T, c, b)
@@ -188,7 +214,9 @@ def test_backward_plans_use_transposed_layouts():
 
 
 def test_describe_names_ranks_multiplies_and_transfers():
-    plan = make_plan(Layout.cols((8, 8), nranks=2), Layout.rows((8, 8), nranks=2), Layout.rows((8, 8), nranks=2))
+    plan = make_plan(
+        Layout.cols((8, 8), nranks=2), Layout.rows((8, 8), nranks=2), Layout.rows((8, 8), nranks=2)
+    )
     text = plan.describe()
     assert "over 2 ranks" in text and "rank 0:" in text and "rank 1:" in text
     assert "accumulate C[4:8, 0:8] into rank 1" in text

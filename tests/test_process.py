@@ -15,8 +15,14 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def _run(args, timeout=240, env=None):
-    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=REPO,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        args,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_layouts_and_plans_need_neither_jax_nor_mpi():
@@ -26,6 +32,9 @@ def test_layouts_and_plans_need_neither_jax_nor_mpi():
         assert om.Layout.grid((4, 4), (2, 2)).nranks == 4
         bad = [m for m in ("jax", "mpi4py", "mpi4jax") if m in sys.modules]
         assert not bad, bad
+        assert sorted(om.__all__) == sorted(om._PUBLIC)
+        for name in om.__all__:
+            getattr(om, name)
     """)
     result = _run([sys.executable, "-c", code])
     assert result.returncode == 0, result.stderr
@@ -62,5 +71,7 @@ def test_program_exits_cleanly_after_one_sided_products():
     result = _run([str(MPIEXEC), "-n", "2", sys.executable, "-c", code])
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("done") == 2
-    noise = [line for line in result.stderr.splitlines() if line.strip() and "UserWarning" not in line]
+    noise = [
+        line for line in result.stderr.splitlines() if line.strip() and "UserWarning" not in line
+    ]
     assert not noise, "stderr should be empty at exit:\n" + result.stderr

@@ -54,7 +54,9 @@ def gather(x_local, layout: Layout, *, comm=None) -> np.ndarray:
     error = None
     if block.shape != layout.local_shape(rank):
         error = f"block has shape {block.shape} but the layout gives rank {rank} {layout.local_shape(rank)}"
-    comm_mod.agree(private, "osmm_jax.gather", repr((layout.shape, layout.blocks, layout.is_replicated)), error)
+    comm_mod.agree(
+        private, "osmm_jax.gather", repr((layout.shape, layout.blocks, layout.is_replicated)), error
+    )
     if layout.is_replicated:
         return block.copy()
     blocks = private.allgather(block)

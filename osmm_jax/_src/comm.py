@@ -18,6 +18,8 @@ import threading
 
 from mpi4py import MPI
 
+from osmm_jax._src import native
+
 _lock = threading.Lock()
 _private: dict[int, MPI.Intracomm] = {}  # handle of the user's comm -> private duplicate
 _by_key: dict[int, MPI.Intracomm] = {}  # handle of a private duplicate -> itself
@@ -58,6 +60,9 @@ def private_comm(comm=None) -> MPI.Intracomm:
         dup = _private.get(handle)
         if dup is None:
             dup = comm.Dup()
+            # The native layer's own duplicate, made here on the calling thread, so no
+            # collective on `dup` ever runs from an XLA worker thread.
+            native.prepare_comm(dup.handle)
             _private[handle] = dup
             _by_key[comm_key(dup)] = dup
         return dup
@@ -69,13 +74,8 @@ def default_comm() -> MPI.Intracomm:
 
 
 def comm_key(comm: MPI.Intracomm) -> int:
-    """The integer that identifies a communicator in plans and native calls.
-
-    mpi4py's handle as a signed 64-bit value (it reports MPICH's int handles
-    unsigned and sign-extended); native code takes its low ``sizeof(MPI_Comm)`` bytes.
-    """
-    handle = int(comm.handle) & 0xFFFFFFFFFFFFFFFF
-    return handle - (1 << 64) if handle >= (1 << 63) else handle
+    """The integer that identifies a communicator in plans and native calls (signed int64)."""
+    return native.comm_attribute(comm.handle)
 
 
 def comm_for_key(key: int) -> MPI.Intracomm:
@@ -100,7 +100,9 @@ def agree(comm: MPI.Intracomm, what: str, token: str, local_error: str | None) -
     errors = [(r, err) for r, (_, err) in enumerate(records) if err]
     if errors:
         detail = "; ".join(f"rank {r}: {err}" for r, err in errors)
-        raise ValueError(f"{what}: invalid input on {len(errors)} of {len(records)} ranks: {detail}")
+        raise ValueError(
+            f"{what}: invalid input on {len(errors)} of {len(records)} ranks: {detail}"
+        )
     groups: dict[str, list[int]] = {}
     for r, (tok, _) in enumerate(records):
         groups.setdefault(tok, []).append(r)
@@ -123,15 +125,11 @@ def _shutdown() -> None:
         jax.effects_barrier()
     except Exception:  # noqa: BLE001 - interpreter teardown; nothing left to run
         pass
-    from osmm_jax._src import native
-
     native.free_windows()
 
 
 def check_mpi_abi() -> None:
     """Raise if the native extension and mpi4py loaded different MPI libraries."""
-    from osmm_jax._src import native
-
     ours, theirs = native.mpi_library_version().strip(), MPI.Get_library_version().strip()
     if ours.splitlines()[0] != theirs.splitlines()[0]:
         raise ImportError(

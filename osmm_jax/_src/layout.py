@@ -13,8 +13,8 @@ communicator for its size, lazily.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 Interval = tuple[int, int]
 """A half-open index range ``(start, stop)`` into one dimension of a matrix."""
@@ -57,7 +57,9 @@ def _check_nranks(nranks) -> int:
     return nranks
 
 
-def split_sizes(total: int, parts: int, weights=None, sizes=None, *, what: str = "sizes") -> tuple[int, ...]:
+def split_sizes(
+    total: int, parts: int, weights=None, sizes=None, *, what: str = "sizes"
+) -> tuple[int, ...]:
     """Split ``total`` items into ``parts`` contiguous pieces.
 
     With ``sizes`` the pieces are exactly those (validated: ``parts`` non-negative
@@ -74,7 +76,9 @@ def split_sizes(total: int, parts: int, weights=None, sizes=None, *, what: str =
             raise ValueError(f"{what} has {len(sizes)} entries but there are {parts} ranks")
         checked = tuple(_check_dim(s, f"{what}[{i}]") for i, s in enumerate(sizes))
         if sum(checked) != total:
-            raise ValueError(f"{what} {list(checked)} sum to {sum(checked)}, not to the dimension {total}")
+            raise ValueError(
+                f"{what} {list(checked)} sum to {sum(checked)}, not to the dimension {total}"
+            )
         return checked
     if weights is None:
         weights = (1.0,) * parts
@@ -140,14 +144,18 @@ class Layout:
     def __post_init__(self):
         shape = _check_shape(self.shape)
         object.__setattr__(self, "shape", shape)
-        blocks = tuple(((int(r0), int(r1)), (int(c0), int(c1))) for (r0, r1), (c0, c1) in self.blocks)
+        blocks = tuple(
+            ((int(r0), int(r1)), (int(c0), int(c1))) for (r0, r1), (c0, c1) in self.blocks
+        )
         object.__setattr__(self, "blocks", blocks)
         if not blocks:
             raise ValueError("a layout needs at least one rank")
         rows, cols = shape
         for r, ((r0, r1), (c0, c1)) in enumerate(blocks):
             if not (0 <= r0 <= r1 <= rows and 0 <= c0 <= c1 <= cols):
-                raise ValueError(f"block {blocks[r]} of rank {r} lies outside the matrix of shape {shape}")
+                raise ValueError(
+                    f"block {blocks[r]} of rank {r} lies outside the matrix of shape {shape}"
+                )
         if self.is_replicated:
             if any(b != ((0, rows), (0, cols)) for b in blocks):
                 raise ValueError("a replicated layout gives every rank the whole matrix")
@@ -158,7 +166,9 @@ class Layout:
         rows, cols = self.shape
         area = sum((r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in self.blocks)
         if area != rows * cols:
-            raise ValueError(f"the blocks of a layout of shape {self.shape} cover {area} elements, not {rows * cols}")
+            raise ValueError(
+                f"the blocks of a layout of shape {self.shape} cover {area} elements, not {rows * cols}"
+            )
         nonempty = [(r, b) for r, b in enumerate(self.blocks) if _area(b)]
         for i, (ra, a) in enumerate(nonempty):
             for rb, b in nonempty[i + 1 :]:
@@ -191,7 +201,9 @@ class Layout:
         return cls(shape, blocks, False, "cols")
 
     @classmethod
-    def grid(cls, shape, grid, row_weights=None, col_weights=None, row_sizes=None, col_sizes=None) -> Layout:
+    def grid(
+        cls, shape, grid, row_weights=None, col_weights=None, row_sizes=None, col_sizes=None
+    ) -> Layout:
         """2-D blocks on a ``grid = (pr, pc)`` process grid; rank ``i*pc + j`` owns block ``(i, j)``.
 
         Row band heights follow ``row_weights`` (``pr`` entries) or
@@ -255,7 +267,8 @@ class Layout:
     def owners(self, rows: Interval, cols: Interval) -> tuple[int, ...]:
         """Ranks whose block contains the whole rectangle ``rows x cols``."""
         return tuple(
-            r for r, ((r0, r1), (c0, c1)) in enumerate(self.blocks)
+            r
+            for r, ((r0, r1), (c0, c1)) in enumerate(self.blocks)
             if r0 <= rows[0] and rows[1] <= r1 and c0 <= cols[0] and cols[1] <= c1
         )
 

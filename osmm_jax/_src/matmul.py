@@ -68,7 +68,9 @@ def matmul(a_local, b_local, plan: Plan, *, method: str | None = None):
     plan and method and valid blocks; otherwise every rank raises ValueError.
     """
     if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be an osmm_jax Plan (from osmm_jax.plan), got {type(plan).__name__}")
+        raise TypeError(
+            f"plan must be an osmm_jax Plan (from osmm_jax.plan), got {type(plan).__name__}"
+        )
     method = config.resolve_method(method)
     comm = comm_mod.comm_for_key(plan.comm_key)
     rank = comm.Get_rank()
@@ -98,7 +100,9 @@ def _check_inputs(a_local, b_local, plan: Plan, rank: int):
         return a_local, b_local, err_a or err_b
     # Compare the dtypes as given: JAX would silently turn a float64 numpy array into
     # float32 when x64 is off, hiding the mismatch.
-    dtype_a, dtype_b = (np.dtype(d) if d is not None else x.dtype for d, x in zip(given, (a_local, b_local)))
+    dtype_a, dtype_b = (
+        np.dtype(d) if d is not None else x.dtype for d, x in zip(given, (a_local, b_local))
+    )
     if dtype_a != dtype_b:
         return a_local, b_local, f"a_local is {dtype_a} but b_local is {dtype_b}; they must match"
     if np.dtype(a_local.dtype) not in SUPPORTED_DTYPES:
@@ -107,16 +111,22 @@ def _check_inputs(a_local, b_local, plan: Plan, rank: int):
     for name, x, layout in (("a_local", a_local, plan.a), ("b_local", b_local, plan.b)):
         expected = layout.local_shape(rank)
         if tuple(x.shape) != expected:
-            return a_local, b_local, (
-                f"{name} has shape {tuple(x.shape)} but the {layout.kind} layout of "
-                f"{'A' if name == 'a_local' else 'B'} {layout.shape} gives rank {rank} a block of {expected}"
+            return (
+                a_local,
+                b_local,
+                (
+                    f"{name} has shape {tuple(x.shape)} but the {layout.kind} layout of "
+                    f"{'A' if name == 'a_local' else 'B'} {layout.shape} gives rank {rank} a block of {expected}"
+                ),
             )
     return a_local, b_local, None
 
 
 def accumulation_dtype(dtype) -> np.dtype:
     """The dtype products are summed in: float64 for float64, else float32."""
-    return np.dtype(jnp.float64) if np.dtype(dtype) == np.dtype(jnp.float64) else np.dtype(jnp.float32)
+    return (
+        np.dtype(jnp.float64) if np.dtype(dtype) == np.dtype(jnp.float64) else np.dtype(jnp.float32)
+    )
 
 
 # -- executors ----------------------------------------------------------------------------
@@ -146,7 +156,9 @@ def _batchable_forward(plan: Plan, method: str):
     @forward.def_vmap
     def _loop_over_batch(axis_size, in_batched, a, b):
         a_batched, b_batched = in_batched
-        outs = [forward(a[i] if a_batched else a, b[i] if b_batched else b) for i in range(axis_size)]
+        outs = [
+            forward(a[i] if a_batched else a, b[i] if b_batched else b) for i in range(axis_size)
+        ]
         return jnp.stack(outs), True
 
     return forward
@@ -168,7 +180,16 @@ def _fetch_remote_pieces(plan: Plan, rank: int, a, b) -> dict:
         layout = plan.a if t.matrix == "A" else plan.b
         (r0, _), (c0, c1) = layout.blocks[t.target]
         rows, cols = t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]
-        records += [_MATRICES[t.matrix], t.target, offset, rows, cols, t.rows[0] - r0, t.cols[0] - c0, c1 - c0]
+        records += [
+            _MATRICES[t.matrix],
+            t.target,
+            offset,
+            rows,
+            cols,
+            t.rows[0] - r0,
+            t.cols[0] - c0,
+            c1 - c0,
+        ]
         shapes[(t.matrix, t.rows, t.cols)] = (offset, rows, cols)
         offset += rows * cols
     expose_a, expose_b = plan.exposes(rank)
@@ -223,14 +244,25 @@ def _one_sided_forward(plan: Plan, rank: int, a, b):
         if (u.rows[1] - u.rows[0], u.cols[1] - u.cols[0]) == c_shape:
             local = local + part
         else:
-            local = local.at[u.rows[0] - cr0 : u.rows[1] - cr0, u.cols[0] - cc0 : u.cols[1] - cc0].add(part)
+            local = local.at[
+                u.rows[0] - cr0 : u.rows[1] - cr0, u.cols[0] - cc0 : u.cols[1] - cc0
+            ].add(part)
     if not plan.has_deliveries:
         return local.astype(a.dtype)
     records, pieces, offset = [], [], 0
     for t in plan.deliveries_from(rank):
         (tr0, _), (tc0, tc1) = plan.c.blocks[t.target]
         rows, cols = t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]
-        records += [_OPS[t.op], t.target, offset, rows, cols, t.rows[0] - tr0, t.cols[0] - tc0, tc1 - tc0]
+        records += [
+            _OPS[t.op],
+            t.target,
+            offset,
+            rows,
+            cols,
+            t.rows[0] - tr0,
+            t.cols[0] - tc0,
+            tc1 - tc0,
+        ]
         pieces.append(_partial(products, t.rows, t.cols, t.inner).reshape(-1))
         offset += rows * cols
     staging = jnp.concatenate(pieces) if pieces else jnp.zeros((0,), acc)

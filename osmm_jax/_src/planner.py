@@ -157,8 +157,19 @@ class Plan:
     @functools.cached_property
     def fingerprint(self) -> str:
         """A digest of the layouts, equal on two ranks iff they built the same plan."""
-        text = repr((self.a.shape, self.a.blocks, self.a.is_replicated, self.b.shape, self.b.blocks, self.b.is_replicated,
-                     self.c.shape, self.c.blocks, self.c.is_replicated))
+        text = repr(
+            (
+                self.a.shape,
+                self.a.blocks,
+                self.a.is_replicated,
+                self.b.shape,
+                self.b.blocks,
+                self.b.is_replicated,
+                self.c.shape,
+                self.c.blocks,
+                self.c.is_replicated,
+            )
+        )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     # -- sizes --------------------------------------------------------------
@@ -268,7 +279,9 @@ class Plan:
         ]
         pair_bytes: dict[tuple[int, int, str], int] = defaultdict(int)
         for t in self.transfers:
-            pair_bytes[(t.sender, t.target if t.op != "get" else t.origin, t.op)] += t.elements * FLOAT32_BYTES
+            pair_bytes[(t.sender, t.target if t.op != "get" else t.origin, t.op)] += (
+                t.elements * FLOAT32_BYTES
+            )
         for r in range(self.nranks):
             sends = ", ".join(
                 f"{op} -> {dst}: {nbytes / 2**20:.2f} MiB"
@@ -309,7 +322,9 @@ def _check_layouts(a: Layout, b: Layout, c: Layout) -> None:
         if not isinstance(layout, Layout):
             raise TypeError(f"{name} must be an osmm_jax.Layout, got {type(layout).__name__}")
     if not (a.nranks == b.nranks == c.nranks):
-        raise ValueError(f"the layouts are for different numbers of ranks: A {a.nranks}, B {b.nranks}, C {c.nranks}")
+        raise ValueError(
+            f"the layouts are for different numbers of ranks: A {a.nranks}, B {b.nranks}, C {c.nranks}"
+        )
     (M, K), (K2, N) = a.shape, b.shape
     if K != K2:
         raise ValueError(f"inner dimensions do not match: A is {M}x{K} but B is {K2}x{N}")
@@ -342,7 +357,9 @@ def _schedule(a: Layout, b: Layout, c: Layout):
 
     load = [0] * a.nranks
     products: dict[tuple[int, int, int, int], bool] = {}  # (rank, mi, ki, ni) -> primary
-    deliveries: dict[tuple[int, int, int, int], list[int]] = defaultdict(list)  # (origin, target, mi, ni) -> [ki]
+    deliveries: dict[tuple[int, int, int, int], list[int]] = defaultdict(
+        list
+    )  # (origin, target, mi, ni) -> [ki]
 
     for mi, m in enumerate(m_cells):
         for ni, n in enumerate(n_cells):
@@ -390,7 +407,7 @@ def _schedule(a: Layout, b: Layout, c: Layout):
         multiplies.append(LocalMultiply(rank, m, k, n, a_src, b_src, primary))
 
     senders_per_cell: dict[tuple[int, int, int], int] = defaultdict(int)
-    for origin, target, mi, ni in deliveries:
+    for _origin, target, mi, ni in deliveries:
         senders_per_cell[(target, mi, ni)] += 1
 
     nranks = a.nranks

@@ -72,7 +72,11 @@ def reduce(staging, local, *, comm, window_bytes, transfers):
     """
     native.ensure_registered()
     return osmm_reduce_p.bind(
-        staging, local, comm=int(comm), window_bytes=int(window_bytes), transfers=tuple(int(x) for x in transfers)
+        staging,
+        local,
+        comm=int(comm),
+        window_bytes=int(window_bytes),
+        transfers=tuple(int(x) for x in transfers),
     )
 
 
@@ -94,13 +98,13 @@ osmm_reduce_p.def_effectful_abstract_eval(_reduce_abstract)
 # -- lowering -----------------------------------------------------------------------
 
 
-def _lower_with_token(target: str, ctx, *operands, **attributes):
+def _lower_with_token(target: str, ctx, *operands, aliases=None, **attributes):
     token = get_token_effect(ctx, ordered_effect)
     ctx_with_token = ctx.replace(
         avals_in=(*ctx.avals_in, abstract_token),
         avals_out=(*ctx.avals_out, abstract_token),
     )
-    rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
+    rule = jax.ffi.ffi_lowering(target, has_side_effect=True, operand_output_aliases=aliases)
     results = list(rule(ctx_with_token, *operands, token, **attributes))
     set_token_effect(ctx, ordered_effect, results.pop())
     return results
@@ -110,7 +114,9 @@ def _records(values) -> np.ndarray:
     return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
-def _fetch_lowering(ctx, a, b, *, comm, window_bytes, b_offset, expose_a, expose_b, gets, fetched_elements):
+def _fetch_lowering(
+    ctx, a, b, *, comm, window_bytes, b_offset, expose_a, expose_b, gets, fetched_elements
+):
     return _lower_with_token(
         "osmm_fetch",
         ctx,
@@ -131,6 +137,8 @@ def _reduce_lowering(ctx, staging, local, *, comm, window_bytes, transfers):
         ctx,
         staging,
         local,
+        # The finished block is written over the local partial: no fresh output buffer.
+        aliases={1: 0},
         comm=np.int64(comm),
         window_bytes=np.int64(window_bytes),
         transfers=_records(transfers),
@@ -139,4 +147,3 @@ def _reduce_lowering(ctx, staging, local, *, comm, window_bytes, transfers):
 
 mlir.register_lowering(osmm_fetch_p, _fetch_lowering, platform="cpu")
 mlir.register_lowering(osmm_reduce_p, _reduce_lowering, platform="cpu")
-

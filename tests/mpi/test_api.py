@@ -32,27 +32,38 @@ def test_plan_is_identical_on_every_rank_and_cached():
 
 def test_plan_rejects_layouts_for_another_rank_count():
     with pytest.raises(ValueError, match=f"communicator has {SIZE}"):
-        om.plan(om.Layout.rows((4, 4), nranks=SIZE + 1), om.Layout.rows((4, 4), nranks=SIZE + 1),
-                om.Layout.rows((4, 4), nranks=SIZE + 1))
+        om.plan(
+            om.Layout.rows((4, 4), nranks=SIZE + 1),
+            om.Layout.rows((4, 4), nranks=SIZE + 1),
+            om.Layout.rows((4, 4), nranks=SIZE + 1),
+        )
 
 
 def test_plan_on_a_subcommunicator():
     sub = MPI.COMM_WORLD.Split(RANK % 2, RANK)
     n = sub.Get_size()
     layout_a = om.Layout.cols((6, 6), nranks=n)
-    plan = om.plan(layout_a, om.Layout.rows((6, 6), nranks=n), om.Layout.rows((6, 6), nranks=n), comm=sub)
+    plan = om.plan(
+        layout_a, om.Layout.rows((6, 6), nranks=n), om.Layout.rows((6, 6), nranks=n), comm=sub
+    )
     a = np.arange(36.0).reshape(6, 6) + RANK % 2
     b = np.eye(6) * 2
-    c = om.matmul(layout_a.shard(a, sub.Get_rank()).astype(np.float32),
-                  plan.b.shard(b, sub.Get_rank()).astype(np.float32), plan)
+    c = om.matmul(
+        layout_a.shard(a, sub.Get_rank()).astype(np.float32),
+        plan.b.shard(b, sub.Get_rank()).astype(np.float32),
+        plan,
+    )
     np.testing.assert_allclose(c, plan.c.shard(a @ b, sub.Get_rank()))
     sub.Free()
 
 
 def test_gather_assembles_every_layout():
     x = np.arange(30.0).reshape(5, 6)
-    for layout in (om.Layout.rows((5, 6), weights=[1 + r % 2 for r in range(SIZE)]), om.Layout.cols((5, 6)),
-                   om.Layout.replicated((5, 6))):
+    for layout in (
+        om.Layout.rows((5, 6), weights=[1 + r % 2 for r in range(SIZE)]),
+        om.Layout.cols((5, 6)),
+        om.Layout.replicated((5, 6)),
+    ):
         np.testing.assert_array_equal(om.gather(layout.shard(x, RANK), layout), x)
 
 
@@ -99,8 +110,11 @@ def test_ranks_that_disagree_on_the_plan_all_get_an_error():
     if SIZE == 1:
         pytest.skip("needs two ranks to disagree")
     weights = [2.0 if (r == 0 and RANK == 0) else 1.0 for r in range(SIZE)]
-    plan = om.plan(om.Layout.rows((8, 4), weights=weights), om.Layout.replicated((4, 4)),
-                   om.Layout.rows((8, 4), weights=weights))
+    plan = om.plan(
+        om.Layout.rows((8, 4), weights=weights),
+        om.Layout.replicated((4, 4)),
+        om.Layout.rows((8, 4), weights=weights),
+    )
     a = np.ones(plan.a.local_shape(RANK), np.float32)
     b = np.ones((4, 4), np.float32)
     with pytest.raises(ValueError, match=r"ranks disagree.*ranks \[0\] have"):

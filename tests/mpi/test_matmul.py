@@ -45,14 +45,19 @@ def make_layout(kind: str, shape, shift: int = 0):
         return om.Layout.cols(shape, weights=uneven_weights(SIZE, shift + 1))
     if kind == "grid":
         pr, pc = grid_shape(SIZE)
-        return om.Layout.grid(shape, (pr, pc), row_weights=uneven_weights(pr, shift), col_weights=uneven_weights(pc))
+        return om.Layout.grid(
+            shape, (pr, pc), row_weights=uneven_weights(pr, shift), col_weights=uneven_weights(pc)
+        )
     return om.Layout.replicated(shape)
 
 
 def global_inputs(dtype=np.float64, seed=0, m=M, k=K, n=N):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((m, k)).astype(dtype), rng.standard_normal((k, n)).astype(dtype),
-            rng.standard_normal((m, n)).astype(dtype))
+    return (
+        rng.standard_normal((m, k)).astype(dtype),
+        rng.standard_normal((k, n)).astype(dtype),
+        rng.standard_normal((m, n)).astype(dtype),
+    )
 
 
 COMBOS = list(itertools.product(KINDS, KINDS, KINDS))
@@ -72,15 +77,22 @@ def test_jit_forward_and_grad_match_numpy(kinds, method):
         c = om.matmul(x, y, plan, method=method)
         return jnp.sum(c * g_loc), c
 
-    (_, c_loc), (da, db) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(a_loc, b_loc)
+    (_, c_loc), (da, db) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        a_loc, b_loc
+    )
     np.testing.assert_allclose(c_loc, c_layout.shard(a @ b, RANK), rtol=1e-12, atol=1e-12)
     # The cotangent of C is g (the same global value on every rank that holds a copy).
     np.testing.assert_allclose(da, a_layout.shard(g @ b.T, RANK), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(db, b_layout.shard(a.T @ g, RANK), rtol=1e-12, atol=1e-12)
 
 
-EAGER = [("rows", "replicated", "rows"), ("cols", "rows", "rows"), ("rows", "cols", "grid"),
-         ("grid", "grid", "grid"), ("replicated", "cols", "replicated")]
+EAGER = [
+    ("rows", "replicated", "rows"),
+    ("cols", "rows", "rows"),
+    ("rows", "cols", "grid"),
+    ("grid", "grid", "grid"),
+    ("replicated", "cols", "replicated"),
+]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -104,7 +116,9 @@ DTYPE_COMBOS = [("rows", "replicated", "rows"), ("cols", "rows", "rows"), ("rows
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("dtype, rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2), (jnp.float16, 5e-3)])
+@pytest.mark.parametrize(
+    "dtype, rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2), (jnp.float16, 5e-3)]
+)
 @pytest.mark.parametrize("kinds", DTYPE_COMBOS, ids=["-".join(c) for c in DTYPE_COMBOS])
 def test_low_precision_dtypes(kinds, dtype, rtol, method):
     m, k, n = 33, 64, 17
@@ -140,13 +154,19 @@ def test_row_split_weights_gradient_arrives_summed_on_every_rank():
     # Every rank with rows sends its partial of dB to every other rank; nobody recomputes it.
     senders = [r for r in range(SIZE) if a_layout.local_shape(r)[0] > 0]
     expected = SIZE - 1 if RANK in senders else 0
-    assert accumulated == expected == len(plan_db.deliveries_from(RANK)), "dB must arrive by one-sided accumulation"
+    assert accumulated == expected == len(plan_db.deliveries_from(RANK)), (
+        "dB must arrive by one-sided accumulation"
+    )
     assert sum(plan_db.flops) == 2 * M * K * N
 
 
 def test_k_split_moves_fewer_bytes_than_the_allreduce_baseline():
     n = 64
-    a_layout, b_layout, c_layout = om.Layout.cols((n, n)), om.Layout.rows((n, n)), om.Layout.rows((n, n))
+    a_layout, b_layout, c_layout = (
+        om.Layout.cols((n, n)),
+        om.Layout.rows((n, n)),
+        om.Layout.rows((n, n)),
+    )
     plan = om.plan(a_layout, b_layout, c_layout)
     a, b, _ = global_inputs(np.float32, seed=4, m=n, k=n, n=n)
     f = jax.jit(lambda x, y: om.matmul(x, y, plan))
@@ -205,20 +225,31 @@ def test_twice_in_one_jit_inside_loops_and_with_mpi4jax():
 
 @pytest.mark.parametrize("method", METHODS)
 def test_vmap_is_a_batch_of_distributed_products(method):
-    a_layout, b_layout, c_layout = make_layout("cols", (M, K)), make_layout("rows", (K, N)), make_layout("grid", (M, N))
+    a_layout, b_layout, c_layout = (
+        make_layout("cols", (M, K)),
+        make_layout("rows", (K, N)),
+        make_layout("grid", (M, N)),
+    )
     plan = om.plan(a_layout, b_layout, c_layout)
     batch = [global_inputs(seed=10 + i) for i in range(3)]
     a_b = jnp.stack([a_layout.shard(a, RANK) for a, _, _ in batch])
     b_b = jnp.stack([b_layout.shard(b, RANK) for _, b, _ in batch])
-    for fn in (jax.vmap(lambda x, y: om.matmul(x, y, plan, method=method)),
-               jax.jit(jax.vmap(lambda x, y: om.matmul(x, y, plan, method=method)))):
+    for fn in (
+        jax.vmap(lambda x, y: om.matmul(x, y, plan, method=method)),
+        jax.jit(jax.vmap(lambda x, y: om.matmul(x, y, plan, method=method))),
+    ):
         got = fn(a_b, b_b)
         for i, (a, b, _) in enumerate(batch):
             np.testing.assert_allclose(got[i], c_layout.shard(a @ b, RANK), rtol=1e-12)
     # Per-example gradients: vmap of grad.
     g_b = jnp.stack([c_layout.shard(g, RANK) for _, _, g in batch])
-    per_example = jax.jit(jax.vmap(jax.grad(lambda x, y, g: jnp.sum(om.matmul(x, y, plan, method=method) * g),
-                                            argnums=(0, 1))))
+    per_example = jax.jit(
+        jax.vmap(
+            jax.grad(
+                lambda x, y, g: jnp.sum(om.matmul(x, y, plan, method=method) * g), argnums=(0, 1)
+            )
+        )
+    )
     da, db = per_example(a_b, b_b, g_b)
     for i, (a, b, g) in enumerate(batch):
         np.testing.assert_allclose(da[i], a_layout.shard(g @ b.T, RANK), rtol=1e-12, atol=1e-12)
@@ -227,7 +258,11 @@ def test_vmap_is_a_batch_of_distributed_products(method):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_higher_order_and_forward_mode_raise_clear_errors(method):
-    a_layout, b_layout, c_layout = make_layout("rows", (M, K)), make_layout("cols", (K, N)), make_layout("rows", (M, N))
+    a_layout, b_layout, c_layout = (
+        make_layout("rows", (M, K)),
+        make_layout("cols", (K, N)),
+        make_layout("rows", (M, N)),
+    )
     plan = om.plan(a_layout, b_layout, c_layout)
     a, b, _ = global_inputs(seed=7)
     a_loc, b_loc = a_layout.shard(a, RANK), b_layout.shard(b, RANK)
