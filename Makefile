@@ -25,7 +25,7 @@ BUILD_STAMP := $(VENV)/.osmm-build.stamp
 NATIVE_SOURCES := $(wildcard xla_ffi/*.cc xla_ffi/*.h) CMakeLists.txt pyproject.toml
 
 # Needed before building anything (the editable build runs without build isolation).
-BOOTSTRAP_DEPS := scikit-build-core nanobind jax jaxlib mpi4py mpich numpy
+BOOTSTRAP_DEPS := scikit-build-core nanobind 'jax>=0.10,<0.11' 'jaxlib>=0.10,<0.11' mpi4py mpich numpy
 
 # mpi4jax ships as an sdist. Its build needs an MPI compiler on PATH (the mpich wheel's, in the
 # venv) and, when nvcc is on PATH, CUDA_ROOT (it looks for CUDA headers next to nvcc).
@@ -61,7 +61,7 @@ $(DEPS_STAMP): pyproject.toml | $(PY)
 	@# scikit-build-core needs CMake >= 3.18; take it from PyPI if the system has none.
 	cmake --version 2>/dev/null | awk 'NR == 1 { split($$3, v, "."); ok = v[1] > 3 || (v[1] == 3 && v[2] >= 18) } END { exit !ok }' \
 		|| $(PIP) install "cmake>=3.18"
-	$(PIP) show -q mpi4jax 2>/dev/null || env $(MPI4JAX_ENV) $(PIP) install mpi4jax
+	$(PIP) show -q mpi4jax 2>/dev/null || env $(MPI4JAX_ENV) $(PIP) install 'mpi4jax>=0.9,<0.10'
 	$(PIP) install --no-build-isolation -e ".[test,dev]"
 	touch $@ $(BUILD_STAMP)
 
