@@ -26,6 +26,7 @@ float32.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ import numpy as np
 
 from osmm_jax._src import comm as comm_mod
 from osmm_jax._src import config, primitives
+from osmm_jax._src import verify as checksum
 from osmm_jax._src.planner import Plan, backward_plans
 
 SUPPORTED_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16))
@@ -46,7 +48,14 @@ _MATRICES = {"A": 0, "B": 1}
 # -- public function ------------------------------------------------------------------
 
 
-def matmul(a_local, b_local, plan: Plan, *, method: str | None = None):
+class _Options(NamedTuple):
+    """Static choices of one product, shared by its backward products."""
+
+    method: str
+    verify: bool
+
+
+def matmul(a_local, b_local, plan: Plan, *, method: str | None = None, verify: bool | None = None):
     """This rank's block of ``C = A @ B`` in ``plan``'s C layout.
 
     Args:
@@ -56,6 +65,10 @@ def matmul(a_local, b_local, plan: Plan, *, method: str | None = None):
         plan: from :func:`osmm_jax.plan`; the same on every rank.
         method: ``"one_sided"`` (default) or ``"allreduce"`` (the mpi4jax
             baseline); ``None`` reads ``OSMM_USE_ALLREDUCE``.
+        verify: check the result by checksum (see :mod:`osmm_jax._src.verify`;
+            a few percent of the product's cost) and raise ChecksumError, naming
+            the C block and the ranks involved, if it drifts; the backward
+            products are checked too. ``None`` reads ``OSMM_VERIFY``.
 
     Returns:
         A JAX array of shape ``plan.c.local_shape(rank)`` and the input dtype.
@@ -71,12 +84,12 @@ def matmul(a_local, b_local, plan: Plan, *, method: str | None = None):
         raise TypeError(
             f"plan must be an osmm_jax Plan (from osmm_jax.plan), got {type(plan).__name__}"
         )
-    method = config.resolve_method(method)
+    options = _Options(config.resolve_method(method), config.resolve_verify(verify))
     comm = comm_mod.comm_for_key(plan.comm_key)
     rank = comm.Get_rank()
     a_local, b_local, error = _check_inputs(a_local, b_local, plan, rank)
-    comm_mod.agree(comm, "osmm_jax.matmul", f"plan {plan.fingerprint} method {method}", error)
-    return _matmul(plan, method, a_local, b_local)
+    comm_mod.agree(comm, "osmm_jax.matmul", f"plan {plan.fingerprint} {options}", error)
+    return _matmul(plan, options, a_local, b_local)
 
 
 # -- input checks -----------------------------------------------------------------------
@@ -132,12 +145,12 @@ def accumulation_dtype(dtype) -> np.dtype:
 # -- executors ----------------------------------------------------------------------------
 
 
-def _forward(plan: Plan, method: str, a, b):
-    return _batchable_forward(plan, method)(a, b)
+def _forward(plan: Plan, options: _Options, a, b):
+    return _batchable_forward(plan, options)(a, b)
 
 
 @functools.lru_cache(maxsize=512)
-def _batchable_forward(plan: Plan, method: str):
+def _batchable_forward(plan: Plan, options: _Options):
     """The forward product of ``plan``, with a vmap rule that loops over the batch.
 
     Every rank must issue the same MPI operations in the same order. Under a
@@ -146,12 +159,19 @@ def _batchable_forward(plan: Plan, method: str):
     issue a different number of collectives. Looping over the batch instead
     runs ``axis_size`` complete products, identically on every rank.
     """
-    rank = comm_mod.comm_for_key(plan.comm_key).Get_rank()
-    execute = _allreduce_forward if method == "allreduce" else _one_sided_forward
+    comm = comm_mod.comm_for_key(plan.comm_key)
+    rank = comm.Get_rank()
+    execute = _allreduce_forward if options.method == "allreduce" else _one_sided_forward
 
     @jax.custom_batching.custom_vmap
     def forward(a, b):
-        return execute(plan, rank, a, b)
+        c = execute(plan, rank, a, b)
+        fault = checksum.injected_fault(rank)
+        if fault is not None and c.size:
+            c = c.at[0, 0].add(jnp.asarray(fault, c.dtype))
+        if options.verify:
+            checksum.check(plan, rank, comm, a, b, c, accumulation_dtype(a.dtype))
+        return c
 
     @forward.def_vmap
     def _loop_over_batch(axis_size, in_batched, a, b):
@@ -336,21 +356,21 @@ def _first_order_only_jvp(primals, tangents):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _matmul(plan: Plan, method: str, a, b):
-    return _forward(plan, method, a, b)
+def _matmul(plan: Plan, options: _Options, a, b):
+    return _forward(plan, options, a, b)
 
 
-def _matmul_fwd(plan: Plan, method: str, a, b):
-    return _forward(plan, method, _first_order_only(a), _first_order_only(b)), (a, b)
+def _matmul_fwd(plan: Plan, options: _Options, a, b):
+    return _forward(plan, options, _first_order_only(a), _first_order_only(b)), (a, b)
 
 
-def _matmul_bwd(plan: Plan, method: str, residuals, d_c):
+def _matmul_bwd(plan: Plan, options: _Options, residuals, d_c):
     """dA = dC @ B.T and dB = A.T @ dC, each a distributed product with transposed layouts."""
     a, b = residuals
     plan_da, plan_db = backward_plans(plan)
     d_c = d_c.astype(a.dtype)
-    d_a = _matmul(plan_da, method, d_c, b.T)
-    d_b = _matmul(plan_db, method, a.T, d_c)
+    d_a = _matmul(plan_da, options, d_c, b.T)
+    d_b = _matmul(plan_db, options, a.T, d_c)
     return d_a, d_b
 
 
