@@ -31,13 +31,19 @@ _PUBLIC = {
     "plan": "osmm_jax._src.api",
     "gather": "osmm_jax._src.api",
     "stats": "osmm_jax._src.api",
+    "ChecksumError": "osmm_jax._src.verify",
+    "MethodSelector": "osmm_jax._src.fallback",
+    "METHODS": "osmm_jax._src.config",
     "matmul": "osmm_jax._src.matmul",
 }
 
 __all__ = [
+    "METHODS",
+    "ChecksumError",
     "Layout",
     "LocalMultiply",
     "LocalUpdate",
+    "MethodSelector",
     "Plan",
     "Transfer",
     "gather",
@@ -63,6 +69,9 @@ def __dir__():
 
 if TYPE_CHECKING:
     from osmm_jax._src.api import gather, plan, stats
+    from osmm_jax._src.config import METHODS
+    from osmm_jax._src.fallback import MethodSelector
     from osmm_jax._src.layout import Layout, split_sizes
     from osmm_jax._src.matmul import matmul
     from osmm_jax._src.planner import LocalMultiply, LocalUpdate, Plan, Transfer
+    from osmm_jax._src.verify import ChecksumError
