@@ -33,6 +33,8 @@ _PUBLIC = {
     "stats": "osmm_jax._src.api",
     "ChecksumError": "osmm_jax._src.verify",
     "MethodSelector": "osmm_jax._src.fallback",
+    "start_metrics": "osmm_jax._src.metrics",
+    "write_metrics": "osmm_jax._src.metrics",
     "METHODS": "osmm_jax._src.config",
     "matmul": "osmm_jax._src.matmul",
 }
@@ -50,7 +52,9 @@ __all__ = [
     "matmul",
     "plan",
     "split_sizes",
+    "start_metrics",
     "stats",
+    "write_metrics",
 ]
 
 
@@ -73,5 +77,6 @@ if TYPE_CHECKING:
     from osmm_jax._src.fallback import MethodSelector
     from osmm_jax._src.layout import Layout, split_sizes
     from osmm_jax._src.matmul import matmul
+    from osmm_jax._src.metrics import start_metrics, write_metrics
     from osmm_jax._src.planner import LocalMultiply, LocalUpdate, Plan, Transfer
     from osmm_jax._src.verify import ChecksumError

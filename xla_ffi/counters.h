@@ -2,6 +2,7 @@
 #ifndef OSMM_JAX_XLA_FFI_COUNTERS_H_
 #define OSMM_JAX_XLA_FFI_COUNTERS_H_
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 
@@ -10,11 +11,23 @@ namespace osmm {
 struct Counters {
   std::atomic<int64_t> rma_ops{0};      // accumulates + puts + gets issued
   std::atomic<int64_t> rma_bytes{0};    // payload bytes of those operations
+  std::atomic<int64_t> sent_bytes{0};   // payload bytes of accumulates + puts (pushed out)
   std::atomic<int64_t> accumulates{0};  // MPI_Accumulate (MPI_SUM) records
   std::atomic<int64_t> puts{0};         // MPI_Put records
   std::atomic<int64_t> gets{0};         // MPI_Get records
   std::atomic<int64_t> fences{0};       // MPI_Win_fence calls
+  std::atomic<int64_t> calls{0};        // osmm_fetch + osmm_reduce calls that ran an epoch
+
+  // Histogram of RMA epoch latencies (opening fence to closing fence, seconds): counts per
+  // bucket, not cumulative; the last bucket is +Inf. Lock-free, so recording never blocks.
+  static constexpr std::array<double, 12> kLatencyBounds = {1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3,
+                                                            1e-2, 3e-2, 1e-1, 3e-1, 1.0,  3.0};
+  std::array<std::atomic<int64_t>, kLatencyBounds.size() + 1> latency_buckets{};
+  std::atomic<int64_t> latency_sum_ns{0};
 };
+
+// Records one RMA epoch of `seconds` in the latency histogram.
+void RecordEpochLatency(double seconds);
 
 // The single instance shared by all handlers.
 Counters& GlobalCounters();

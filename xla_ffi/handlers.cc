@@ -294,6 +294,7 @@ ffi::Error ReduceImpl(ffi::AnyBuffer staging, ffi::AnyBuffer local, ffi::Token,
   if (ffi::Error err = Fence(lease.win(), 0, "osmm_reduce: opening MPI_Win_fence"); err.failure()) {
     return err;
   }
+  const double epoch_start = MPI_Wtime();
   int rma_rc = MPI_SUCCESS;
   const char* rma_call = "";
   const auto* base = static_cast<const std::byte*>(staging.untyped_data());
@@ -321,10 +322,12 @@ ffi::Error ReduceImpl(ffi::AnyBuffer staging, ffi::AnyBuffer local, ffi::Token,
     if (rma_rc == MPI_SUCCESS) {
       counters.rma_ops.fetch_add(1, std::memory_order_relaxed);
       counters.rma_bytes.fetch_add(r.rows * r.cols * itemsize, std::memory_order_relaxed);
+      counters.sent_bytes.fetch_add(r.rows * r.cols * itemsize, std::memory_order_relaxed);
       (accumulate ? counters.accumulates : counters.puts).fetch_add(1, std::memory_order_relaxed);
     }
   }
   ffi::Error closing = Fence(lease.win(), MPI_MODE_NOSUCCEED, "osmm_reduce: closing MPI_Win_fence");
+  RecordEpochLatency(MPI_Wtime() - epoch_start);
   if (rma_rc != MPI_SUCCESS) {
     // Restore the all-zero invariant whatever arrived.
     std::memset(lease.base(), 0, static_cast<size_t>(lease.bytes()));
@@ -416,6 +419,7 @@ ffi::Error FetchImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Token,
   if (ffi::Error err = Fence(lease.win(), 0, "osmm_fetch: opening MPI_Win_fence"); err.failure()) {
     return err;
   }
+  const double epoch_start = MPI_Wtime();
   int rma_rc = MPI_SUCCESS;
   auto* dest = static_cast<std::byte*>(fetched->untyped_data());
   Counters& counters = GlobalCounters();
@@ -440,6 +444,7 @@ ffi::Error FetchImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Token,
     }
   }
   ffi::Error closing = Fence(lease.win(), MPI_MODE_NOSUCCEED, "osmm_fetch: closing MPI_Win_fence");
+  RecordEpochLatency(MPI_Wtime() - epoch_start);
   if (rma_rc != MPI_SUCCESS) return MpiError(rma_rc, "osmm_fetch: MPI_Get");
   return closing;
 }

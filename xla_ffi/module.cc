@@ -36,13 +36,24 @@ nb::dict Stats() {
   nb::dict d;
   d["rma_ops"] = c.rma_ops.load();
   d["rma_bytes"] = c.rma_bytes.load();
+  d["sent_bytes"] = c.sent_bytes.load();
   d["accumulates"] = c.accumulates.load();
   d["puts"] = c.puts.load();
   d["gets"] = c.gets.load();
   d["fences"] = c.fences.load();
+  d["calls"] = c.calls.load();
   d["windows"] = osmm::LiveWindowCount();
   d["window_bytes"] = osmm::LiveWindowBytes();
   return d;
+}
+
+// (bucket upper bounds in seconds, counts per bucket with +Inf last, sum of seconds).
+nb::tuple LatencyHistogram() {
+  const osmm::Counters& c = osmm::GlobalCounters();
+  nb::list bounds, counts;
+  for (double b : osmm::Counters::kLatencyBounds) bounds.append(b);
+  for (const auto& bucket : c.latency_buckets) counts.append(bucket.load());
+  return nb::make_tuple(bounds, counts, static_cast<double>(c.latency_sum_ns.load()) * 1e-9);
 }
 
 void FreeWindows() {
@@ -87,6 +98,8 @@ NB_MODULE(_osmm_ffi, m) {
   m.def("stats", &Stats,
         "Counters: rma_ops, rma_bytes, accumulates, puts, gets, fences; live windows and "
         "window_bytes.");
+  m.def("latency_histogram", &LatencyHistogram,
+        "RMA epoch latencies: (bucket upper bounds in s, per-bucket counts, +Inf last; sum in s).");
   m.def("reset_stats", &osmm::ResetCounters,
         "Zero the event counters (live window figures are unaffected).");
   m.def("free_windows", &FreeWindows,

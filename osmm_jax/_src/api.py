@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from osmm_jax._src import comm as comm_mod
-from osmm_jax._src import native
+from osmm_jax._src import metrics, native
 from osmm_jax._src.layout import Layout
 from osmm_jax._src.planner import Plan, make_plan
 
@@ -28,6 +28,7 @@ def plan(a_layout: Layout, b_layout: Layout, c_layout: Layout, *, comm=None) -> 
             made for a different number of ranks than ``comm`` has.
     """
     private = comm_mod.private_comm(comm)
+    metrics.start_from_environment()
     size = private.Get_size()
     for name, layout in (("a_layout", a_layout), ("b_layout", b_layout), ("c_layout", c_layout)):
         if isinstance(layout, Layout) and layout.nranks != size:

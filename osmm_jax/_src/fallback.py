@@ -33,7 +33,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from osmm_jax._src import config
+from osmm_jax._src import config, metrics
 
 logger = logging.getLogger("osmm_jax.fallback")
 
@@ -86,6 +86,7 @@ class MethodSelector:
         Collective when ranks exchange over MPI: every rank must call it once per
         step. Returns the method for the next step.
         """
+        metrics.observe_step(float(step_seconds))
         slowest = max(float(t) for t in self._exchange(float(step_seconds)))
         if self._decided:
             if self.method == "one_sided":
@@ -114,6 +115,7 @@ class MethodSelector:
             return
         self.method = "allreduce"
         self.fallbacks = 1
+        metrics.increment("fallbacks")
         self.reason = (
             f"one_sided median step {one_sided_median * 1e3:.2f} ms over {which} {self.window} "
             f"steps is {one_sided_median / baseline:.2f}x the allreduce median "

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from osmm_jax._src import comm as comm_mod
-from osmm_jax._src import config, primitives
+from osmm_jax._src import config, metrics, primitives
 from osmm_jax._src import verify as checksum
 from osmm_jax._src.planner import Plan, backward_plans
 
@@ -171,6 +171,8 @@ def _batchable_forward(plan: Plan, options: _Options):
             c = c.at[0, 0].add(jnp.asarray(fault, c.dtype))
         if options.verify:
             checksum.check(plan, rank, comm, a, b, c, accumulation_dtype(a.dtype))
+        if metrics.enabled():
+            jax.debug.callback(metrics.count_product)
         return c
 
     @forward.def_vmap

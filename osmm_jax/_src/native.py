@@ -77,6 +77,15 @@ def stats() -> dict[str, int]:
     return dict(_osmm_ffi.stats())
 
 
+def latency_histogram() -> tuple[list[float], list[int], float]:
+    """RMA epoch latencies (opening to closing fence of each call, seconds).
+
+    Returns (bucket upper bounds, per-bucket counts with the +Inf bucket last, sum of seconds).
+    """
+    bounds, counts, total = _osmm_ffi.latency_histogram()
+    return list(bounds), list(counts), float(total)
+
+
 def reset_stats() -> None:
     """Zero the event counters; the live window figures are unaffected."""
     _osmm_ffi.reset_stats()

@@ -122,6 +122,9 @@ def raise_on_drift(plan: Plan, input_dtype, drifts) -> None:
     bad = [r for r in range(plan.nranks) if not drifts[r] <= tolerance]  # NaN counts as bad
     if not bad:
         return
+    from osmm_jax._src import metrics
+
+    metrics.increment("checksum_failures")
     lines = []
     for r in bad:
         (r0, r1), (c0, c1) = plan.c.blocks[r]
