@@ -17,8 +17,8 @@ Cases (float32 unless ``--dtype``):
 
 Each method is jitted, warmed up, then timed ``--repeats`` times; a repetition's
 time is the slowest rank's, and the median is reported, with GFLOP/s and the
-bytes each rank sent by RMA (measured by ``osmm_jax.stats()``, next to the
-plan's prediction). Rank 0 prints a Markdown table.
+bytes moved by the RMA operations each rank issued (measured by
+``osmm_jax.stats()``, next to the plan's prediction). Rank 0 prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -96,12 +96,14 @@ def main() -> None:
 
     if RANK == 0:
         flops = 2 * m * k * n
-        predicted = plan.bytes_sent(dtype.itemsize, 4)
+        predicted = plan.bytes_issued(dtype.itemsize, 4)
         print(
             f"\n{args.case}: C[{m}x{n}] = A[{m}x{k}] @ B[{k}x{n}], {args.dtype}, {SIZE} ranks, "
             f"median of {args.repeats}\n"
         )
-        print("| method | time (ms) | GFLOP/s | MiB sent per rank (measured) | MiB (planned) |")
+        print(
+            "| method | time (ms) | GFLOP/s | MiB moved by RMA per rank (measured) | MiB (planned) |"
+        )
         print("| --- | --- | --- | --- | --- |")
         for method, seconds, sent in rows:
             planned = predicted if method == "one_sided" else ["-"] * SIZE

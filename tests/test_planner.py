@@ -87,6 +87,7 @@ def test_flops_and_bytes_add_up(layouts):
         expected[t.target if t.op == "get" else t.origin] += 4 * _size(t.rows) * _size(t.cols)
     assert list(plan.comm_bytes) == expected
     assert plan.bytes_sent(8, 8) == tuple(2 * x for x in expected)
+    assert sum(plan.bytes_issued(4, 4)) == sum(expected)
 
 
 @settings(max_examples=300, deadline=None)

@@ -217,6 +217,14 @@ class Plan:
         """The plans of the backward products ``(dA = dC @ B.T, dB = A.T @ dC)``."""
         return backward_plans(self)
 
+    def bytes_issued(self, input_itemsize: int, accum_itemsize: int) -> tuple[int, ...]:
+        """Bytes moved by the RMA operations each rank issues (gets counted at the rank that
+        gets); what ``osmm_jax.stats()['rma_bytes']`` measures per product."""
+        issued = [0] * self.nranks
+        for t in self.transfers:
+            issued[t.origin] += t.elements * (input_itemsize if t.op == "get" else accum_itemsize)
+        return tuple(issued)
+
     # -- per-rank views used by the executors -------------------------------
 
     def multiplies_on(self, rank: int) -> tuple[LocalMultiply, ...]:
