@@ -33,6 +33,13 @@ _PUBLIC = {
     "stats": "osmm_jax._src.api",
     "ChecksumError": "osmm_jax._src.verify",
     "MethodSelector": "osmm_jax._src.fallback",
+    "profile_speeds": "osmm_jax._src.speeds",
+    "SpeedProfile": "osmm_jax._src.speeds",
+    "declared_speeds": "osmm_jax._src.speeds",
+    "balance": "osmm_jax._src.balance",
+    "Balance": "osmm_jax._src.balance",
+    "guarantees_balance": "osmm_jax._src.balance",
+    "enable_logging": "osmm_jax._src.log",
     "start_metrics": "osmm_jax._src.metrics",
     "write_metrics": "osmm_jax._src.metrics",
     "METHODS": "osmm_jax._src.config",
@@ -41,16 +48,23 @@ _PUBLIC = {
 
 __all__ = [
     "METHODS",
+    "Balance",
     "ChecksumError",
     "Layout",
     "LocalMultiply",
     "LocalUpdate",
     "MethodSelector",
     "Plan",
+    "SpeedProfile",
     "Transfer",
+    "balance",
+    "declared_speeds",
+    "enable_logging",
     "gather",
+    "guarantees_balance",
     "matmul",
     "plan",
+    "profile_speeds",
     "split_sizes",
     "start_metrics",
     "stats",
@@ -73,10 +87,13 @@ def __dir__():
 
 if TYPE_CHECKING:
     from osmm_jax._src.api import gather, plan, stats
+    from osmm_jax._src.balance import Balance, balance, guarantees_balance
     from osmm_jax._src.config import METHODS
     from osmm_jax._src.fallback import MethodSelector
     from osmm_jax._src.layout import Layout, split_sizes
+    from osmm_jax._src.log import enable_logging
     from osmm_jax._src.matmul import matmul
     from osmm_jax._src.metrics import start_metrics, write_metrics
     from osmm_jax._src.planner import LocalMultiply, LocalUpdate, Plan, Transfer
+    from osmm_jax._src.speeds import SpeedProfile, declared_speeds, profile_speeds
     from osmm_jax._src.verify import ChecksumError

@@ -28,14 +28,14 @@ Typical loop::
 
 from __future__ import annotations
 
-import logging
 import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 
 from osmm_jax._src import config, metrics
+from osmm_jax._src.log import get_logger
 
-logger = logging.getLogger("osmm_jax.fallback")
+logger = get_logger(__name__)
 
 
 class MethodSelector:

@@ -1,0 +1,347 @@
+"""How many rows each rank should own so that all ranks finish together.
+
+:func:`balance` splits ``total`` rows (of a row layout; columns work the same)
+over ranks in proportion to their speeds, in whole multiples of a granularity
+(whole cache lines, vector widths or tiles), optionally capping any rank's share,
+and says what it did in plain words. Its sizes feed ``Layout.rows(shape,
+sizes=...)``.
+
+The granularity is ``lcm(min_rows, align)``. Every rank's size is a multiple of
+it except the last rank with rows, which also takes the remainder ``total %
+granularity``: so every block STARTS at a multiple of the granularity. That rank
+is the last one with nonzero speed, unless the last ranks are so slow that their
+shares are below one unit: then they may be left empty and the remainder put on
+an earlier rank, whichever finishes sooner. When the rows are too few for the
+granularity (``total < granularity * ranks with nonzero speed``), it is lowered
+to ``align``.
+
+Guarantee (no cap binding, no noise fallback): each rank's predicted time is
+less than ``ideal + granularity * flops_per_row / speed_r``, so
+
+    imbalance < granularity * sum(speeds) / (min(positive speeds) * total)
+
+and the predicted imbalance is at most 5% whenever
+``granularity * sum(speeds) / min(positive speeds) <= 0.05 * total``
+(:func:`guarantees_balance`). For example 3 ranks at 41, 41 and 85 GFLOP/s with
+granularity 512 need ``total >= 41_710`` rows; at granularity 8, 652 rows.
+
+Pure Python and numpy: no JAX, no MPI; the result is identical on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+NOISE_THRESHOLD = 0.2
+"""Default largest coefficient of variation of a rank's timings still trusted as a speed."""
+
+GUARANTEED_IMBALANCE = 0.05
+"""The predicted imbalance :func:`balance` stays within when :func:`guarantees_balance` holds."""
+
+_EPS = 1e-9
+
+
+@dataclass(frozen=True)
+class Balance:
+    """The outcome of :func:`balance`; identical on every rank.
+
+    Attributes:
+        sizes: rows per rank, in rank order; non-negative, summing to ``total``.
+        predicted_seconds: per rank, ``sizes[r] * flops_per_row / (speeds[r] * 1e9)``
+            with speeds in GFLOP/s and ``flops_per_row`` in FLOP (for C = A @ B
+            split by rows of A, ``2 * K * N``): seconds. With the default
+            ``flops_per_row=1.0`` only their ratios mean anything. 0 for ranks
+            with no rows.
+        imbalance: ``(max(predicted_seconds) - ideal) / ideal``, where ``ideal =
+            total * flops_per_row / (sum(speeds) * 1e9)`` is the time if work
+            divided perfectly; 0 when ``total`` is 0.
+        granularity: the unit every size is a multiple of (all but the
+            remainder piece): ``lcm(min_rows, align)``, or ``align`` when lowered.
+        notes: what was done beyond a plain proportional split, in words
+            (granularity lowered, even split for noisy speeds, caps that bound).
+    """
+
+    sizes: tuple[int, ...]
+    predicted_seconds: tuple[float, ...]
+    imbalance: float
+    granularity: int
+    notes: tuple[str, ...]
+
+    def describe(self) -> str:
+        """A few readable lines: sizes, granularity, predicted imbalance, notes."""
+        lines = [
+            f"rows per rank: {', '.join(map(str, self.sizes))} (granularity {self.granularity}); "
+            f"predicted imbalance {self.imbalance:.1%}"
+        ]
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# -- validation ------------------------------------------------------------------------
+
+
+def _check_int(value, name: str, minimum: int) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if value < minimum:
+        raise ValueError(f"{name} must be at least {minimum}, got {value}")
+    return value
+
+
+def _check_numbers(values, name: str) -> list[float]:
+    """``values`` as floats; each finite and non-negative."""
+    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of numbers, got {values!r}")
+    result = []
+    for i, v in enumerate(values):
+        if isinstance(v, bool):
+            raise TypeError(f"{name}[{i}] must be a number, got {v!r}")
+        try:
+            v = float(v)
+        except (TypeError, ValueError):
+            raise TypeError(f"{name}[{i}] must be a number, got {v!r}") from None
+        if not math.isfinite(v):
+            raise ValueError(f"{name}[{i}] is {v}: {name} must be finite")
+        if v < 0:
+            raise ValueError(f"{name}[{i}] is {v}: {name} must be non-negative")
+        result.append(v)
+    return result
+
+
+def _check_real(value, name: str) -> float:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {value!r}") from None
+
+
+# -- the split ---------------------------------------------------------------------------
+
+
+def guarantees_balance(total: int, speeds, granularity: int) -> bool:
+    """Whether :func:`balance` promises predicted imbalance <= 5% at this granularity.
+
+    True when ``granularity * sum(speeds) / min(positive speeds) <= 0.05 * total``
+    (and trivially when ``total`` is 0). The promise holds when no cap binds and
+    speeds are trusted (no even-split fallback).
+    """
+    positive = [float(s) for s in speeds if float(s) > 0]
+    if total == 0:
+        return True
+    return granularity * math.fsum(positive) / min(positive) <= GUARANTEED_IMBALANCE * total
+
+
+def _water_fill(total: float, weights: list[float], limits: list[float]) -> tuple[list[float], set]:
+    """Shares of ``total`` proportional to ``weights``, none above its limit, excess redistributed.
+
+    Returns (shares, the ranks held at their limit). Ranks with weight 0 get 0.
+    """
+    shares = [0.0] * len(weights)
+    free = {r for r, w in enumerate(weights) if w > 0}
+    held: set[int] = set()
+    remaining = float(total)
+    while free:
+        weight_sum = math.fsum(weights[r] for r in free)
+        for r in free:
+            shares[r] = remaining * weights[r] / weight_sum
+        over = {r for r in free if shares[r] > limits[r] * (1 + _EPS)}
+        if not over:
+            break
+        for r in over:
+            shares[r] = limits[r]
+            remaining -= limits[r]
+        free -= over
+        held |= over
+    return shares, held
+
+
+def _round_units(targets: list[float], units_total: int, room: list[int]) -> list[int]:
+    """Whole units near ``targets`` summing to ``units_total``, none above ``room``.
+
+    Largest remainder: floor every target, then one more unit each for the largest
+    fractional parts (ties to the lower rank), never past a rank's room.
+    """
+    units = [min(math.floor(t + _EPS), c) for t, c in zip(targets, room)]
+    order = sorted(range(len(targets)), key=lambda r: (-(targets[r] - units[r]), r))
+    leftover = units_total - sum(units)
+    while leftover > 0:  # normally one pass, over ranks with a fractional part
+        progressed = False
+        for r in order:
+            if leftover and units[r] < room[r] and targets[r] > 0:
+                units[r] += 1
+                leftover -= 1
+                progressed = True
+        if not progressed:
+            raise AssertionError("no rank has room for the remaining rows")  # excluded by checks
+    for r in reversed(order):  # only after float round-off: take back from the smallest parts
+        if leftover < 0 and units[r] > 0:
+            units[r] -= 1
+            leftover += 1
+    return units
+
+
+def _split(
+    total: int, weights: list[float], granularity: int, last: int, cap: float | None
+) -> tuple[list[int], list[int]]:
+    """Sizes proportional to ``weights``, whole units of ``granularity``, the remainder on ``last``.
+
+    Returns (sizes, the ranks a cap holds at its limit).
+    """
+    nranks = len(weights)
+    units_total, remainder = divmod(total, granularity)
+    # Row limits: the cap rounded down to the granularity, or up where rounding down leaves
+    # rows nobody may take (less for the remainder rank, whose size is whole units plus the
+    # remainder); without a cap, nothing binds.
+    limit_units = [units_total + 1] * nranks
+    if cap is not None:
+        exact = cap * total / granularity
+        cap_units = math.floor(exact + _EPS)
+        holders = sum(1 for w in weights if w > 0)
+        if holders * cap_units - (1 if remainder else 0) < units_total:
+            cap_units = math.ceil(exact - _EPS)
+        limit_units = [cap_units] * nranks
+        limit_units[last] = cap_units - (1 if remainder else 0)
+    limits = [u * granularity + (remainder if r == last else 0) for r, u in enumerate(limit_units)]
+    shares, held = _water_fill(total, weights, limits)
+
+    targets = [x / granularity for x in shares]
+    targets[last] = max(0.0, (shares[last] - remainder) / granularity)
+    units = _round_units(targets, units_total, limit_units)
+    sizes = [u * granularity for u in units]
+    sizes[last] += remainder
+    return sizes, [r for r in sorted(held) if sizes[r] >= limits[r]]
+
+
+def balance(
+    total: int,
+    speeds,
+    *,
+    min_rows: int = 512,
+    cap: float | None = None,
+    noise_threshold: float | None = NOISE_THRESHOLD,
+    spread=None,
+    align: int = 1,
+    flops_per_row: float = 1.0,
+) -> Balance:
+    """Split ``total`` rows over ranks in proportion to ``speeds``.
+
+    Args:
+        total: rows to split (a non-negative integer).
+        speeds: per rank, in rank order: GEMM rate in GFLOP/s (any common scale
+            gives the same sizes), finite and >= 0; a rank with speed 0 gets no
+            rows. A :class:`~osmm_jax._src.speeds.SpeedProfile` is accepted too
+            (its ``spread`` is then used unless ``spread`` is given).
+        min_rows: the granularity: sizes are multiples of ``lcm(min_rows,
+            align)``, except the last rank with rows, which takes the remainder. Lowered to ``align`` (and said so in ``notes``) when
+            ``total < granularity * number of ranks with nonzero speed``.
+        cap: in (0, 1]: no rank gets more than ``cap * total`` rows, rounded
+            down to a multiple of the granularity (up, where rounding down would
+            leave rows that no rank may take); what a capped rank cannot take goes to
+            the others in proportion to speed, repeatedly until nobody is over.
+            ``ValueError`` if ``cap * (ranks with nonzero speed) < 1``.
+        noise_threshold: if any rank's ``spread`` exceeds it, speeds are not
+            trusted and the rows are split evenly over the ranks with nonzero
+            speed. None disables the check.
+        spread: per-rank coefficient of variation of the timings behind
+            ``speeds`` (``SpeedProfile.spread``), or None.
+        align: every size is a multiple of it (except the remainder piece),
+            e.g. the vector width.
+        flops_per_row: floating-point operations per row, so that
+            ``predicted_seconds`` are seconds (see :class:`Balance`).
+
+    Returns:
+        A :class:`Balance`. See the module docstring for the 5% guarantee.
+
+    Raises:
+        TypeError: a non-integer ``total``/``min_rows``/``align`` or non-numeric values.
+        ValueError: negative ``total``, ``min_rows``/``align`` below 1, speeds not
+            finite, negative or all zero, ``spread`` of the wrong length or
+            negative, ``cap`` outside (0, 1] or too small for the ranks,
+            ``flops_per_row`` not finite and positive.
+    """
+    if hasattr(speeds, "gflops") and hasattr(speeds, "spread"):  # a SpeedProfile
+        spread = speeds.spread if spread is None else spread
+        speeds = speeds.gflops
+    total = _check_int(total, "total", 0)
+    min_rows = _check_int(min_rows, "min_rows", 1)
+    align = _check_int(align, "align", 1)
+    speeds = _check_numbers(speeds, "speeds")
+    nranks = len(speeds)
+    if nranks == 0:
+        raise ValueError("speeds is empty: give one speed per rank")
+    speed_sum = math.fsum(speeds)
+    if speed_sum <= 0:
+        raise ValueError(f"speeds {speeds} are all zero: at least one rank must get rows")
+    active = [r for r, s in enumerate(speeds) if s > 0]
+    if spread is not None:
+        spread = _check_numbers(spread, "spread")
+        if len(spread) != nranks:
+            raise ValueError(f"spread has {len(spread)} values but speeds has {nranks}")
+    if noise_threshold is not None:
+        noise_threshold = _check_real(noise_threshold, "noise_threshold")
+        if math.isnan(noise_threshold) or noise_threshold < 0:
+            raise ValueError(f"noise_threshold must be >= 0 or None, got {noise_threshold}")
+    if cap is not None:
+        cap = _check_real(cap, "cap")
+        if not 0 < cap <= 1:
+            raise ValueError(f"cap must be in (0, 1], got {cap}")
+        if cap * len(active) < 1 - _EPS:
+            raise ValueError(
+                f"cap {cap} is infeasible: {len(active)} ranks with nonzero speed can hold at "
+                f"most {cap * len(active):.0%} of the rows; it must be at least {1 / len(active):.4g}"
+            )
+    flops_per_row = _check_real(flops_per_row, "flops_per_row")
+    if not (math.isfinite(flops_per_row) and flops_per_row > 0):
+        raise ValueError(f"flops_per_row must be finite and > 0, got {flops_per_row}")
+
+    notes: list[str] = []
+    weights = list(speeds)
+    if spread is not None and noise_threshold is not None:
+        noisy = [r for r in active if spread[r] > noise_threshold]
+        if noisy:
+            detail = ", ".join(f"rank {r} CV {spread[r]:.2f}" for r in noisy)
+            notes.append(f"speeds too noisy ({detail} > {noise_threshold:g}): even split")
+            weights = [1.0 if s > 0 else 0.0 for s in speeds]
+
+    granularity = math.lcm(min_rows, align)
+    if granularity > align and total < granularity * len(active):
+        notes.append(
+            f"total {total} < {granularity} rows x {len(active)} ranks: "
+            f"granularity lowered to {align}"
+        )
+        granularity = align
+    # The remainder piece goes to the last rank with rows, so every block starts on the
+    # granularity. Normally that is the last rank with nonzero speed; but when the ranks at
+    # the end are so slow that their shares are below one unit, the remainder fits better on
+    # an earlier rank, the ones after it left empty. Take whichever finishes first.
+    best = None
+    for last in reversed(active):
+        if cap is None or cap * sum(1 for r in active if r <= last) >= 1 - _EPS:
+            weights_upto = [w if r <= last else 0.0 for r, w in enumerate(weights)]
+            sizes, capped = _split(total, weights_upto, granularity, last, cap)
+            finish = max(n / w for n, w in zip(sizes, weights) if n) if total else 0.0
+            if best is None or finish < best[0] * (1 - _EPS):
+                best = (finish, last, sizes, capped)
+        if total % granularity == 0 or total * weights[last] / math.fsum(weights) >= granularity:
+            break  # an earlier remainder rank would leave a whole unit's worth of work undone
+    _, last, sizes, capped = best
+    if last != active[-1]:
+        empty = [r for r in active if r > last]
+        notes.append(
+            f"ranks {empty} left empty (their shares are below the granularity): rank {last} "
+            f"takes the remainder of {total % granularity} rows"
+        )
+    for r in capped:
+        over = " (the cap rounded up to the granularity)" if sizes[r] > cap * total else ""
+        notes.append(f"rank {r} capped at {cap:.0%}: {sizes[r]} of {total} rows{over}")
+
+    seconds = [
+        n * flops_per_row / (s * 1e9) if n else 0.0 for n, s in zip(sizes, speeds)
+    ]  # n > 0 implies s > 0
+    ideal = total * flops_per_row / (speed_sum * 1e9)
+    imbalance = (max(seconds) - ideal) / ideal if total else 0.0
+    return Balance(tuple(sizes), tuple(seconds), imbalance, granularity, tuple(notes))

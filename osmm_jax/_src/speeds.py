@@ -1,0 +1,486 @@
+"""Each rank's GEMM rate (GFLOP/s): measured, read from a cache, or declared.
+
+Work is split in proportion to these speeds (see :mod:`osmm_jax._src.balance`).
+:func:`profile_speeds` times a jitted square ``jnp.dot`` on every rank at the same
+time (ranks that share a core must be measured while they compete for it, as
+they will when they multiply), takes each rank's median and exchanges the
+results, so every rank returns the same array.
+
+Measuring costs about a second, so results can be cached in a JSON file, one
+entry per rank keyed by the rank and job size and by what determines the rate:
+host, device kind, the CPUs the rank may run on, how many ranks of the job share
+those CPUs, matrix size and dtype. Whether to measure is decided collectively: if
+any rank lacks its entry, every rank measures, so no rank waits in a collective
+the others skipped.
+
+Speeds can also be declared (``speeds=[...]`` or ``OSMM_SPEEDS=300,300,125``),
+which skips measuring altogether.
+
+Importing this module loads neither JAX nor MPI: :func:`declared_speeds` is pure;
+:func:`profile_speeds` imports them when called.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import socket
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from osmm_jax._src import config
+from osmm_jax._src.balance import NOISE_THRESHOLD
+from osmm_jax._src.log import get_logger
+
+log = get_logger("speeds")  # not __name__, which is "__main__" under python -m
+
+SOURCES = ("measured", "cache", "declared")
+"""Where a :class:`SpeedProfile` came from."""
+
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+"""The dtypes a GEMM rate can be measured for (those :func:`osmm_jax.matmul` supports)."""
+
+CACHE_VERSION = 1
+
+
+@dataclass(frozen=True, eq=False)
+class SpeedProfile:
+    """The GEMM rate of every rank of a communicator, identical on every rank.
+
+    Attributes:
+        gflops: float64 array, shape ``(nranks,)``: rank ``r``'s rate in GFLOP/s
+            (median over the timed repeats).
+        spread: float64 array, shape ``(nranks,)``: the coefficient of variation
+            (standard deviation / mean) of rank ``r``'s timed repeats; 0 for
+            declared speeds. Pass it to ``balance(..., spread=...)``, which falls
+            back to an even split when the timings were too noisy to trust.
+        source: ``"measured"``, ``"cache"`` or ``"declared"``.
+
+    Both arrays are read-only. Compared by identity (arrays have no single truth value).
+    """
+
+    gflops: np.ndarray
+    spread: np.ndarray
+    source: str
+
+    def __post_init__(self) -> None:
+        for name in ("gflops", "spread"):
+            value = np.array(getattr(self, name), dtype=np.float64)
+            value.setflags(write=False)
+            object.__setattr__(self, name, value)
+        if self.gflops.shape != self.spread.shape or self.gflops.ndim != 1:
+            raise ValueError(
+                f"gflops and spread must be 1-D of one length, got {self.gflops.shape} and {self.spread.shape}"
+            )
+        if self.source not in SOURCES:
+            raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
+
+    def describe(self) -> str:
+        """One line per rank: rate and spread, e.g. ``rank 2: 85.3 GFLOP/s (CV 0.02)``."""
+        lines = [f"GEMM rates ({self.source}):"]
+        for r, (g, s) in enumerate(zip(self.gflops, self.spread)):
+            lines.append(f"  rank {r}: {g:8.1f} GFLOP/s (CV {s:.2f})")
+        return "\n".join(lines)
+
+
+# -- declared speeds ---------------------------------------------------------------------
+
+
+def _check_speeds(values, nranks: int, what: str) -> np.ndarray:
+    """``values`` as a float64 array of ``nranks`` finite positive rates, or a ValueError naming ``what``."""
+    try:
+        speeds = [float(v) for v in values]
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be numbers (GFLOP/s per rank), got {values!r}") from None
+    if len(speeds) != nranks:
+        raise ValueError(f"{what} has {len(speeds)} values but there are {nranks} ranks")
+    for r, s in enumerate(speeds):
+        if not math.isfinite(s) or s <= 0:
+            raise ValueError(f"{what}: rank {r}'s speed is {s}; speeds must be finite and > 0")
+    return np.array(speeds, dtype=np.float64)
+
+
+def declared_speeds(nranks: int) -> np.ndarray | None:
+    """The speeds declared by ``OSMM_SPEEDS`` (GFLOP/s per rank), or None when it is unset.
+
+    Args:
+        nranks: how many ranks the speeds are for.
+
+    Raises:
+        ValueError: the variable does not hold ``nranks`` comma-separated finite
+            numbers greater than zero.
+    """
+    text = config.declared_speeds_text()
+    if text is None:
+        return None
+    what = f"{config.SPEEDS}={text!r}"
+    parts = [p.strip() for p in text.split(",")]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise ValueError(
+            f"{what}: expected comma-separated GFLOP/s per rank, e.g. '300,300,125'"
+        ) from None
+    return _check_speeds(values, nranks, what)
+
+
+# -- measuring ------------------------------------------------------------------------
+
+
+def _dtype_name(dtype) -> str:
+    try:
+        name = np.dtype(dtype).name
+    except TypeError:
+        name = str(getattr(dtype, "__name__", dtype))
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    return name
+
+
+def _check_count(value, name: str) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    value = int(value)
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}")
+    return value
+
+
+def _time_gemm(comm, size: int, repeats: int, dtype: str) -> tuple[float, float]:
+    """This rank's (GFLOP/s from the median time, CV of the times) of a ``size``³ ``dtype`` dot.
+
+    Collective: the ranks start the timed runs together, so ranks sharing a core
+    are measured while they compete for it.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), dtype=dtype)
+    dot = jax.jit(jnp.dot)
+    dot(x, x).block_until_ready()  # compile and warm up
+    comm.Barrier()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dot(x, x).block_until_ready()
+        times.append(time.perf_counter() - start)
+    median = statistics.median(times)
+    cv = statistics.pstdev(times) / statistics.fmean(times)
+    return 2.0 * size**3 / median / 1e9, cv
+
+
+# -- cache ------------------------------------------------------------------------------
+
+
+def default_cache_path() -> Path:
+    """``$XDG_CACHE_HOME/osmm_jax/speeds.json`` (``~/.cache/osmm_jax/speeds.json`` by default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "osmm_jax" / "speeds.json"
+
+
+def _cache_path(cache) -> Path | None:
+    if cache is None or cache is False:
+        return None
+    if cache is True:
+        return default_cache_path()
+    if isinstance(cache, (str, os.PathLike)):
+        return Path(cache).expanduser()
+    raise TypeError(f"cache must be None, True or a path, got {cache!r}")
+
+
+def _affinity() -> frozenset[int] | None:
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return None
+
+
+def _cpu_ranges(cpus) -> str:
+    """``{0, 1, 2, 5}`` -> ``"0-2,5"``; None -> ``"any"``."""
+    if cpus is None:
+        return "any"
+    runs: list[list[int]] = []
+    for c in sorted(cpus):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def _cache_key(comm, size: int, dtype: str) -> str:
+    """This rank's cache key (collective: ranks compare hosts and CPU sets).
+
+    E.g. ``"rank 2/3|node7|cpu|cpus 1|shared by 1|1024|float32"``. A rank's rate
+    depends on how many ranks of the job compete for its CPUs, not only on which
+    CPUs those are, so the key counts them. The rank and job size are part of the
+    key, so each rank reads back exactly what it measured.
+    """
+    import jax
+
+    host, cpus = socket.gethostname(), _affinity()
+    everyone = comm.allgather((host, cpus))
+    sharing = sum(1 for h, c in everyone if h == host and (cpus is None or c is None or cpus & c))
+    kind = jax.devices()[0].device_kind
+    rank, nranks = comm.Get_rank(), comm.Get_size()
+    return "|".join(
+        (
+            f"rank {rank}/{nranks}",
+            host,
+            kind,
+            f"cpus {_cpu_ranges(cpus)}",
+            f"shared by {sharing}",
+            str(size),
+            dtype,
+        )
+    )
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        log.warning("ignoring unreadable speed cache %s: %s", path, e)
+        return {}
+    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION:
+        return {}
+    entries = data.get("entries")
+    return entries if isinstance(entries, dict) else {}
+
+
+def _cached_entry(path: Path, key: str) -> tuple[float, float] | None:
+    entry = _read_cache(path).get(key)
+    try:
+        gflops, spread = float(entry["gflops"]), float(entry["spread"])
+    except (TypeError, KeyError, ValueError):
+        return None
+    if not (math.isfinite(gflops) and gflops > 0 and math.isfinite(spread) and spread >= 0):
+        return None
+    return gflops, spread
+
+
+def _write_cache(path: Path, key: str, gflops: float, spread: float) -> None:
+    """Add this rank's entry: read-modify-write under an exclusive lock, replaced atomically.
+
+    Several ranks (of this job or another) may write the same file at once.
+    Failing to write is logged, never raised: the cache is an optimisation.
+    """
+    import fcntl
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(path.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            entries = _read_cache(path)
+            entries[key] = {
+                "gflops": gflops,
+                "spread": spread,
+                "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            with open(tmp, "w") as f:
+                json.dump(
+                    {"version": CACHE_VERSION, "entries": entries}, f, indent=1, sort_keys=True
+                )
+            os.replace(tmp, path)
+    except OSError as e:
+        log.warning("could not write the speed cache %s: %s", path, e)
+
+
+# -- public function ----------------------------------------------------------------
+
+
+def _info(rank: int, msg: str, *args) -> None:
+    """A progress line: INFO on rank 0, DEBUG on the others (so one terminal shows it once)."""
+    log.log(logging.INFO if rank == 0 else logging.DEBUG, msg, *args)
+
+
+def profile_speeds(
+    comm=None,
+    *,
+    size: int = 1024,
+    repeats: int = 7,
+    dtype="float32",
+    cache=None,
+    progress: bool = True,
+    speeds=None,
+    return_profile: bool = False,
+):
+    """Every rank's GEMM rate in GFLOP/s, the same array on every rank.
+
+    A collective over ``comm``: every rank must call it, with the same arguments.
+    Each rank times a jitted ``size`` x ``size`` ``jnp.dot`` (one warm-up, then
+    ``repeats`` timed runs, all ranks at once) and reports ``2 * size**3 /
+    median_time``. Ranks that share CPUs are measured while competing for them.
+
+    Args:
+        comm: an mpi4py intracommunicator (default COMM_WORLD); a private
+            duplicate is used for the exchange.
+        size: the matrix dimension (rows = cols) to time; large enough that one
+            product takes tens of milliseconds gives stable numbers.
+        repeats: timed runs per rank; the median is used.
+        dtype: ``"float32"`` (default), ``"float64"``, ``"bfloat16"`` or ``"float16"``.
+        cache: None (default: always measure), True (``~/.cache/osmm_jax/speeds.json``)
+            or a JSON file path. Ranks read their own entries; if any rank has
+            none, every rank measures and stores its entry.
+        progress: log one line per phase (INFO on rank 0, DEBUG elsewhere; see
+            :func:`osmm_jax.enable_logging`).
+        speeds: declared GFLOP/s per rank; skips measuring (source ``"declared"``).
+            Without it, ``OSMM_SPEEDS`` is read, and if set used the same way.
+        return_profile: return a :class:`SpeedProfile` (rates, spread, source)
+            instead of the bare array.
+
+    Returns:
+        float64 array of shape ``(comm size,)`` in GFLOP/s, or a :class:`SpeedProfile`.
+
+    Raises:
+        TypeError / ValueError: bad arguments, declared speeds of the wrong count
+            or not finite and positive, or ranks passing different arguments;
+            raised on every rank alike.
+    """
+    from osmm_jax._src import comm as comm_mod
+
+    private = comm_mod.private_comm(comm)
+    rank, nranks = private.Get_rank(), private.Get_size()
+
+    # Check everything locally, then agree, so a bad argument on one rank raises on all.
+    declared, origin, path, error = None, "", None, None
+    try:
+        size = _check_count(size, "size")
+        repeats = _check_count(repeats, "repeats")
+        dtype = _dtype_name(dtype)
+        path = _cache_path(cache)
+        if speeds is not None:
+            declared, origin = _check_speeds(speeds, nranks, "speeds"), "declared"
+        else:
+            declared, origin = declared_speeds(nranks), f"declared by {config.SPEEDS}"
+    except (TypeError, ValueError) as e:
+        error = e
+    choice = (
+        None if declared is None else declared.tolist(),
+        size,
+        repeats,
+        dtype,
+        path is not None,
+    )
+    _agree(private, repr(choice), error)
+    if declared is not None:
+        if progress:
+            _info(rank, "GEMM rates %s: %s GFLOP/s", origin, _fmt(declared))
+        return _result(SpeedProfile(declared, np.zeros(nranks), "declared"), return_profile)
+
+    if path is not None:
+        key = _cache_key(private, size, dtype)
+        mine = _cached_entry(path, key)
+        found = private.allgather(mine)
+        if all(entry is not None for entry in found):
+            profile = SpeedProfile([g for g, _ in found], [s for _, s in found], "cache")
+            if progress:
+                _info(rank, "GEMM rates from the cache %s: %s GFLOP/s", path, _fmt(profile.gflops))
+            return _result(profile, return_profile)
+        missing = [r for r, entry in enumerate(found) if entry is None]
+        if progress:
+            _info(rank, "speed cache %s has no entry for ranks %s: measuring", path, missing)
+
+    if progress:
+        _info(rank, "profiling GEMM rate: %d^3 %s, %d repeats", size, dtype, repeats)
+    gflops, spread = _time_gemm(private, size, repeats, dtype)
+    measured = private.allgather((gflops, spread))
+    profile = SpeedProfile([g for g, _ in measured], [s for _, s in measured], "measured")
+    if path is not None:
+        _write_cache(path, key, gflops, spread)
+        private.Barrier()  # on return, the file holds every rank's entry
+    noisy = [f"rank {r} CV {s:.2f}" for r, s in enumerate(profile.spread) if s > NOISE_THRESHOLD]
+    if noisy and rank == 0:
+        log.warning(
+            "GEMM timings vary (%s > %s): balance() will split evenly; a larger size or "
+            "more repeats may help",
+            ", ".join(noisy),
+            NOISE_THRESHOLD,
+        )
+    if progress:
+        _info(
+            rank,
+            "GEMM rates measured: %s GFLOP/s (CV %s)",
+            _fmt(profile.gflops),
+            ", ".join(f"{s:.2f}" for s in profile.spread),
+        )
+    return _result(profile, return_profile)
+
+
+def _agree(comm, token: str, error: Exception | None) -> None:
+    """Raise the same error on every rank if any rank's arguments were bad or ranks differ.
+
+    Like :func:`osmm_jax._src.comm.agree`, but keeps TypeError (when every failing
+    rank had one) distinct from ValueError.
+    """
+    mine = None if error is None else (type(error).__name__, str(error))
+    records = comm.allgather((token, mine))
+    errors = [(r, err) for r, (_, err) in enumerate(records) if err is not None]
+    if errors:
+        cls = TypeError if all(kind == "TypeError" for _, (kind, _) in errors) else ValueError
+        if len(records) == 1:
+            raise cls(errors[0][1][1])
+        detail = "; ".join(f"rank {r}: {msg}" for r, (_, msg) in errors)
+        raise cls(
+            f"osmm_jax.profile_speeds: bad arguments on {len(errors)} of {len(records)} ranks: {detail}"
+        )
+    tokens = {token for token, _ in records}
+    if len(tokens) > 1:
+        groups: dict[str, list[int]] = {}
+        for r, (tok, _) in enumerate(records):
+            groups.setdefault(tok, []).append(r)
+        detail = "; ".join(f"ranks {ranks} have {tok}" for tok, ranks in groups.items())
+        raise ValueError(
+            "osmm_jax.profile_speeds: ranks disagree (declared speeds, size, repeats, dtype, "
+            f"cache on/off must be the same on every rank): {detail}"
+        )
+
+
+def _fmt(values) -> str:
+    return ", ".join(f"{v:.1f}" for v in values)
+
+
+def _result(profile: SpeedProfile, return_profile: bool):
+    return profile if return_profile else profile.gflops.copy()
+
+
+def main(argv=None) -> int:
+    """``mpiexec -n N python -m osmm_jax._src.speeds``: print every rank's GEMM rate."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Measure and print every rank's GEMM rate.")
+    parser.add_argument("--size", type=int, default=1024, help="matrix dimension (default 1024)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed runs (default 7)")
+    parser.add_argument("--dtype", default="float32", help="float32 (default), float64, ...")
+    parser.add_argument("--cache", default=None, help="a JSON cache file (default: none)")
+    args = parser.parse_args(argv)
+
+    from mpi4py import MPI
+
+    from osmm_jax._src.log import enable_logging
+
+    enable_logging("INFO")
+    profile = profile_speeds(
+        size=args.size,
+        repeats=args.repeats,
+        dtype=args.dtype,
+        cache=args.cache,
+        return_profile=True,
+    )
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print(profile.describe(), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
