@@ -5,9 +5,10 @@ Run on 3 ranks: ``mpiexec -n 3 .venv/bin/python examples/ffn_demo.py`` (``make d
 The seed workload is an FFN product X[4096, 4096] @ W[4096, 11008]; scaled here
 by ``--scale`` (default 0.5: X[2048, 2048] @ W[2048, 5504]) to fit a small
 machine. X (the batch) is split by rows in proportion to each rank's measured
-GEMM rate, W is replicated (data parallel). The forward product needs no
-communication; the backward product dW = X.T @ dY is a K-split reduction that
-osmm_jax delivers onto every rank by one-sided MPI_Accumulate. The step is
+GEMM rate (``osmm_jax.profile_speeds`` and ``osmm_jax.balance``), W is
+replicated (data parallel). The forward product needs no communication; the
+backward product dW = X.T @ dY is a K-split reduction that osmm_jax delivers
+onto every rank by one-sided MPI_Accumulate. The step is
 timed for ``one_sided`` and for the ``allreduce`` baseline (mpi4jax), and both
 results are checked (Freivalds' random-vector test against float64 numpy).
 Exits non-zero on a wrong result.
@@ -35,19 +36,6 @@ def say(*args):
         print(*args, flush=True)
 
 
-def measure_gemm_rate(n: int = 512, repeats: int = 5) -> float:
-    """This rank's float32 GEMM rate in GFLOP/s (median of ``repeats`` after a warm-up)."""
-    x = jnp.ones((n, n), jnp.float32)
-    dot = jax.jit(jnp.dot)
-    dot(x, x).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        dot(x, x).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return 2 * n**3 / np.median(times) / 1e9
-
-
 def timed(fn, *args, repeats: int):
     """Median wall time of ``fn(*args)`` over ``repeats`` runs after one warm-up, agreed across ranks."""
     jax.block_until_ready(fn(*args))
@@ -71,16 +59,18 @@ def main() -> int:
     args = parser.parse_args()
     M, K, N = (max(8, int(round(d * args.scale))) for d in (4096, 4096, 11008))
 
-    speeds = np.array(COMM.allgather(measure_gemm_rate()))
+    speeds = om.profile_speeds(size=512, repeats=5, progress=False)
+    split = om.balance(M, speeds, min_rows=8)
     say(f"osmm_jax FFN step: Y[{M}x{N}] = X[{M}x{K}] @ W[{K}x{N}] (float32) on {SIZE} ranks")
     say(
         "measured GEMM rates (GFLOP/s): "
         + ", ".join(f"rank {r}: {s:.1f}" for r, s in enumerate(speeds))
     )
+    say(f"rows of X per rank: {list(split.sizes)} (predicted imbalance {split.imbalance:.1%})")
 
-    x_layout = om.Layout.rows((M, K), weights=speeds)
+    x_layout = om.Layout.rows((M, K), sizes=split.sizes)
     w_layout = om.Layout.replicated((K, N))
-    y_layout = om.Layout.rows((M, N), weights=speeds)
+    y_layout = om.Layout.rows((M, N), sizes=split.sizes)
     plan = om.plan(x_layout, w_layout, y_layout)
     _, plan_dw = plan.backward()
     say("\nforward plan:\n" + plan.describe(max_lines=12))
