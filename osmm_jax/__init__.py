@@ -40,6 +40,9 @@ _PUBLIC = {
     "Balance": "osmm_jax._src.balance",
     "guarantees_balance": "osmm_jax._src.balance",
     "enable_logging": "osmm_jax._src.log",
+    "auto_layouts": "osmm_jax._src.auto_layout",
+    "LayoutChoice": "osmm_jax._src.auto_layout",
+    "Rebalancer": "osmm_jax._src.rebalance",
     "start_metrics": "osmm_jax._src.metrics",
     "write_metrics": "osmm_jax._src.metrics",
     "METHODS": "osmm_jax._src.config",
@@ -51,12 +54,15 @@ __all__ = [
     "Balance",
     "ChecksumError",
     "Layout",
+    "LayoutChoice",
     "LocalMultiply",
     "LocalUpdate",
     "MethodSelector",
     "Plan",
+    "Rebalancer",
     "SpeedProfile",
     "Transfer",
+    "auto_layouts",
     "balance",
     "declared_speeds",
     "enable_logging",
@@ -87,6 +93,7 @@ def __dir__():
 
 if TYPE_CHECKING:
     from osmm_jax._src.api import gather, plan, stats
+    from osmm_jax._src.auto_layout import LayoutChoice, auto_layouts
     from osmm_jax._src.balance import Balance, balance, guarantees_balance
     from osmm_jax._src.config import METHODS
     from osmm_jax._src.fallback import MethodSelector
@@ -95,5 +102,6 @@ if TYPE_CHECKING:
     from osmm_jax._src.matmul import matmul
     from osmm_jax._src.metrics import start_metrics, write_metrics
     from osmm_jax._src.planner import LocalMultiply, LocalUpdate, Plan, Transfer
+    from osmm_jax._src.rebalance import Rebalancer
     from osmm_jax._src.speeds import SpeedProfile, declared_speeds, profile_speeds
     from osmm_jax._src.verify import ChecksumError

@@ -35,8 +35,6 @@ import math
 import os
 import threading
 
-from osmm_jax._src import native
-
 PORT = "OSMM_METRICS_PORT"
 TEXTFILE = "OSMM_METRICS_TEXTFILE"
 
@@ -88,6 +86,8 @@ def count_product() -> None:
 
 def _families():
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    from osmm_jax._src import native
 
     labels = ["rank", "world_size"]
     values = [str(_state["rank"]), str(_state["size"])]

@@ -1,0 +1,67 @@
+"""Heterogeneous ranks, emulated for real by CPU binding.
+
+Runs only under ``mpiexec -n 3 -bind-to user:0,0,1`` (``make test`` runs it so):
+ranks 0 and 1 share core 0, rank 2 has core 1 to itself, so rank 2 computes
+about twice as fast. Elsewhere every test here is skipped with that reason.
+The bounds are generous (a shared machine is noisy) but each check fails if
+the mechanism it checks does not work: an even split is ~2x off, for example.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import osmm_jax as om
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+AFFINITIES = COMM.allgather(sorted(os.sched_getaffinity(0)))
+
+pytestmark = pytest.mark.skipif(
+    SIZE != 3
+    or AFFINITIES[0] != AFFINITIES[1]
+    or len(AFFINITIES[0]) != 1
+    or AFFINITIES[2] == AFFINITIES[0],
+    reason="needs mpiexec -n 3 -bind-to user:0,0,1 (ranks 0 and 1 on one core, rank 2 on another)",
+)
+
+
+def _share_seconds(rows: int, k: int = 1024, n: int = 1024, repeats: int = 7) -> list[float]:
+    """Every rank's median time to multiply its ``rows`` x k block by a k x n matrix, all at once."""
+    a = jnp.ones((rows, k), jnp.float32)
+    b = jnp.ones((k, n), jnp.float32)
+    dot = jax.jit(jnp.dot)
+    dot(a, b).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        COMM.Barrier()
+        start = time.perf_counter()
+        dot(a, b).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return COMM.allgather(statistics.median(times))
+
+
+def test_profile_speeds_finds_the_rank_alone_on_its_core_about_twice_as_fast():
+    speeds = om.profile_speeds(size=512, repeats=5, progress=False)
+    assert len(set(map(tuple, COMM.allgather(speeds.tolist())))) == 1
+    ratio = speeds[2] / np.mean(speeds[:2])
+    assert 1.4 < ratio < 3.0, f"measured speeds {speeds} (rank 2 / ranks 0-1 = {ratio:.2f})"
+
+
+def test_balanced_rows_make_measured_compute_times_agree_within_15_percent():
+    speeds = om.profile_speeds(size=512, repeats=5, progress=False)
+    total = 6144
+    split = om.balance(total, speeds, min_rows=64)
+    times = _share_seconds(split.sizes[RANK])
+    spread = (max(times) - min(times)) / min(times)
+    assert spread <= 0.15, f"rows {split.sizes}: per-rank seconds {times} differ by {spread:.0%}"
+    even = _share_seconds(total // 3)
+    assert max(even) > 1.2 * max(times), f"balanced {times} should finish well before even {even}"

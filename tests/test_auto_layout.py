@@ -1,0 +1,193 @@
+"""auto_layouts, without MPI or JAX: every candidate is a valid plan, the model's choices, errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from osmm_jax._src.auto_layout import (
+    DEFAULT_BANDWIDTH,
+    LayoutChoice,
+    auto_layouts,
+    candidate_layouts,
+    predict,
+)
+from osmm_jax._src.layout import Layout
+from osmm_jax._src.planner import Plan
+
+SPEEDS = [3.0, 1.0, 2.0, 2.0, 0.5, 4.0]
+
+
+def _primary_flops(plan: Plan) -> int:
+    return sum(m.flops for m in plan.multiplies if m.primary)
+
+
+def _heights(layout: Layout) -> list[int]:
+    return [r1 - r0 for (r0, r1), _ in layout.blocks]
+
+
+@pytest.mark.parametrize("nranks", range(1, 7))
+@pytest.mark.parametrize("replicated_is_free", [True, False])
+def test_every_candidate_plans_the_whole_product(nranks, replicated_is_free):
+    M, K, N = 13, 11, 7
+    speeds = SPEEDS[:nranks]
+    names = []
+    for name, a, b, c in candidate_layouts(M, K, N, speeds, replicated_is_free=replicated_is_free):
+        names.append(name)
+        plan = Plan(a, b, c)
+        assert plan.nranks == nranks
+        assert _primary_flops(plan) == 2 * M * K * N, name
+    grids = [f"grid {pr}x{nranks // pr}" for pr in range(2, nranks) if nranks % pr == 0]
+    assert names == ["rows", "cols", "k_split", *grids]
+
+    choice = auto_layouts(M, K, N, speeds, replicated_is_free=replicated_is_free)
+    assert isinstance(choice, LayoutChoice)
+    assert [c.name for c in choice.candidates] == names
+    assert choice.name in names
+    assert _primary_flops(Plan(choice.a, choice.b, choice.c)) == 2 * M * K * N
+    assert choice.predicted_seconds <= min(c.predicted_seconds for c in choice.candidates) * (
+        1 + 1e-3
+    )
+    for cand in choice.candidates:
+        assert cand.predicted_seconds == cand.compute_seconds + cand.comm_seconds
+
+
+def test_grids_for_six_ranks():
+    names = [n for n, *_ in candidate_layouts(12, 12, 12, [1] * 6)]
+    assert names == ["rows", "cols", "k_split", "grid 2x3", "grid 3x2"]
+
+
+def test_rows_wins_without_communication_when_b_is_small():
+    # Tall A, small B: rows splits M finely; cols cannot balance 8 columns over speeds 1:2:3.
+    choice = auto_layouts(6000, 64, 8, [1.0, 2.0, 3.0])
+    assert choice.name == "rows"
+    best = choice.candidates[0]
+    assert best.comm_seconds == 0
+    assert choice.predicted_seconds < choice.candidates[1].predicted_seconds
+    assert "no communication" in choice.reason
+    assert "assumed already on every rank" in choice.reason
+    assert "Runner-up" in choice.reason
+    assert choice.a.kind == "rows" and choice.b.is_replicated and choice.c.kind == "rows"
+    assert _heights(choice.a) == [1000, 2000, 3000]
+    # Fetching the small B costs little, so rows wins even when it must be fetched.
+    assert auto_layouts(6000, 64, 8, [1.0, 2.0, 3.0], replicated_is_free=False).name == "rows"
+
+
+def test_ties_go_to_the_first_candidate():
+    choice = auto_layouts(64, 64, 64, [1.0] * 4)
+    rows, cols = choice.candidates[:2]
+    assert rows.predicted_seconds == cols.predicted_seconds
+    assert choice.name == "rows" and "a tie" in choice.reason
+    # Shares rounded to whole rows make cols 0.02% faster here: still a tie.
+    choice = auto_layouts(2048, 2048, 5504, [41.0, 41.0, 85.0])
+    rows, cols = choice.candidates[:2]
+    assert cols.predicted_seconds < rows.predicted_seconds < cols.predicted_seconds * 1.001
+    assert choice.name == "rows" and "a tie" in choice.reason
+
+
+def test_cols_wins_when_there_are_too_few_rows():
+    # Two rows over four ranks: rows leaves two ranks idle; cols splits N.
+    choice = auto_layouts(2, 64, 4096, [1.0] * 4)
+    assert choice.name == "cols"
+    assert choice.a.is_replicated and choice.b.kind == "cols"
+
+
+def test_k_split_wins_when_k_is_the_only_large_dimension():
+    choice = auto_layouts(2, 1 << 20, 2, [1.0] * 4)
+    assert choice.name == "k_split"
+    assert choice.a.kind == "cols" and choice.b.kind == "rows"
+
+
+def test_the_k_much_larger_than_m_numbers_in_the_docstring():
+    def table(M, K, N, free):
+        choice = auto_layouts(M, K, N, [100.0] * 4, replicated_is_free=free)
+        return choice.name, {c.name: round(c.predicted_seconds, 4) for c in choice.candidates}
+
+    name, times = table(256, 16384, 4096, True)
+    assert name == "rows"
+    assert times == {"rows": 0.0859, "cols": 0.0859, "k_split": 0.0865, "grid 2x2": 0.0878}
+    name, times = table(256, 16384, 4096, False)
+    assert name == "k_split"
+    assert times == {"rows": 0.0872, "cols": 0.0884, "k_split": 0.0865, "grid 2x2": 0.0878}
+    name, times = table(256, 4096, 16384, False)
+    assert name == "cols"
+    assert times["cols"] == 0.0865 and times["k_split"] == 0.0884
+
+
+def test_heterogeneous_speeds_shift_the_shares():
+    speeds = [1.0, 3.0]
+    choice = auto_layouts(4000, 256, 256, speeds)
+    assert choice.name == "rows"
+    assert _heights(choice.a) == [1000, 3000]
+    plan = Plan(choice.a, choice.b, choice.c)
+    times = [f / (s * 1e9) for f, s in zip(plan.flops, speeds)]
+    assert times[0] == pytest.approx(times[1])
+    assert choice.predicted_seconds == pytest.approx(max(times))
+
+
+def test_grid_weights_are_the_speed_sums_of_grid_rows_and_columns():
+    # Grid row 1 is twice as fast: the speeds are an outer product, so areas match exactly.
+    layouts = {n: (a, b, c) for n, a, b, c in candidate_layouts(60, 60, 60, [1, 1, 2, 2])}
+    _, _, c = layouts["grid 2x2"]
+    areas = [(r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in c.blocks]
+    assert areas == [600, 600, 1200, 1200]
+
+
+def test_a_rank_with_speed_zero_gets_no_work():
+    choice = auto_layouts(900, 64, 64, [1.0, 0.0, 2.0])
+    plan = Plan(choice.a, choice.b, choice.c)
+    assert plan.flops[1] == 0
+    assert math.isfinite(choice.predicted_seconds)
+    busy = Plan(
+        Layout.rows((4, 4), nranks=2), Layout.replicated((4, 4), 2), Layout.rows((4, 4), nranks=2)
+    )
+    assert predict(busy, [1.0, 0.0]).predicted_seconds == math.inf
+
+
+def test_bandwidth_and_itemsize_scale_communication():
+    base = {c.name: c for c in auto_layouts(512, 4096, 512, [1.0] * 2).candidates}
+    slow = {c.name: c for c in auto_layouts(512, 4096, 512, [1.0] * 2, bandwidth=1e9).candidates}
+    assert slow["k_split"].comm_seconds == pytest.approx(
+        base["k_split"].comm_seconds * DEFAULT_BANDWIDTH / 1e9
+    )
+    f64 = {c.name: c for c in auto_layouts(512, 4096, 512, [1.0] * 2, itemsize=8).candidates}
+    bf16 = {c.name: c for c in auto_layouts(512, 4096, 512, [1.0] * 2, itemsize=2).candidates}
+    assert f64["k_split"].comm_seconds == pytest.approx(2 * base["k_split"].comm_seconds)
+    # Partials travel in float32 for 16-bit inputs.
+    assert bf16["k_split"].comm_seconds == base["k_split"].comm_seconds
+
+
+def test_one_rank():
+    choice = auto_layouts(8, 8, 8, [5.0])
+    assert choice.name == "rows"
+    assert choice.predicted_seconds == pytest.approx(2 * 8**3 / 5e9)
+    assert all(c.comm_seconds == 0 for c in choice.candidates)
+
+
+def test_deterministic():
+    first = auto_layouts(300, 200, 100, [1.5, 2.5, 1.0, 3.0])
+    assert auto_layouts(300, 200, 100, [1.5, 2.5, 1.0, 3.0]) == first
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "match"),
+    [
+        ((0, 4, 4, [1.0]), {}, ValueError, "M must be positive"),
+        ((4, -1, 4, [1.0]), {}, ValueError, "K must be"),
+        ((4, 4, 2.5, [1.0]), {}, TypeError, "N must be an integer"),
+        ((4, 4, 4, []), {}, ValueError, "speeds is empty"),
+        ((4, 4, 4, [1.0, math.nan]), {}, ValueError, "finite"),
+        ((4, 4, 4, [math.inf]), {}, ValueError, "finite"),
+        ((4, 4, 4, [1.0, -1.0]), {}, ValueError, "non-negative"),
+        ((4, 4, 4, [0, 0]), {}, ValueError, "all zero"),
+        ((4, 4, 4, ["fast"]), {}, TypeError, "speeds"),
+        ((4, 4, 4, [1.0]), {"bandwidth": 0}, ValueError, "bandwidth"),
+        ((4, 4, 4, [1.0]), {"bandwidth": -5e9}, ValueError, "bandwidth"),
+        ((4, 4, 4, [1.0]), {"bandwidth": math.nan}, ValueError, "bandwidth"),
+        ((4, 4, 4, [1.0]), {"itemsize": 0}, ValueError, "itemsize"),
+    ],
+)
+def test_errors(args, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        auto_layouts(*args, **kwargs)
