@@ -89,7 +89,8 @@ clean:
 # The main job and the tests.
 #
 #   make demo      the FFN training-step demo on 3 local ranks (examples/ffn_demo.py)
-#   make test      planner/layout/process tests, then the MPI tests on 1, 2, 3 and 4 ranks
+#   make test      planner/layout/process tests, then the MPI tests on 1, 2, 3 and 4 ranks,
+#                  then the heterogeneity tests on 3 ranks bound to cores 0, 0, 1
 #
 # Each MPI run is bounded twice: pytest-timeout stops a test stuck for TEST_TIMEOUT seconds
 # (dumping every thread's stack), and `timeout` stops a whole run after MPI_RUN_TIMEOUT.
@@ -116,6 +117,10 @@ test-mpi: install
 	    --timeout=$(TEST_TIMEOUT) --timeout-method=thread \
 	    || { echo "MPI tests FAILED on $$n rank(s)"; exit 1; }; \
 	done
+	@# Heterogeneous ranks for real: ranks 0 and 1 share core 0, rank 2 has core 1.
+	timeout --kill-after=30 $(MPI_RUN_TIMEOUT) $(MPIEXEC) -n 3 -bind-to user:0,0,1 $(PY) tests/mpi/run.py \
+	  tests/mpi/test_heterogeneous.py tests/mpi/test_rebalance.py -q \
+	  --timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
 # A few minutes: one_sided against the all-reduce baseline on the K-split reduction (2 ranks)
 # and on the communication-free row split (3 ranks). More cases: python -m benchmarks.compare_methods --help

@@ -76,3 +76,37 @@ def test_the_plan_runs():
     w = rng.standard_normal((16, 8)).astype(np.float32)
     y = om.matmul(x[rb.row_slice()], w, plan)
     np.testing.assert_allclose(np.asarray(y), x[rb.row_slice()] @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_a_rank_slowed_mid_run_by_extra_work_is_detected_and_loses_rows():
+    """Real timings: from step 6 on, the last rank does its product three more times."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    if SIZE == 1:
+        pytest.skip("needs a second rank to compare with")
+    rebalancer = Rebalancer(SIZE * 512, [1.0] * SIZE, window=5, quantum=64)
+    dot = jax.jit(jnp.dot)
+    b = jnp.ones((256, 256), jnp.float32)
+    slowed_at, changed_at = 6, None
+    for step in range(30):
+        a = jnp.ones((rebalancer.sizes[RANK], 256), jnp.float32)
+        dot(a, b).block_until_ready()  # compile outside the timed region
+        start = time.perf_counter()
+        repeats = 4 if (RANK == SIZE - 1 and step >= slowed_at) else 1
+        for _ in range(repeats):
+            dot(a, b).block_until_ready()
+        if (
+            rebalancer.observe(time.perf_counter() - start)
+            and step >= slowed_at
+            and changed_at is None
+        ):
+            changed_at = step
+    assert changed_at is not None, f"no rebalance after the slowdown: {rebalancer.last_event}"
+    assert changed_at - slowed_at <= 12, (
+        f"detected only {changed_at - slowed_at} steps after the slowdown"
+    )
+    assert rebalancer.sizes[SIZE - 1] < 512 and sum(rebalancer.sizes) == SIZE * 512
+    assert len(set(MPI.COMM_WORLD.allgather(rebalancer.sizes))) == 1
