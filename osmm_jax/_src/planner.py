@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -365,42 +366,48 @@ def _schedule(a: Layout, b: Layout, c: Layout):
 
     load = [0] * a.nranks
     products: dict[tuple[int, int, int, int], bool] = {}  # (rank, mi, ki, ni) -> primary
-    deliveries: dict[tuple[int, int, int, int], list[int]] = defaultdict(
-        list
-    )  # (origin, target, mi, ni) -> [ki]
+    # (origin, target, mi, ni) -> [ki]
+    deliveries: dict[tuple[int, int, int, int], list[int]] = defaultdict(list)
 
-    for mi, m in enumerate(m_cells):
-        for ni, n in enumerate(n_cells):
-            owners_c = c_owners[mi][ni]
-            for ki, k in enumerate(k_cells):
-                owners_a, owners_b = a_owners[mi][ki], b_owners[ki][ni]
-                self_serving = [r for r in owners_c if r in owners_a and r in owners_b]
-                remaining = [r for r in owners_c if r not in self_serving]
-                flops = 2 * _size(m) * _size(k) * _size(n)
-                for r in self_serving:
-                    products[(r, mi, ki, ni)] = False
-                    deliveries[(r, r, mi, ni)].append(ki)
-                    load[r] += flops
-                if remaining:
+    # Pass 1: every C owner that holds both inputs computes the cell for itself. Counting all
+    # of this load first lets pass 2 break cost ties by the work ranks really end up with.
+    unserved = []
+    for mi, ni in itertools.product(range(len(m_cells)), range(len(n_cells))):
+        owners_c = c_owners[mi][ni]
+        for ki, k in enumerate(k_cells):
+            owners_a, owners_b = a_owners[mi][ki], b_owners[ki][ni]
+            self_serving = [r for r in owners_c if r in owners_a and r in owners_b]
+            for r in self_serving:
+                products[(r, mi, ki, ni)] = False
+                deliveries[(r, r, mi, ni)].append(ki)
+                load[r] += 2 * _size(m_cells[mi]) * _size(k) * _size(n_cells[ni])
+            remaining = [r for r in owners_c if r not in self_serving]
+            if remaining:
+                unserved.append((mi, ki, ni, self_serving, remaining))
+            else:
+                products[(min(self_serving), mi, ki, ni)] = True
 
-                    def cost(p):
-                        fetch = (0 if p in owners_a else _size(m) * _size(k)) + (
-                            0 if p in owners_b else _size(k) * _size(n)
-                        )
-                        send = _size(m) * _size(n) * sum(1 for r in remaining if r != p)
-                        return (fetch + send, load[p], p)
+    # Pass 2: one server per cell for the C owners that lack an input.
+    for mi, ki, ni, self_serving, remaining in unserved:
+        m, k, n = m_cells[mi], k_cells[ki], n_cells[ni]
+        owners_a, owners_b, owners_c = a_owners[mi][ki], b_owners[ki][ni], c_owners[mi][ni]
 
-                    # A cell already computed by a self-serving owner is sent from there:
-                    # fetching its inputs elsewhere would compute it twice.
-                    candidates = self_serving or set(owners_a) | set(owners_b) | set(owners_c)
-                    server = min(candidates, key=cost)
-                    if (server, mi, ki, ni) not in products:
-                        load[server] += flops
-                    products[(server, mi, ki, ni)] = True
-                    for r in remaining:
-                        deliveries[(server, r, mi, ni)].append(ki)
-                else:
-                    products[(min(self_serving), mi, ki, ni)] = True
+        def cost(p):
+            fetch = (0 if p in owners_a else _size(m) * _size(k)) + (
+                0 if p in owners_b else _size(k) * _size(n)
+            )
+            send = _size(m) * _size(n) * sum(1 for r in remaining if r != p)
+            return (fetch + send, load[p], p)
+
+        # A cell already computed by a self-serving owner is sent from there: fetching its
+        # inputs elsewhere would compute it twice.
+        candidates = self_serving or set(owners_a) | set(owners_b) | set(owners_c)
+        server = min(candidates, key=cost)
+        if (server, mi, ki, ni) not in products:
+            load[server] += 2 * _size(m) * _size(k) * _size(n)
+        products[(server, mi, ki, ni)] = True
+        for r in remaining:
+            deliveries[(server, r, mi, ni)].append(ki)
 
     multiplies = []
     gets = {}
