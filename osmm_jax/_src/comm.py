@@ -21,7 +21,7 @@ from mpi4py import MPI
 from osmm_jax._src import native
 
 _lock = threading.Lock()
-_private: dict[int, MPI.Intracomm] = {}  # handle of the user's comm -> private duplicate
+_private: dict[int, tuple] = {}  # handle of the user's comm -> (that comm, private duplicate)
 _by_key: dict[int, MPI.Intracomm] = {}  # handle of a private duplicate -> itself
 
 
@@ -57,14 +57,17 @@ def private_comm(comm=None) -> MPI.Intracomm:
     with _lock:
         if handle in _by_key:  # already one of ours
             return _by_key[handle]
-        dup = _private.get(handle)
-        if dup is None:
-            dup = comm.Dup()
-            # The native layer's own duplicate, made here on the calling thread, so no
-            # collective on `dup` ever runs from an XLA worker thread.
-            native.prepare_comm(dup.handle)
-            _private[handle] = dup
-            _by_key[comm_key(dup)] = dup
+        cached = _private.get(handle)
+        # MPI reuses the handles of freed communicators: a cached duplicate belongs to
+        # `comm` only while the communicator it was made from is still alive.
+        if cached is not None and cached[0] != MPI.COMM_NULL and comm_key(cached[0]) == handle:
+            return cached[1]
+        dup = comm.Dup()
+        # The native layer's own duplicate, made here on the calling thread, so no
+        # collective on `dup` ever runs from an XLA worker thread.
+        native.prepare_comm(dup.handle)
+        _private[handle] = (comm, dup)
+        _by_key[comm_key(dup)] = dup
         return dup
 
 

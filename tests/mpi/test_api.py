@@ -140,3 +140,23 @@ def test_environment_selects_the_allreduce_default(monkeypatch):
     c = om.matmul(a, b, plan)
     assert om.stats()["rma_ops"] == before, "the allreduce method issues no RMA"
     np.testing.assert_allclose(c, 8.0)
+
+
+def test_a_freed_communicators_handle_reused_by_a_new_one_gets_a_fresh_duplicate():
+    first = MPI.COMM_WORLD.Dup()
+    dup_of_first = om.plan(
+        om.Layout.rows((4, 4)), om.Layout.replicated((4, 4)), om.Layout.rows((4, 4)), comm=first
+    )
+    first.Free()
+    second = MPI.COMM_WORLD.Split(0, SIZE - 1 - RANK)  # reversed rank order: a different group
+    plan = om.plan(
+        om.Layout.rows((4, 4)), om.Layout.replicated((4, 4)), om.Layout.rows((4, 4)), comm=second
+    )
+    assert plan.comm_key != dup_of_first.comm_key or SIZE == 1
+    from osmm_jax._src.comm import comm_for_key
+
+    assert comm_for_key(plan.comm_key).Get_rank() == second.Get_rank()
+    a = np.full(plan.a.local_shape(second.Get_rank()), 1.0, np.float32)
+    c = om.matmul(a, np.eye(4, dtype=np.float32), plan)
+    np.testing.assert_allclose(c, 1.0)
+    second.Free()
