@@ -72,6 +72,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from osmm_jax._src import checks
 from osmm_jax._src.layout import Layout
 from osmm_jax._src.planner import Plan
 
@@ -126,8 +127,8 @@ def candidate_layouts(
     M: int, K: int, N: int, speeds, *, replicated_is_free: bool = True
 ) -> tuple[tuple[str, Layout, Layout, Layout], ...]:
     """Every strategy's ``(name, a, b, c)`` layouts, in the order :func:`auto_layouts` considers them."""
-    M, K, N = (_check_dim(v, name) for v, name in ((M, "M"), (K, "K"), (N, "N")))
-    speeds = _check_speeds(speeds)
+    M, K, N = (checks.integer(v, name) for v, name in ((M, "M"), (K, "K"), (N, "N")))
+    speeds = checks.speeds(speeds)
     p = len(speeds)
     rows_b = (
         Layout.replicated((K, N), nranks=p)
@@ -173,7 +174,7 @@ def predict(
     A rank with work and speed 0 takes forever (``inf``). Partials travel in the
     accumulation type: ``max(itemsize, 4)`` bytes per element.
     """
-    speeds = _check_speeds(speeds)
+    speeds = checks.speeds(speeds)
     bandwidth = _check_bandwidth(bandwidth)
     itemsize = _check_itemsize(itemsize)
     if len(speeds) != plan.nranks:
@@ -214,9 +215,9 @@ def auto_layouts(
             not positive, itemsize not a positive integer.
     """
     for v, name in ((M, "M"), (K, "K"), (N, "N")):
-        if _check_dim(v, name) < 1:
+        if checks.integer(v, name) < 1:
             raise ValueError(f"{name} must be positive, got {v}")
-    speeds = _check_speeds(speeds)
+    speeds = checks.speeds(speeds)
     bandwidth = DEFAULT_BANDWIDTH if bandwidth is None else _check_bandwidth(bandwidth)
     itemsize = _check_itemsize(itemsize)
 
@@ -279,36 +280,6 @@ def _reason(best: Candidate, runner_up, replicated_is_free: bool, bandwidth: flo
         f"{text}; total {best.predicted_seconds:.3g} s. Runner-up {runner_up.name} ({versus}): "
         f"{_describe(runner_up, replicated_is_free, bandwidth)}"
     )
-
-
-def _check_dim(value, name: str) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    value = int(value)
-    if value < 0:
-        raise ValueError(f"{name} must be non-negative, got {value}")
-    return value
-
-
-def _check_speeds(speeds) -> tuple[float, ...]:
-    try:
-        values = tuple(speeds)
-    except TypeError:
-        raise TypeError(f"speeds must be a sequence of numbers, got {speeds!r}") from None
-    if not values:
-        raise ValueError("speeds is empty: give one speed (GFLOP/s) per rank")
-    out = []
-    for i, s in enumerate(values):
-        try:
-            s = float(s)
-        except (TypeError, ValueError):
-            raise TypeError(f"speeds[{i}] must be a number, got {s!r}") from None
-        if not math.isfinite(s) or s < 0:
-            raise ValueError(f"speeds[{i}] is {s}: speeds must be finite and non-negative")
-        out.append(s)
-    if not any(out):
-        raise ValueError(f"speeds {list(values)} are all zero: at least one rank must do work")
-    return tuple(out)
 
 
 def _check_bandwidth(bandwidth) -> float:

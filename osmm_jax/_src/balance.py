@@ -33,6 +33,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from osmm_jax._src import checks
+
 NOISE_THRESHOLD = 0.2
 """Default largest coefficient of variation of a rank's timings still trusted as a speed."""
 
@@ -79,15 +81,6 @@ class Balance:
 
 
 # -- validation ------------------------------------------------------------------------
-
-
-def _check_int(value, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    value = int(value)
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-    return value
 
 
 def _check_numbers(values, name: str) -> list[float]:
@@ -266,9 +259,9 @@ def balance(
     if hasattr(speeds, "gflops") and hasattr(speeds, "spread"):  # a SpeedProfile
         spread = speeds.spread if spread is None else spread
         speeds = speeds.gflops
-    total = _check_int(total, "total", 0)
-    min_rows = _check_int(min_rows, "min_rows", 1)
-    align = _check_int(align, "align", 1)
+    total = checks.integer(total, "total", 0)
+    min_rows = checks.integer(min_rows, "min_rows", 1)
+    align = checks.integer(align, "align", 1)
     speeds = _check_numbers(speeds, "speeds")
     nranks = len(speeds)
     if nranks == 0:

@@ -67,7 +67,7 @@ import statistics
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
-from osmm_jax._src import metrics
+from osmm_jax._src import checks, metrics
 from osmm_jax._src.layout import Layout, split_sizes
 from osmm_jax._src.planner import Plan, make_plan
 
@@ -148,26 +148,26 @@ class Rebalancer:
         nranks: int | None = None,
         exchange: Callable[[float], Sequence[float]] | None = None,
     ):
-        self._total = _int(total_rows, "total_rows", 1)
-        self._window = _int(window, "window", 2)
-        self._quantum = _int(quantum, "quantum", 1)
-        self._max_variants = _int(max_variants, "max_variants", 1)
-        self._confirm = _int(confirm, "confirm", 1)
+        self._total = checks.integer(total_rows, "total_rows", 1)
+        self._window = checks.integer(window, "window", 2)
+        self._quantum = checks.integer(quantum, "quantum", 1)
+        self._max_variants = checks.integer(max_variants, "max_variants", 1)
+        self._confirm = checks.integer(confirm, "confirm", 1)
         self._sigma = _number(sigma, "sigma", 0.0)
         self._tolerance = _number(tolerance, "tolerance", 0.0)
         self._shrink = _number(shrink, "shrink", 0.0)
         if not 0 < self._shrink < 1:
             raise ValueError(f"shrink must lie strictly between 0 and 1, got {shrink!r}")
-        min_rows = self._quantum if min_rows is None else _int(min_rows, "min_rows", 0)
+        min_rows = self._quantum if min_rows is None else checks.integer(min_rows, "min_rows", 0)
         self._min_units = -(-min_rows // self._quantum)
-        speeds = _speeds(speeds)
+        speeds = checks.speeds(speeds)
 
         if exchange is not None:
             if comm is not None:
                 raise ValueError("give either comm (MPI) or exchange (no MPI), not both")
             if not callable(exchange):
                 raise TypeError(f"exchange must be callable, got {type(exchange).__name__}")
-            self._nranks = len(speeds) if nranks is None else _int(nranks, "nranks", 1)
+            self._nranks = len(speeds) if nranks is None else checks.integer(nranks, "nranks", 1)
             self._comm, self.rank = None, None
             self._exchange = exchange
             if len(speeds) != self._nranks:
@@ -246,7 +246,7 @@ class Rebalancer:
             if self.rank is None:
                 raise ValueError("give the rank: without MPI the controller has no rank of its own")
             rank = self.rank
-        rank = _int(rank, "rank", 0)
+        rank = checks.integer(rank, "rank", 0)
         if rank >= self._nranks:
             raise ValueError(f"rank {rank} is out of range for {self._nranks} ranks")
         start = sum(self._sizes[:rank])
@@ -456,15 +456,6 @@ class Rebalancer:
         return tuple(rows)
 
 
-def _int(value, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    value = int(value)
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}")
-    return value
-
-
 def _number(value, name: str, minimum: float) -> float:
     try:
         out = float(value)
@@ -473,24 +464,3 @@ def _number(value, name: str, minimum: float) -> float:
     if not math.isfinite(out) or out < minimum:
         raise ValueError(f"{name} must be finite and at least {minimum}, got {value!r}")
     return out
-
-
-def _speeds(speeds) -> tuple[float, ...]:
-    try:
-        values = tuple(speeds)
-    except TypeError:
-        raise TypeError(f"speeds must be a sequence of numbers, got {speeds!r}") from None
-    if not values:
-        raise ValueError("speeds is empty: give one (relative) speed per rank")
-    out = []
-    for i, s in enumerate(values):
-        try:
-            s = float(s)
-        except (TypeError, ValueError):
-            raise TypeError(f"speeds[{i}] must be a number, got {s!r}") from None
-        if not math.isfinite(s) or s < 0:
-            raise ValueError(f"speeds[{i}] is {s}: speeds must be finite and non-negative")
-        out.append(s)
-    if not any(out):
-        raise ValueError(f"speeds {list(values)} are all zero: at least one rank must get rows")
-    return tuple(out)
