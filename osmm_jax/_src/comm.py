@@ -92,28 +92,32 @@ def comm_for_key(key: int) -> MPI.Intracomm:
         ) from None
 
 
-def agree(comm: MPI.Intracomm, what: str, token: str, local_error: str | None) -> None:
+def agree(comm: MPI.Intracomm, what: str, token: str, local_error, *, must_match: str = "") -> None:
     """Collectively check that every rank is about to do the same thing, with valid inputs.
 
     Each rank contributes ``token`` (e.g. a plan fingerprint and method) and the
-    error it found in its own inputs (or None). Raises the same ValueError on
-    every rank if any rank found an error or the tokens differ, naming the ranks.
+    error it found in its own inputs: None, a message, or an exception. Raises
+    the same error on every rank if any rank found one (a TypeError when every
+    failing rank had a TypeError, else a ValueError) or if the tokens differ,
+    naming the ranks. ``must_match`` says what has to agree, for the message.
     """
-    records = comm.allgather((token, local_error))
-    errors = [(r, err) for r, (_, err) in enumerate(records) if err]
+    if isinstance(local_error, BaseException):
+        mine = (type(local_error).__name__, str(local_error))
+    else:
+        mine = None if local_error is None else ("ValueError", str(local_error))
+    records = comm.allgather((token, mine))
+    errors = [(r, err) for r, (_, err) in enumerate(records) if err is not None]
     if errors:
-        detail = "; ".join(f"rank {r}: {err}" for r, err in errors)
-        raise ValueError(
-            f"{what}: invalid input on {len(errors)} of {len(records)} ranks: {detail}"
-        )
+        cls = TypeError if all(kind == "TypeError" for _, (kind, _) in errors) else ValueError
+        detail = "; ".join(f"rank {r}: {msg}" for r, (_, msg) in errors)
+        raise cls(f"{what}: invalid input on {len(errors)} of {len(records)} ranks: {detail}")
     groups: dict[str, list[int]] = {}
     for r, (tok, _) in enumerate(records):
         groups.setdefault(tok, []).append(r)
     if len(groups) > 1:
         detail = "; ".join(f"ranks {ranks} have {tok}" for tok, ranks in groups.items())
-        raise ValueError(
-            f"{what}: ranks disagree (every rank must call with the same layouts, plan and method): {detail}"
-        )
+        needed = must_match or "the same layouts, plan and method"
+        raise ValueError(f"{what}: ranks disagree (every rank must call with {needed}): {detail}")
 
 
 def _shutdown() -> None:

@@ -372,7 +372,13 @@ def profile_speeds(
         dtype,
         path is not None,
     )
-    _agree(private, repr(choice), error)
+    comm_mod.agree(
+        private,
+        "osmm_jax.profile_speeds",
+        repr(choice),
+        error,
+        must_match="the same declared speeds, size, repeats, dtype and cache on/off",
+    )
     if declared is not None:
         if progress:
             _info(rank, "GEMM rates %s: %s GFLOP/s", origin, _fmt(declared))
@@ -415,35 +421,6 @@ def profile_speeds(
             ", ".join(f"{s:.2f}" for s in profile.spread),
         )
     return _result(profile, return_profile)
-
-
-def _agree(comm, token: str, error: Exception | None) -> None:
-    """Raise the same error on every rank if any rank's arguments were bad or ranks differ.
-
-    Like :func:`osmm_jax._src.comm.agree`, but keeps TypeError (when every failing
-    rank had one) distinct from ValueError.
-    """
-    mine = None if error is None else (type(error).__name__, str(error))
-    records = comm.allgather((token, mine))
-    errors = [(r, err) for r, (_, err) in enumerate(records) if err is not None]
-    if errors:
-        cls = TypeError if all(kind == "TypeError" for _, (kind, _) in errors) else ValueError
-        if len(records) == 1:
-            raise cls(errors[0][1][1])
-        detail = "; ".join(f"rank {r}: {msg}" for r, (_, msg) in errors)
-        raise cls(
-            f"osmm_jax.profile_speeds: bad arguments on {len(errors)} of {len(records)} ranks: {detail}"
-        )
-    tokens = {token for token, _ in records}
-    if len(tokens) > 1:
-        groups: dict[str, list[int]] = {}
-        for r, (tok, _) in enumerate(records):
-            groups.setdefault(tok, []).append(r)
-        detail = "; ".join(f"ranks {ranks} have {tok}" for tok, ranks in groups.items())
-        raise ValueError(
-            "osmm_jax.profile_speeds: ranks disagree (declared speeds, size, repeats, dtype, "
-            f"cache on/off must be the same on every rank): {detail}"
-        )
 
 
 def _fmt(values) -> str:
