@@ -191,3 +191,11 @@ def test_deterministic():
 def test_errors(args, kwargs, error, match):
     with pytest.raises(error, match=match):
         auto_layouts(*args, **kwargs)
+
+
+def test_plan_describe_says_why_auto_layouts_chose_the_layouts():
+    from osmm_jax._src.planner import make_plan
+
+    choice = auto_layouts(512, 256, 256, [41.0, 41.0, 85.0])
+    text = make_plan(choice.a, choice.b, choice.c).describe()
+    assert "chosen by auto_layouts" in text and choice.reason in text

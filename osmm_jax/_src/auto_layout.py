@@ -74,7 +74,7 @@ from typing import NamedTuple
 
 from osmm_jax._src import checks
 from osmm_jax._src.layout import Layout
-from osmm_jax._src.planner import Plan
+from osmm_jax._src.planner import Plan, record_choice
 
 DEFAULT_BANDWIDTH = 5e9
 """Bytes/s one rank can send, when the caller gives none: one-sided accumulates
@@ -233,13 +233,15 @@ def auto_layouts(
         (s for i, (s, _) in enumerate(scored) if i != pick), key=lambda s: s.predicted_seconds
     )
     runner_up = rest[0] if rest else None
+    reason = _reason(best, runner_up, replicated_is_free, bandwidth)
+    record_choice(a, b, c, f"chosen by auto_layouts: {reason}")
     return LayoutChoice(
         a=a,
         b=b,
         c=c,
         name=best.name,
         predicted_seconds=best.predicted_seconds,
-        reason=_reason(best, runner_up, replicated_is_free, bandwidth),
+        reason=reason,
         candidates=tuple(s for s, _ in scored),
     )
 

@@ -286,6 +286,9 @@ class Plan:
             f"  A: {self.a.kind}   B: {self.b.kind}   C: {self.c.kind}",
             f"  total {sum(self.flops) / 1e9:.3f} GFLOP, {sum(self.comm_bytes) / 2**20:.2f} MiB sent (float32)",
         ]
+        reason = _CHOICE_REASONS.get((self.a, self.b, self.c))
+        if reason:
+            lines.append(f"  {reason}")
         pair_bytes: dict[tuple[int, int, str], int] = defaultdict(int)
         for t in self.transfers:
             pair_bytes[(t.sender, t.target if t.op != "get" else t.origin, t.op)] += (
@@ -442,6 +445,14 @@ def _schedule(a: Layout, b: Layout, c: Layout):
     c_transfers.sort(key=rotated)
     local_updates.sort(key=lambda u: (u.rank, u.rows, u.cols))
     return tuple(multiplies), tuple(get_list) + tuple(c_transfers), tuple(local_updates)
+
+
+_CHOICE_REASONS: dict[tuple[Layout, Layout, Layout], str] = {}
+
+
+def record_choice(a: Layout, b: Layout, c: Layout, reason: str) -> None:
+    """Remember why these layouts were chosen; :meth:`Plan.describe` of their plans says so."""
+    _CHOICE_REASONS[(a, b, c)] = reason
 
 
 @functools.lru_cache(maxsize=256)
