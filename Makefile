@@ -122,10 +122,11 @@ test-mpi: install
 	  tests/mpi/test_heterogeneous.py tests/mpi/test_rebalance.py -q \
 	  --timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
-# A few minutes: one_sided against the all-reduce baseline on the K-split reduction (2 ranks)
-# and on the communication-free row split (3 ranks). More cases: python -m benchmarks.compare_methods --help
+# About a minute: one_sided against the all-reduce baseline, JAX's NamedSharding and shard_map
+# paths, the no-communication floor and one process alone, on the K-split reduction (2 ranks),
+# the row split (3 ranks) and a 2x2 grid. More: python -m benchmarks.compare_methods --help
 .PHONY: bench
 bench: install
-	$(MPIEXEC) -n 2 $(PY) -m benchmarks.compare_methods --case k_split --size 2048
-	$(MPIEXEC) -n 3 $(PY) -m benchmarks.compare_methods --case rows --size 2048
+	$(MPIEXEC) -n 2 $(PY) -m benchmarks.compare_methods --case k_split --size 2048 --peers
+	$(MPIEXEC) -n 3 $(PY) -m benchmarks.compare_methods --case rows --size 2048 --peers
 	$(MPIEXEC) -n 4 $(PY) -m benchmarks.compare_methods --case grid --size 1024

@@ -1,4 +1,4 @@
-"""Time osmm_jax's one_sided method against the all-reduce baseline on one product.
+"""Time osmm_jax's one_sided method against its peers on one distributed product.
 
 Run under MPI, e.g.::
 
@@ -15,10 +15,14 @@ Cases (float32 unless ``--dtype``):
 ``grid``
     A, B and C on a 2-D grid (as square as the rank count allows).
 
-Each method is jitted, warmed up, then timed ``--repeats`` times; a repetition's
-time is the slowest rank's, and the median is reported, with GFLOP/s and the
-bytes moved by the RMA operations each rank issued (measured by
-``osmm_jax.stats()``, next to the plan's prediction). Rank 0 prints a Markdown table.
+Timed side by side (jitted, warmed up, then ``--repeats`` rounds interleaved A B
+C ..., each round's time being the slowest rank's; medians reported): osmm_jax's
+``one_sided`` and ``allreduce``; the floor (this rank's GEMMs alone, no
+communication); the reference (rank 0 doing the whole product); and with
+``--peers`` JAX's own multi-process path on the same ranks (gloo collectives:
+``jit`` over a NamedSharding, and ``shard_map`` with ``psum_scatter``). Also the
+bytes moved by the RMA operations each rank issued (``osmm_jax.stats()``) next
+to the plan's prediction. Rank 0 prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -53,21 +57,82 @@ def layouts(case: str, m: int, k: int, n: int):
     raise ValueError(f"unknown case {case!r}")
 
 
-def median_time(fn, args, repeats: int) -> float:
-    """Median over ``repeats`` of the slowest rank's wall time, in seconds, after a warm-up."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        COMM.Barrier()
-        start = time.perf_counter()
+def interleaved_medians(fns: dict, repeats: int) -> dict:
+    """Median seconds per entry of ``{name: (fn, args)}``, timed A B C A B C ... after a warm-up.
+
+    A repetition's time is the slowest rank's. Interleaving makes drift on a
+    shared machine hit every method alike.
+    """
+    for fn, args in fns.values():
         jax.block_until_ready(fn(*args))
-        times.append(COMM.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    return float(np.median(times))
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, (fn, args) in fns.items():
+            COMM.Barrier()
+            start = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(COMM.allreduce(time.perf_counter() - start, op=MPI.MAX))
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def local_floor(plan, a, b):
+    """This rank's GEMMs of ``plan`` alone, on local stand-ins of every piece: no communication."""
+
+    def run(a, b):
+        outs = []
+        for m in plan.multiplies_on(RANK):
+            rows, inner, cols = (hi - lo for lo, hi in (m.rows, m.inner, m.cols))
+            x = (
+                jnp.zeros((rows, inner), a.dtype) + a.ravel()[:1]
+                if a.size
+                else jnp.zeros((rows, inner), a.dtype)
+            )
+            y = (
+                jnp.zeros((inner, cols), b.dtype) + b.ravel()[:1]
+                if b.size
+                else jnp.zeros((inner, cols), b.dtype)
+            )
+            outs.append(jnp.dot(x, y, preferred_element_type=jnp.float32))
+        return outs
+
+    return jax.jit(run)
+
+
+def jax_peers(case: str, plan, a, b):
+    """JAX's own multi-process path on the same ranks: jit over NamedSharding and shard_map."""
+    from jax import shard_map
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("x",))
+    specs = {"k_split": (P(None, "x"), P("x", None)), "rows": (P("x", None), P(None, None))}[case]
+    a_global = jax.make_array_from_single_device_arrays(
+        plan.a.shape, NamedSharding(mesh, specs[0]), [jax.device_put(a, jax.local_devices()[0])]
+    )
+    b_global = jax.make_array_from_single_device_arrays(
+        plan.b.shape, NamedSharding(mesh, specs[1]), [jax.device_put(b, jax.local_devices()[0])]
+    )
+    out = NamedSharding(mesh, P("x", None))
+    named = jax.jit(lambda x, y: x @ y, out_shardings=out)
+
+    def local(x, y):
+        c = x @ y
+        return (
+            jax.lax.psum_scatter(c, "x", scatter_dimension=0, tiled=True)
+            if case == "k_split"
+            else c
+        )
+
+    mapped = jax.jit(shard_map(local, mesh=mesh, in_specs=specs, out_specs=P("x", None)))
+    return {
+        "jax_named_sharding": (named, (a_global, b_global)),
+        "jax_shard_map": (mapped, (a_global, b_global)),
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
-        description="one_sided vs allreduce on one distributed product"
+        description="one_sided vs its peers on one distributed product"
     )
     parser.add_argument("--case", choices=("k_split", "rows", "grid"), default="k_split")
     parser.add_argument("--size", type=int, default=2048, help="M = K = N unless given separately")
@@ -76,7 +141,15 @@ def main() -> None:
     parser.add_argument("--n", type=int)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="also time JAX's multi-process path (k_split and rows; needs even splits)",
+    )
     args = parser.parse_args()
+    if args.peers:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(cluster_detection_method="mpi4py")
     m, k, n = (v or args.size for v in (args.m, args.k, args.n))
 
     a_layout, b_layout, c_layout = layouts(args.case, m, k, n)
@@ -86,33 +159,39 @@ def main() -> None:
     a = jnp.asarray(rng.standard_normal(a_layout.local_shape(RANK)), dtype)
     b = jnp.asarray(rng.standard_normal(b_layout.local_shape(RANK)), dtype)
 
-    rows = []
-    for method in ("one_sided", "allreduce"):
-        fn = jax.jit(lambda x, y, method=method: om.matmul(x, y, plan, method=method))
-        before = om.stats()["rma_bytes"]
-        seconds = median_time(fn, (a, b), args.repeats)
-        sent = (om.stats()["rma_bytes"] - before) // (args.repeats + 1)
-        rows.append((method, seconds, COMM.gather(sent)))
+    fns = {
+        method: (jax.jit(lambda x, y, method=method: om.matmul(x, y, plan, method=method)), (a, b))
+        for method in ("one_sided", "allreduce")
+    }
+    fns["floor (local GEMMs only)"] = (local_floor(plan, a, b), (a, b))
+    full_a = jnp.ones((m, k) if RANK == 0 else (0, k), dtype)
+    full_b = jnp.ones((k, n) if RANK == 0 else (k, 0), dtype)
+    fns["reference (rank 0 alone)"] = (jax.jit(jnp.dot), (full_a, full_b))
+    if args.peers and args.case in ("k_split", "rows"):
+        fns.update(jax_peers(args.case, plan, a, b))
+
+    before = om.stats()["rma_bytes"]
+    medians = interleaved_medians(fns, args.repeats)
+    sent = (om.stats()["rma_bytes"] - before) // (args.repeats + 1)
+    sent_by_rank = COMM.gather(sent)
 
     if RANK == 0:
         flops = 2 * m * k * n
         predicted = plan.bytes_issued(dtype.itemsize, 4)
         print(
             f"\n{args.case}: C[{m}x{n}] = A[{m}x{k}] @ B[{k}x{n}], {args.dtype}, {SIZE} ranks, "
-            f"median of {args.repeats}\n"
+            f"median of {args.repeats}, interleaved\n"
         )
+        print("| method | time (ms) | GFLOP/s | one_sided is ... x faster |")
+        print("| --- | --- | --- | --- |")
+        for name, seconds in medians.items():
+            ratio = seconds / medians["one_sided"]
+            print(f"| {name} | {seconds * 1e3:.1f} | {flops / seconds / 1e9:.1f} | {ratio:.2f} |")
+        fmt = lambda xs: ", ".join(f"{x / 2**20:.2f}" for x in xs)  # noqa: E731
         print(
-            "| method | time (ms) | GFLOP/s | MiB moved by RMA per rank (measured) | MiB (planned) |"
+            f"\nMiB moved by one_sided RMA per rank per product: measured {fmt(sent_by_rank)}, "
+            f"planned {fmt(predicted)}"
         )
-        print("| --- | --- | --- | --- | --- |")
-        for method, seconds, sent in rows:
-            planned = predicted if method == "one_sided" else ["-"] * SIZE
-            fmt = lambda xs: ", ".join(x if isinstance(x, str) else f"{x / 2**20:.1f}" for x in xs)  # noqa: E731
-            print(
-                f"| {method} | {seconds * 1e3:.1f} | {flops / seconds / 1e9:.1f} | {fmt(sent)} | {fmt(planned)} |"
-            )
-        speedup = rows[1][1] / rows[0][1]
-        print(f"\none_sided is {speedup:.2f}x the speed of the allreduce baseline")
 
 
 if __name__ == "__main__":
