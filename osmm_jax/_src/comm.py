@@ -23,6 +23,7 @@ from osmm_jax._src import native
 _lock = threading.Lock()
 _private: dict[int, tuple] = {}  # handle of the user's comm -> (that comm, private duplicate)
 _by_key: dict[int, MPI.Intracomm] = {}  # handle of a private duplicate -> itself
+_in_graph: dict[int, MPI.Intracomm] = {}  # handle of a private duplicate -> its in-graph twin
 
 
 def check_thread_level() -> None:
@@ -68,6 +69,7 @@ def private_comm(comm=None) -> MPI.Intracomm:
         native.prepare_comm(dup.handle)
         _private[handle] = (comm, dup)
         _by_key[comm_key(dup)] = dup
+        _in_graph[comm_key(dup)] = dup.Dup()
         return dup
 
 
@@ -90,6 +92,18 @@ def comm_for_key(key: int) -> MPI.Intracomm:
             "this plan was not made by osmm_jax.plan() in this process (unknown communicator); "
             "build plans with osmm_jax.plan(a_layout, b_layout, c_layout, comm=...)"
         ) from None
+
+
+def in_graph_comm(key: int) -> MPI.Intracomm:
+    """The communicator for mpi4jax collectives inside compiled products on plan ``key``.
+
+    Separate from the private communicator itself, which the host-side checks
+    use from the Python thread: a compiled product may still be running its
+    collectives on an XLA thread while Python starts the next product's checks,
+    and two threads must never interleave collectives on one communicator.
+    """
+    comm_for_key(key)  # a clear error for unknown keys
+    return _in_graph[key]
 
 
 def agree(comm: MPI.Intracomm, what: str, token: str, local_error, *, must_match: str = "") -> None:

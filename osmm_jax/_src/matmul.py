@@ -159,8 +159,8 @@ def _batchable_forward(plan: Plan, options: _Options):
     issue a different number of collectives. Looping over the batch instead
     runs ``axis_size`` complete products, identically on every rank.
     """
-    comm = comm_mod.comm_for_key(plan.comm_key)
-    rank = comm.Get_rank()
+    rank = comm_mod.comm_for_key(plan.comm_key).Get_rank()
+    comm = comm_mod.in_graph_comm(plan.comm_key)
     execute = _allreduce_forward if options.method == "allreduce" else _one_sided_forward
 
     @jax.custom_batching.custom_vmap
@@ -302,7 +302,7 @@ def _allreduce_forward(plan: Plan, rank: int, a, b):
     import mpi4jax
     from mpi4py import MPI
 
-    comm = comm_mod.comm_for_key(plan.comm_key)
+    comm = comm_mod.in_graph_comm(plan.comm_key)
     acc = accumulation_dtype(a.dtype)
     multiplies = [m for m in plan.multiplies_on(rank) if m.primary]
     remote = {}
