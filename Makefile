@@ -130,3 +130,8 @@ bench: install
 	$(MPIEXEC) -n 2 $(PY) -m benchmarks.compare_methods --case k_split --size 2048 --peers
 	$(MPIEXEC) -n 3 $(PY) -m benchmarks.compare_methods --case rows --size 2048 --peers
 	$(MPIEXEC) -n 4 $(PY) -m benchmarks.compare_methods --case grid --size 1024
+
+# Execute the notebooks headless (they check themselves with assert cells).
+.PHONY: notebooks
+notebooks: install
+	$(PY) -m pytest tests/test_notebooks.py -q

@@ -43,6 +43,8 @@ _PUBLIC = {
     "auto_layouts": "osmm_jax._src.auto_layout",
     "LayoutChoice": "osmm_jax._src.auto_layout",
     "Rebalancer": "osmm_jax._src.rebalance",
+    "plot_plan": "osmm_jax._src.plot",
+    "plot_layout": "osmm_jax._src.plot",
     "start_metrics": "osmm_jax._src.metrics",
     "write_metrics": "osmm_jax._src.metrics",
     "METHODS": "osmm_jax._src.config",
@@ -70,6 +72,8 @@ __all__ = [
     "guarantees_balance",
     "matmul",
     "plan",
+    "plot_layout",
+    "plot_plan",
     "profile_speeds",
     "split_sizes",
     "start_metrics",
@@ -102,6 +106,7 @@ if TYPE_CHECKING:
     from osmm_jax._src.matmul import matmul
     from osmm_jax._src.metrics import start_metrics, write_metrics
     from osmm_jax._src.planner import LocalMultiply, LocalUpdate, Plan, Transfer
+    from osmm_jax._src.plot import plot_layout, plot_plan
     from osmm_jax._src.rebalance import Rebalancer
     from osmm_jax._src.speeds import SpeedProfile, declared_speeds, profile_speeds
     from osmm_jax._src.verify import ChecksumError

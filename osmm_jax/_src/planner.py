@@ -214,6 +214,13 @@ class Plan:
             sent[t.sender] += t.elements * (input_itemsize if t.op == "get" else accum_itemsize)
         return tuple(sent)
 
+    def plot(self, **kwargs):
+        """A matplotlib Figure of the A, B and C tilings and the bytes each rank sends to each
+        other rank; see :func:`osmm_jax.plot_plan` (needs matplotlib: the ``plot`` extra)."""
+        from osmm_jax._src.plot import plot_plan  # lazily: plot imports this module
+
+        return plot_plan(self, **kwargs)
+
     def backward(self) -> tuple[Plan, Plan]:
         """The plans of the backward products ``(dA = dC @ B.T, dB = A.T @ dC)``."""
         return backward_plans(self)
