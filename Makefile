@@ -135,3 +135,8 @@ bench: install
 .PHONY: notebooks
 notebooks: install
 	$(PY) -m pytest tests/test_notebooks.py -q
+
+# The data-parallel MLP trained with osmm_jax.flax layers on 3 ranks, checked against one process.
+.PHONY: example
+example: install
+	$(MPIEXEC) -n 3 $(PY) examples/train_mlp.py

@@ -83,6 +83,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
+    if name == "flax":  # the Flax layers; needs flax installed
+        return importlib.import_module("osmm_jax.flax")
     module = _PUBLIC.get(name)
     if module is None:
         raise AttributeError(f"module 'osmm_jax' has no attribute {name!r}")
