@@ -75,3 +75,20 @@ def test_program_exits_cleanly_after_one_sided_products():
         line for line in result.stderr.splitlines() if line.strip() and "UserWarning" not in line
     ]
     assert not noise, "stderr should be empty at exit:\n" + result.stderr
+
+
+def test_a_single_rank_notebook_kernel_is_told_once_how_to_get_more_ranks():
+    code = textwrap.dedent("""
+        import sys, types
+        sys.modules["ipykernel"] = types.ModuleType("ipykernel")  # as inside a Jupyter kernel
+        import numpy as np
+        import osmm_jax as om
+        p = om.plan(om.Layout.rows((4, 4)), om.Layout.replicated((4, 4)), om.Layout.rows((4, 4)))
+        om.plan(om.Layout.cols((4, 4)), om.Layout.rows((4, 4)), om.Layout.rows((4, 4)))
+        c = om.matmul(np.ones((4, 4), np.float32), np.eye(4, dtype=np.float32), p)
+        assert float(c.sum()) == 16.0
+    """)
+    result = _run([sys.executable, "-c", code])
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("single MPI rank") == 1
+    assert "ipyparallel.Cluster(engines='mpi'" in result.stderr

@@ -63,6 +63,8 @@ def private_comm(comm=None) -> MPI.Intracomm:
         # `comm` only while the communicator it was made from is still alive.
         if cached is not None and cached[0] != MPI.COMM_NULL and comm_key(cached[0]) == handle:
             return cached[1]
+        if comm == MPI.COMM_WORLD:
+            _hint_if_single_notebook_rank()
         dup = comm.Dup()
         # The native layer's own duplicate, made here on the calling thread, so no
         # collective on `dup` ever runs from an XLA worker thread.
@@ -71,6 +73,23 @@ def private_comm(comm=None) -> MPI.Intracomm:
         _by_key[comm_key(dup)] = dup
         _in_graph[comm_key(dup)] = dup.Dup()
         return dup
+
+
+SINGLE_RANK_HINT = (
+    "osmm_jax: this Python process is a single MPI rank (not started by mpiexec), so products "
+    "run locally with no communication. For more ranks from a notebook, start MPI engines with "
+    "ipyparallel: cluster = ipyparallel.Cluster(engines='mpi', n=3); "
+    "rc = cluster.start_and_connect_sync(), then run osmm_jax in %%px cells "
+    "(see notebooks/01_quickstart.ipynb)."
+)
+
+
+def _hint_if_single_notebook_rank() -> None:
+    """Say once, in an interactive kernel that is a world of one rank, how to get more ranks."""
+    import sys
+
+    if MPI.COMM_WORLD.Get_size() == 1 and "ipykernel" in sys.modules:
+        print(SINGLE_RANK_HINT, file=sys.stderr)
 
 
 def default_comm() -> MPI.Intracomm:
