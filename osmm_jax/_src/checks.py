@@ -16,23 +16,23 @@ def integer(value, name: str, minimum: int = 0) -> int:
     return value
 
 
-def speeds(values, what: str = "GFLOP/s") -> tuple[float, ...]:
-    """One finite, non-negative speed per rank, not all zero."""
+def speeds(values, what: str = "GFLOP/s", name: str = "speeds") -> tuple[float, ...]:
+    """One finite, non-negative speed (or weight) per rank, not all zero."""
     try:
         items = tuple(values)
     except TypeError:
-        raise TypeError(f"speeds must be a sequence of numbers, got {values!r}") from None
+        raise TypeError(f"{name} must be a sequence of numbers, got {values!r}") from None
     if not items:
-        raise ValueError(f"speeds is empty: give one speed ({what}) per rank")
+        raise ValueError(f"{name} is empty: give one ({what}) per rank")
     out = []
     for i, s in enumerate(items):
         try:
             s = float(s)
         except (TypeError, ValueError):
-            raise TypeError(f"speeds[{i}] must be a number, got {s!r}") from None
+            raise TypeError(f"{name}[{i}] must be a number, got {s!r}") from None
         if not math.isfinite(s) or s < 0:
-            raise ValueError(f"speeds[{i}] is {s}: speeds must be finite and non-negative")
+            raise ValueError(f"{name}[{i}] is {s}: {name} must be finite and non-negative")
         out.append(s)
     if not any(out):
-        raise ValueError(f"speeds {list(items)} are all zero: at least one rank must get work")
+        raise ValueError(f"{name} {list(items)} are all zero: at least one rank must get work")
     return tuple(out)

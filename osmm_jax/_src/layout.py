@@ -16,6 +16,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from osmm_jax._src import checks
+
 Interval = tuple[int, int]
 """A half-open index range ``(start, stop)`` into one dimension of a matrix."""
 
@@ -29,15 +31,6 @@ def _default_nranks() -> int:
     return comm.default_comm().Get_size()
 
 
-def _check_dim(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int,)) and not hasattr(value, "__index__"):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    value = int(value)
-    if value < 0:
-        raise ValueError(f"{name} must be non-negative, got {value}")
-    return value
-
-
 def _check_shape(shape) -> tuple[int, int]:
     try:
         dims = tuple(shape)
@@ -45,13 +38,13 @@ def _check_shape(shape) -> tuple[int, int]:
         raise TypeError(f"shape must be a pair (rows, cols), got {shape!r}") from None
     if len(dims) != 2:
         raise ValueError(f"shape must be 2-D (rows, cols), got {shape!r}")
-    return (_check_dim(dims[0], "shape[0]"), _check_dim(dims[1], "shape[1]"))
+    return (checks.integer(dims[0], "shape[0]"), checks.integer(dims[1], "shape[1]"))
 
 
 def _check_nranks(nranks) -> int:
     if nranks is None:
         nranks = _default_nranks()
-    nranks = _check_dim(nranks, "nranks")
+    nranks = checks.integer(nranks, "nranks")
     if nranks < 1:
         raise ValueError(f"nranks must be at least 1, got {nranks}")
     return nranks
@@ -74,7 +67,7 @@ def split_sizes(
         sizes = tuple(sizes)
         if len(sizes) != parts:
             raise ValueError(f"{what} has {len(sizes)} entries but there are {parts} ranks")
-        checked = tuple(_check_dim(s, f"{what}[{i}]") for i, s in enumerate(sizes))
+        checked = tuple(checks.integer(s, f"{what}[{i}]") for i, s in enumerate(sizes))
         if sum(checked) != total:
             raise ValueError(
                 f"{what} {list(checked)} sum to {sum(checked)}, not to the dimension {total}"
@@ -85,20 +78,8 @@ def split_sizes(
     weights = tuple(weights)
     if len(weights) != parts:
         raise ValueError(f"weights has {len(weights)} entries but there are {parts} ranks")
-    checked_weights = []
-    for i, w in enumerate(weights):
-        try:
-            w = float(w)
-        except (TypeError, ValueError):
-            raise TypeError(f"weights[{i}] must be a number, got {w!r}") from None
-        if math.isnan(w) or math.isinf(w):
-            raise ValueError(f"weights[{i}] is {w}: weights must be finite")
-        if w < 0:
-            raise ValueError(f"weights[{i}] is {w}: weights must be non-negative")
-        checked_weights.append(w)
+    checked_weights = checks.speeds(weights, "relative share", name="weights")
     weight_sum = math.fsum(checked_weights)
-    if weight_sum <= 0:
-        raise ValueError(f"weights {list(weights)} are all zero: at least one rank must get work")
     ideal = [total * w / weight_sum for w in checked_weights]
     result = [math.floor(x) for x in ideal]
     remainder = total - sum(result)
@@ -214,7 +195,7 @@ class Layout:
             pr, pc = grid
         except (TypeError, ValueError):
             raise TypeError(f"grid must be a pair (pr, pc), got {grid!r}") from None
-        pr, pc = _check_dim(pr, "grid[0]"), _check_dim(pc, "grid[1]")
+        pr, pc = checks.integer(pr, "grid[0]"), checks.integer(pc, "grid[1]")
         if pr < 1 or pc < 1:
             raise ValueError(f"grid dimensions must be at least 1, got {grid!r}")
         heights = split_sizes(shape[0], pr, row_weights, row_sizes, what="row_sizes")
@@ -273,7 +254,7 @@ class Layout:
         )
 
     def _check_rank(self, rank) -> int:
-        rank = _check_dim(rank, "rank")
+        rank = checks.integer(rank, "rank")
         if rank >= self.nranks:
             raise ValueError(f"rank {rank} is out of range for a layout over {self.nranks} ranks")
         return rank

@@ -192,6 +192,14 @@ def _local_piece(x, layout, rank, rows, cols):
     return x[rows[0] - r0 : rows[1] - r0, cols[0] - c0 : cols[1] - c0]
 
 
+def _record(kind: int, t, target_block, offset: int) -> list[int]:
+    """The 8 ints the native handlers take for one transfer: ``[kind, target, offset, rows,
+    cols, row0, col0, ld]``, the rectangle relative to the target's block (row stride ``ld``)."""
+    (r0, _), (c0, c1) = target_block
+    rows, cols = t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]
+    return [kind, t.target, offset, rows, cols, t.rows[0] - r0, t.cols[0] - c0, c1 - c0]
+
+
 def _fetch_remote_pieces(plan: Plan, rank: int, a, b) -> dict:
     """Get every remote A/B piece this rank's multiplies need; ``{(matrix, rows, cols): array}``."""
     itemsize = np.dtype(a.dtype).itemsize
@@ -200,18 +208,8 @@ def _fetch_remote_pieces(plan: Plan, rank: int, a, b) -> dict:
     records, shapes, offset = [], {}, 0
     for t in plan.gets_by(rank):
         layout = plan.a if t.matrix == "A" else plan.b
-        (r0, _), (c0, c1) = layout.blocks[t.target]
         rows, cols = t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]
-        records += [
-            _MATRICES[t.matrix],
-            t.target,
-            offset,
-            rows,
-            cols,
-            t.rows[0] - r0,
-            t.cols[0] - c0,
-            c1 - c0,
-        ]
+        records += _record(_MATRICES[t.matrix], t, layout.blocks[t.target], offset)
         shapes[(t.matrix, t.rows, t.cols)] = (offset, rows, cols)
         offset += rows * cols
     expose_a, expose_b = plan.exposes(rank)
@@ -273,18 +271,8 @@ def _one_sided_forward(plan: Plan, rank: int, a, b):
         return local.astype(a.dtype)
     records, pieces, offset = [], [], 0
     for t in plan.deliveries_from(rank):
-        (tr0, _), (tc0, tc1) = plan.c.blocks[t.target]
         rows, cols = t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]
-        records += [
-            _OPS[t.op],
-            t.target,
-            offset,
-            rows,
-            cols,
-            t.rows[0] - tr0,
-            t.cols[0] - tc0,
-            tc1 - tc0,
-        ]
+        records += _record(_OPS[t.op], t, plan.c.blocks[t.target], offset)
         pieces.append(_partial(products, t.rows, t.cols, t.inner).reshape(-1))
         offset += rows * cols
     staging = jnp.concatenate(pieces) if pieces else jnp.zeros((0,), acc)
