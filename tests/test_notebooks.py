@@ -26,7 +26,7 @@ for _module in ("ipykernel", "ipyparallel", "matplotlib"):
     pytest.importorskip(_module)
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parents[1] / "notebooks"
-NOTEBOOKS = ("01_quickstart.ipynb", "02_planning.ipynb")
+NOTEBOOKS = ("01_quickstart.ipynb", "02_planning.ipynb", "03_training.ipynb")
 CELL_TIMEOUT = 300  # seconds per cell
 KERNEL_STARTUP_TIMEOUT = 120  # seconds
 TAG_VARIABLE = "OSMM_NOTEBOOK_RUN"
@@ -102,6 +102,9 @@ def kernel_environment(tmp_path, monkeypatch):
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs_top_to_bottom(name, kernel_environment):
+    if name == "03_training.ipynb":  # trains a Flax model with optax
+        pytest.importorskip("flax")
+        pytest.importorskip("optax")
     nb = nbformat.read(NOTEBOOKS_DIR / name, as_version=4)
     client = nbclient.NotebookClient(
         nb,
@@ -117,6 +120,9 @@ def test_notebook_runs_top_to_bottom(name, kernel_environment):
     if name == "02_planning.ipynb":  # the pictures display inline
         images = [out for out in outputs if "image/png" in out.get("data", {})]
         assert len(images) >= 5
+    if name == "03_training.ipynb":  # the loss plot displays inline
+        images = [out for out in outputs if "image/png" in out.get("data", {})]
+        assert len(images) >= 1
     left = _wait_for_exit(kernel_environment, EXIT_GRACE)
     assert not left, f"processes the notebook started are still running: {left}"
 
