@@ -1,11 +1,13 @@
 // Transfer records
 // ----------------
-// Both handlers receive their transfers as a flat int64 array attribute of 8-int64 records
+// The handlers receive their transfers as a flat int64 array attribute of 8-int64 records
 //
-//   osmm_reduce "transfers": [op, target, offset, rows, cols, row0, col0, ld]
+//   osmm_reduce_start "transfers": [op, target, offset, rows, cols, row0, col0, ld]
 //       op 0 = accumulate (MPI_SUM), 1 = put. Sends the contiguous row-major rows x cols block
-//       at element `offset` of `staging` into `target`'s reduce window, whose memory holds the
+//       at element `offset` of its chunk into `target`'s reduce window, whose memory holds the
 //       target's local C block row-major with `ld` elements per row, at element (row0, col0).
+//       Records are grouped by chunk: "chunk_ends" gives each chunk's end (exclusive, in
+//       records) and "chunk_sizes" its buffer's length in elements.
 //   osmm_fetch "gets":         [matrix, target, offset, rows, cols, row0, col0, ld]
 //       matrix 0 = A, 1 = B. Copies the rows x cols rect at (row0, col0) of `target`'s exposed
 //       block (row stride `ld` elements) into fetched[offset : offset + rows*cols] row-major.
@@ -22,9 +24,18 @@
 //
 // Synchronisation
 // ---------------
-// One fence epoch per call: local window setup, MPI_Win_fence, RMA, MPI_Win_fence, local use
-// of the received data. The closing fence completes every operation on every rank, so no
-// state carries over between calls except the window contents described in windows.h.
+// osmm_fetch: one fence epoch per call: local window setup, MPI_Win_fence, gets,
+// MPI_Win_fence, local use of the fetched data.
+//
+// The reduce is one fence epoch spread over several calls, so that communication overlaps the
+// GEMMs XLA runs between them: osmm_reduce_start validates every chunk's records, agrees, opens
+// the epoch and issues chunk 0; osmm_reduce_issue issues chunk i; osmm_reduce_finish waits for
+// the issuer, closes the epoch and adds what arrived to the local block. With "overlap" set the
+// chunks are issued by a background thread (issuer.h) and the calls return at once; the finish
+// takes every chunk buffer as an operand, so XLA keeps them alive until the transfers are
+// done. Every rank runs one start and one finish per product (chunk counts may differ). The
+// closing fence completes every operation on every rank, so no state carries over between
+// products except the window contents described in windows.h.
 
 #include "handlers.h"
 
@@ -34,12 +45,15 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "common.h"
 #include "counters.h"
+#include "issuer.h"
 #include "windows.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -224,8 +238,99 @@ ffi::Error Agree(MPI_Comm comm, const char* op, const std::string& problem,
 }
 
 // ----------------------------------------------------------------------------------------
-// osmm_reduce
+// osmm_reduce_start / osmm_reduce_issue / osmm_reduce_finish
 // ----------------------------------------------------------------------------------------
+
+// One open reduce epoch per private communicator, from its start to its finish. The ordered
+// token chain runs a communicator's start, issues and finish strictly in program order, so an
+// epoch is never touched by two calls at once; `mu` only guards the table itself.
+struct ReduceEpoch {
+  MPI_Comm private_comm = MPI_COMM_NULL;
+  MPI_Win win = MPI_WIN_NULL;
+  std::byte* window_base = nullptr;
+  int64_t window_bytes = 0;
+  ffi::DataType dtype = ffi::DataType::F32;
+  MPI_Datatype mpi_type = MPI_DATATYPE_NULL;
+  int64_t itemsize = 0;
+  int64_t local_elements = 0;
+  bool async = false;
+  std::vector<Record> records;       // every chunk's records, chunk by chunk
+  std::vector<int64_t> chunk_ends;   // records of chunk i: [chunk_ends[i-1], chunk_ends[i])
+  std::vector<int64_t> chunk_sizes;  // elements of each chunk's buffer
+  int64_t next_chunk = 0;
+  std::string problem;  // a local inconsistency found after the epoch opened
+  double start_time = 0.0;
+};
+
+struct EpochTable {
+  std::mutex mu;
+  // Keyed by CommKey(user comm). Epochs are heap-allocated: the issuer thread holds pointers.
+  std::vector<std::pair<uint64_t, std::unique_ptr<ReduceEpoch>>> open;
+};
+
+EpochTable& Epochs() {
+  static EpochTable* table = new EpochTable();  // never destroyed, like the window cache
+  return *table;
+}
+
+ReduceEpoch* FindEpoch(uint64_t key) {
+  EpochTable& t = Epochs();
+  std::lock_guard<std::mutex> lock(t.mu);
+  for (auto& entry : t.open) {
+    if (entry.first == key) return entry.second.get();
+  }
+  return nullptr;
+}
+
+// Issues one chunk's accumulates and puts from `chunk` (its first element). Returns an empty
+// string, or which MPI call failed.
+std::string IssueChunk(const ReduceEpoch& epoch, int64_t index, const std::byte* chunk) {
+  const int64_t first = index == 0 ? 0 : epoch.chunk_ends[index - 1];
+  const int64_t last = epoch.chunk_ends[index];
+  Counters& counters = GlobalCounters();
+  const int64_t itemsize = epoch.itemsize;
+  for (int64_t i = first; i < last; ++i) {
+    const Record& r = epoch.records[i];
+    if (r.rows == 0 || r.cols == 0) continue;
+    const bool accumulate = r.kind == 0;
+    const std::byte* origin = chunk + r.offset * itemsize;
+    const MPI_Aint disp = static_cast<MPI_Aint>((r.row0 * r.ld + r.col0) * itemsize);
+    const int rc = IssueRect(
+        r.rows, r.cols, r.ld, itemsize, disp, epoch.mpi_type,
+        [&](int64_t origin_units, int64_t count, MPI_Aint target_disp, MPI_Datatype target_type,
+            int64_t target_count) {
+          const void* src = origin + origin_units * itemsize;
+          if (accumulate) {
+            return MPI_Accumulate(src, static_cast<int>(count), epoch.mpi_type,
+                                  static_cast<int>(r.target), target_disp,
+                                  static_cast<int>(target_count), target_type, MPI_SUM, epoch.win);
+          }
+          return MPI_Put(src, static_cast<int>(count), epoch.mpi_type, static_cast<int>(r.target),
+                         target_disp, static_cast<int>(target_count), target_type, epoch.win);
+        });
+    if (rc != MPI_SUCCESS) {
+      return MpiError(rc,
+                      std::string("osmm_reduce: ") + (accumulate ? "MPI_Accumulate" : "MPI_Put"))
+          .message();
+    }
+    const int64_t bytes = r.rows * r.cols * itemsize;
+    counters.rma_ops.fetch_add(1, std::memory_order_relaxed);
+    counters.rma_bytes.fetch_add(bytes, std::memory_order_relaxed);
+    counters.sent_bytes.fetch_add(bytes, std::memory_order_relaxed);
+    (accumulate ? counters.accumulates : counters.puts).fetch_add(1, std::memory_order_relaxed);
+  }
+  return std::string();
+}
+
+// Hands chunk `index` to the issuer thread (async epochs) or issues it now. Returns an empty
+// string, or what failed (synchronous issue only; the issuer reports at Drain).
+std::string SubmitChunk(ReduceEpoch* epoch, int64_t index, const ffi::AnyBuffer& chunk) {
+  const auto* data = static_cast<const std::byte*>(chunk.untyped_data());
+  if (!epoch->async) return IssueChunk(*epoch, index, data);
+  // The chunk buffer stays alive until osmm_reduce_finish, which takes it as an operand.
+  GlobalIssuer().Submit([epoch, index, data] { return IssueChunk(*epoch, index, data); });
+  return std::string();
+}
 
 // out = local + received, then received = 0. Element-wise, so `out` may alias `local` (an
 // input-output alias in the lowering saves XLA a fresh output buffer).
@@ -237,112 +342,181 @@ void AddAndClear(const T* local, T* received, T* out, int64_t n) {
   }
 }
 
-ffi::Error ReduceImpl(ffi::AnyBuffer staging, ffi::AnyBuffer local, ffi::Token,
-                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Token>, int64_t comm_handle,
-                      int64_t window_bytes, ffi::Span<const int64_t> transfers) {
+ffi::Error ReduceStartImpl(ffi::AnyBuffer chunk, ffi::Token, ffi::Result<ffi::AnyBuffer> ticket,
+                           ffi::Result<ffi::Token>, int64_t comm_handle, int64_t window_bytes,
+                           int64_t local_elements, int64_t overlap,
+                           ffi::Span<const int64_t> transfers, ffi::Span<const int64_t> chunk_ends,
+                           ffi::Span<const int64_t> chunk_sizes) {
   if (ffi::Error err = RequireMpiReady(); err.failure()) return err;
   const MPI_Comm comm = CommFromHandle(comm_handle);
   int comm_size = 0;
   if (int rc = MPI_Comm_size(comm, &comm_size); rc != MPI_SUCCESS) {
-    return MpiError(rc, "osmm_reduce: MPI_Comm_size");
+    return MpiError(rc, "osmm_reduce_start: MPI_Comm_size");
   }
 
-  // Local checks.
-  const ffi::DataType dtype = local.element_type();
-  MPI_Datatype mpi_type = MPI_DATATYPE_NULL;
+  // Local checks of every chunk's records, before anything moves.
+  const ffi::DataType dtype = chunk.element_type();
+  ReduceEpoch epoch;
   std::string problem;
   if (dtype == ffi::DataType::F32) {
-    mpi_type = MPI_FLOAT;
+    epoch.mpi_type = MPI_FLOAT;
   } else if (dtype == ffi::DataType::F64) {
-    mpi_type = MPI_DOUBLE;
+    epoch.mpi_type = MPI_DOUBLE;
   } else {
     problem = "unsupported dtype (osmm_reduce handles float32 and float64)";
   }
   const int64_t itemsize = static_cast<int64_t>(ffi::ByteWidth(dtype));
-  const int64_t local_elements = static_cast<int64_t>(local.element_count());
-  if (problem.empty() && window_bytes < 0) {
-    problem = "window_bytes must be >= 0, got " + std::to_string(window_bytes);
+  if (problem.empty() && (!IsDims(chunk, 1) || ticket->element_count() != 1)) {
+    problem = "expected a 1-D chunk and a one-element ticket";
+  } else if (problem.empty() && (window_bytes < 0 || local_elements < 0 ||
+                                 local_elements > window_bytes / std::max<int64_t>(1, itemsize))) {
+    problem = "the local C block (" + std::to_string(local_elements) +
+              " elements) does not fit the " + std::to_string(window_bytes) + "-byte window";
+  } else if (problem.empty() &&
+             (chunk_ends.size() == 0 || chunk_ends.size() != chunk_sizes.size() ||
+              chunk_sizes[0] != static_cast<int64_t>(chunk.element_count()))) {
+    problem = "chunk_ends and chunk_sizes must describe the chunks, the first being this one";
   }
-  if (problem.empty() && (staging.element_type() != dtype || out->element_type() != dtype)) {
-    problem = "staging, local and out must share one dtype";
+  int64_t previous_end = 0;
+  for (size_t c = 0; c < chunk_ends.size() && problem.empty(); ++c) {
+    const int64_t end = chunk_ends[c];
+    if (end < previous_end ||
+        end * static_cast<int64_t>(kRecordLength) > static_cast<int64_t>(transfers.size()) ||
+        chunk_sizes[c] < 0) {
+      problem = "chunk " + std::to_string(c) + " has a bad record range or size";
+      break;
+    }
+    ffi::Span<const int64_t> part(transfers.begin() + previous_end * kRecordLength,
+                                  static_cast<size_t>((end - previous_end) * kRecordLength));
+    problem = ValidateRecords(part, "transfers", 2, comm_size, chunk_sizes[c], itemsize,
+                              window_bytes, [](int64_t) { return int64_t{0}; });
+    previous_end = end;
   }
-  if (problem.empty() && (!IsDims(staging, 1) || !IsDims(local, 2) || !SameDims(local, *out))) {
-    problem = "expected 1-D staging, 2-D local and out shaped like local";
-  }
-  if (problem.empty() && local_elements * itemsize > window_bytes) {
-    problem = "the local C block (" + std::to_string(local_elements * itemsize) +
-              " bytes) does not fit the " + std::to_string(window_bytes) + "-byte window";
-  }
-  if (problem.empty()) {
-    problem = ValidateRecords(transfers, "transfers", 2, comm_size,
-                              static_cast<int64_t>(staging.element_count()), itemsize, window_bytes,
-                              [](int64_t) { return int64_t{0}; });
+  if (problem.empty() && previous_end * static_cast<int64_t>(kRecordLength) !=
+                             static_cast<int64_t>(transfers.size())) {
+    problem = "records after the last chunk";
   }
   MPI_Comm private_comm = MPI_COMM_NULL;
-  if (ffi::Error err =
-          Agree(comm, "osmm_reduce", problem, {{"window_bytes", window_bytes}}, &private_comm);
+  if (ffi::Error err = Agree(comm, "osmm_reduce_start", problem, {{"window_bytes", window_bytes}},
+                             &private_comm);
       err.failure()) {
     return err;
   }
 
-  // Every rank accepted its inputs: one fence epoch of accumulates and puts.
-  WindowLease lease;
-  if (ffi::Error err = AcquireWindow(private_comm, WindowSlot::kReduce, window_bytes, &lease);
+  // Every rank accepted its records: open one fence epoch on the reduce window.
+  const uint64_t key = CommKey(comm);
+  if (FindEpoch(key) != nullptr) {
+    return ffi::Error::Internal("osmm_reduce_start: an epoch is already open on this communicator");
+  }
+  {
+    WindowLease lease;
+    if (ffi::Error err = AcquireWindow(private_comm, WindowSlot::kReduce, window_bytes, &lease);
+        err.failure()) {
+      return err;
+    }
+    epoch.win = lease.win();
+    epoch.window_base = lease.base();
+    epoch.window_bytes = lease.bytes();
+  }
+  epoch.private_comm = private_comm;
+  epoch.dtype = dtype;
+  epoch.itemsize = itemsize;
+  epoch.local_elements = local_elements;
+  epoch.async = overlap != 0;
+  for (size_t i = 0; i < RecordCount(transfers); ++i)
+    epoch.records.push_back(RecordAt(transfers, i));
+  epoch.chunk_ends.assign(chunk_ends.begin(), chunk_ends.end());
+  epoch.chunk_sizes.assign(chunk_sizes.begin(), chunk_sizes.end());
+  if (ffi::Error err = Fence(epoch.win, 0, "osmm_reduce_start: opening MPI_Win_fence");
       err.failure()) {
     return err;
   }
-  if (ffi::Error err = Fence(lease.win(), 0, "osmm_reduce: opening MPI_Win_fence"); err.failure()) {
-    return err;
+  epoch.start_time = MPI_Wtime();
+  epoch.next_chunk = 1;
+  ReduceEpoch* open = nullptr;
+  {
+    EpochTable& t = Epochs();
+    std::lock_guard<std::mutex> lock(t.mu);
+    t.open.emplace_back(key, std::make_unique<ReduceEpoch>(std::move(epoch)));
+    open = t.open.back().second.get();
   }
-  const double epoch_start = MPI_Wtime();
-  int rma_rc = MPI_SUCCESS;
-  const char* rma_call = "";
-  const auto* base = static_cast<const std::byte*>(staging.untyped_data());
-  Counters& counters = GlobalCounters();
-  for (size_t i = 0; i < RecordCount(transfers) && rma_rc == MPI_SUCCESS; ++i) {
-    const Record r = RecordAt(transfers, i);
-    if (r.rows == 0 || r.cols == 0) continue;
-    const bool accumulate = r.kind == 0;
-    rma_call = accumulate ? "MPI_Accumulate" : "MPI_Put";
-    const std::byte* origin = base + r.offset * itemsize;
-    const MPI_Aint disp = static_cast<MPI_Aint>((r.row0 * r.ld + r.col0) * itemsize);
-    rma_rc = IssueRect(
-        r.rows, r.cols, r.ld, itemsize, disp, mpi_type,
-        [&](int64_t origin_units, int64_t count, MPI_Aint target_disp, MPI_Datatype target_type,
-            int64_t target_count) {
-          const void* src = origin + origin_units * itemsize;
-          if (accumulate) {
-            return MPI_Accumulate(
-                src, static_cast<int>(count), mpi_type, static_cast<int>(r.target), target_disp,
-                static_cast<int>(target_count), target_type, MPI_SUM, lease.win());
-          }
-          return MPI_Put(src, static_cast<int>(count), mpi_type, static_cast<int>(r.target),
-                         target_disp, static_cast<int>(target_count), target_type, lease.win());
-        });
-    if (rma_rc == MPI_SUCCESS) {
-      counters.rma_ops.fetch_add(1, std::memory_order_relaxed);
-      counters.rma_bytes.fetch_add(r.rows * r.cols * itemsize, std::memory_order_relaxed);
-      counters.sent_bytes.fetch_add(r.rows * r.cols * itemsize, std::memory_order_relaxed);
-      (accumulate ? counters.accumulates : counters.puts).fetch_add(1, std::memory_order_relaxed);
-    }
+  // Kept even if issuing fails: the finish must still close the epoch on every rank.
+  open->problem = SubmitChunk(open, 0, chunk);
+  *static_cast<int32_t*>(ticket->untyped_data()) = 0;
+  return ffi::Error::Success();
+}
+
+ffi::Error ReduceIssueImpl(ffi::AnyBuffer chunk, ffi::Token, ffi::Result<ffi::AnyBuffer> ticket,
+                           ffi::Result<ffi::Token>, int64_t comm_handle, int64_t index) {
+  ReduceEpoch* epoch = FindEpoch(CommKey(CommFromHandle(comm_handle)));
+  if (epoch == nullptr) {
+    return ffi::Error::Internal("osmm_reduce_issue: no reduce epoch is open on this communicator");
   }
-  ffi::Error closing = Fence(lease.win(), MPI_MODE_NOSUCCEED, "osmm_reduce: closing MPI_Win_fence");
-  RecordEpochLatency(MPI_Wtime() - epoch_start);
-  if (rma_rc != MPI_SUCCESS) {
+  if (ticket->element_count() != 1) {
+    return ffi::Error::InvalidArgument("osmm_reduce_issue: expected a one-element ticket");
+  }
+  *static_cast<int32_t*>(ticket->untyped_data()) = static_cast<int32_t>(index);
+  // Inconsistencies are reported by the finish, which every rank reaches: an early return
+  // here would leave the other ranks waiting in the closing fence.
+  if (!epoch->problem.empty()) return ffi::Error::Success();
+  if (index != epoch->next_chunk || index >= static_cast<int64_t>(epoch->chunk_sizes.size()) ||
+      chunk.element_type() != epoch->dtype ||
+      static_cast<int64_t>(chunk.element_count()) != epoch->chunk_sizes[index]) {
+    epoch->problem = "osmm_reduce_issue: chunk " + std::to_string(index) +
+                     " does not match the chunks osmm_reduce_start validated; nothing more sent";
+    return ffi::Error::Success();
+  }
+  epoch->next_chunk = index + 1;
+  epoch->problem = SubmitChunk(epoch, index, chunk);
+  return ffi::Error::Success();
+}
+
+ffi::Error ReduceFinishImpl(ffi::AnyBuffer local, ffi::Token, ffi::RemainingArgs,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Token>,
+                            int64_t comm_handle) {
+  // The remaining operands are the chunk buffers: taking them keeps XLA from reusing their
+  // memory while the issuer thread may still be reading them.
+  const uint64_t key = CommKey(CommFromHandle(comm_handle));
+  ReduceEpoch* epoch = FindEpoch(key);
+  if (epoch == nullptr) {
+    return ffi::Error::Internal("osmm_reduce_finish: no reduce epoch is open on this communicator");
+  }
+  std::string problem = epoch->async ? GlobalIssuer().Drain() : std::string();
+  if (problem.empty()) problem = epoch->problem;
+  if (problem.empty() && epoch->next_chunk != static_cast<int64_t>(epoch->chunk_sizes.size())) {
+    problem = "osmm_reduce_finish: " + std::to_string(epoch->next_chunk) + " of " +
+              std::to_string(epoch->chunk_sizes.size()) + " chunks were issued";
+  }
+  const int64_t n = static_cast<int64_t>(local.element_count());
+  if (problem.empty() &&
+      (local.element_type() != epoch->dtype || out->element_type() != epoch->dtype ||
+       n != epoch->local_elements || !SameDims(local, *out))) {
+    problem = "osmm_reduce_finish: local and out must match the epoch's dtype and C block";
+  }
+  ffi::Error closing =
+      Fence(epoch->win, MPI_MODE_NOSUCCEED, "osmm_reduce_finish: closing MPI_Win_fence");
+  RecordEpochLatency(MPI_Wtime() - epoch->start_time);
+  std::byte* received = epoch->window_base;
+  const int64_t window_bytes = epoch->window_bytes;
+  const ffi::DataType dtype = epoch->dtype;
+  {
+    EpochTable& t = Epochs();
+    std::lock_guard<std::mutex> lock(t.mu);
+    t.open.erase(std::find_if(t.open.begin(), t.open.end(),
+                              [key](const auto& entry) { return entry.first == key; }));
+  }
+  if (!problem.empty()) {
     // Restore the all-zero invariant whatever arrived.
-    std::memset(lease.base(), 0, static_cast<size_t>(lease.bytes()));
-    return MpiError(rma_rc, std::string("osmm_reduce: ") + rma_call);
+    std::memset(received, 0, static_cast<size_t>(window_bytes));
+    return ffi::Error::Internal(problem);
   }
   if (closing.failure()) return closing;
-
   if (dtype == ffi::DataType::F32) {
-    AddAndClear(static_cast<const float*>(local.untyped_data()),
-                reinterpret_cast<float*>(lease.base()), static_cast<float*>(out->untyped_data()),
-                local_elements);
+    AddAndClear(static_cast<const float*>(local.untyped_data()), reinterpret_cast<float*>(received),
+                static_cast<float*>(out->untyped_data()), n);
   } else {
     AddAndClear(static_cast<const double*>(local.untyped_data()),
-                reinterpret_cast<double*>(lease.base()), static_cast<double*>(out->untyped_data()),
-                local_elements);
+                reinterpret_cast<double*>(received), static_cast<double*>(out->untyped_data()), n);
   }
   return ffi::Error::Success();
 }
@@ -452,16 +626,37 @@ ffi::Error FetchImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Token,
 }  // namespace
 }  // namespace osmm
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(OsmmReduce, osmm::ReduceImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsmmReduceStart, osmm::ReduceStartImpl,
                               xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // staging
-                                  .Arg<xla::ffi::AnyBuffer>()  // local
+                                  .Arg<xla::ffi::AnyBuffer>()  // chunk 0
                                   .Arg<xla::ffi::Token>()      // ordering token in
-                                  .Ret<xla::ffi::AnyBuffer>()  // out
+                                  .Ret<xla::ffi::AnyBuffer>()  // ticket
                                   .Ret<xla::ffi::Token>()      // ordering token out
                                   .Attr<int64_t>("comm")
                                   .Attr<int64_t>("window_bytes")
-                                  .Attr<xla::ffi::Span<const int64_t>>("transfers"));
+                                  .Attr<int64_t>("local_elements")
+                                  .Attr<int64_t>("overlap")
+                                  .Attr<xla::ffi::Span<const int64_t>>("transfers")
+                                  .Attr<xla::ffi::Span<const int64_t>>("chunk_ends")
+                                  .Attr<xla::ffi::Span<const int64_t>>("chunk_sizes"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsmmReduceIssue, osmm::ReduceIssueImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // chunk `index`
+                                  .Arg<xla::ffi::Token>()      // ordering token in
+                                  .Ret<xla::ffi::AnyBuffer>()  // ticket
+                                  .Ret<xla::ffi::Token>()      // ordering token out
+                                  .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("index"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsmmReduceFinish, osmm::ReduceFinishImpl,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // local
+                                  .Arg<xla::ffi::Token>()      // ordering token in
+                                  .RemainingArgs()             // every chunk, kept alive
+                                  .Ret<xla::ffi::AnyBuffer>()  // out
+                                  .Ret<xla::ffi::Token>()      // ordering token out
+                                  .Attr<int64_t>("comm"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsmmFetch, osmm::FetchImpl,
                               xla::ffi::Ffi::Bind()

@@ -11,6 +11,7 @@
 #include "common.h"
 #include "counters.h"
 #include "handlers.h"
+#include "issuer.h"
 #include "windows.h"
 
 namespace nb = nanobind;
@@ -27,7 +28,9 @@ nb::capsule EncapsulateHandler(Fn* fn) {
 nb::dict Registrations() {
   nb::dict d;
   d["osmm_fetch"] = EncapsulateHandler(OsmmFetch);
-  d["osmm_reduce"] = EncapsulateHandler(OsmmReduce);
+  d["osmm_reduce_start"] = EncapsulateHandler(OsmmReduceStart);
+  d["osmm_reduce_issue"] = EncapsulateHandler(OsmmReduceIssue);
+  d["osmm_reduce_finish"] = EncapsulateHandler(OsmmReduceFinish);
   return d;
 }
 
@@ -61,6 +64,7 @@ void FreeWindows() {
   {
     // Collective and possibly slow: let other Python threads run meanwhile.
     nb::gil_scoped_release release;
+    osmm::GlobalIssuer().Stop();  // nothing may still be issuing into a window being freed
     xla::ffi::Error err = osmm::FreeWindows();
     if (err.failure()) message = err.message();
   }

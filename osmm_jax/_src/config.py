@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
+
 USE_ALLREDUCE = "OSMM_USE_ALLREDUCE"
 """``1``/``true``/``yes``/``on``: the default ``method`` of :func:`osmm_jax.matmul` is ``"allreduce"``
 instead of ``"one_sided"``. Default: unset (one_sided)."""
@@ -49,3 +51,32 @@ SPEEDS = "OSMM_SPEEDS"
 def declared_speeds_text() -> str | None:
     """The raw value of ``OSMM_SPEEDS``, or None when it is unset or blank (parsed by ``speeds.py``)."""
     return os.environ.get(SPEEDS, "").strip() or None
+
+
+CHUNK_BYTES = "OSMM_CHUNK_BYTES"
+"""Default ``chunk_bytes`` of :func:`osmm_jax.matmul`: how many bytes of partial results the
+one_sided method computes before it starts sending them, so that sending overlaps computing.
+``0`` turns overlap off. Default: 4194304 (4 MiB)."""
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+
+def resolve_chunk_bytes(chunk_bytes: int | None) -> int:
+    """The chunk size to use: the argument if given, else ``OSMM_CHUNK_BYTES``, else 4 MiB."""
+    source = "chunk_bytes"
+    if chunk_bytes is None:
+        text = os.environ.get(CHUNK_BYTES, "").strip()
+        if not text:
+            return DEFAULT_CHUNK_BYTES
+        source = CHUNK_BYTES
+        try:
+            chunk_bytes = int(text)
+        except ValueError:
+            raise ValueError(
+                f"{CHUNK_BYTES} must be an integer number of bytes, got {text!r}"
+            ) from None
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, (int, np.integer)):
+        raise TypeError(f"{source} must be an int (bytes) or None, got {chunk_bytes!r}")
+    if chunk_bytes < 0:
+        raise ValueError(f"{source} must be >= 0 (0 turns overlap off), got {chunk_bytes}")
+    return int(chunk_bytes)

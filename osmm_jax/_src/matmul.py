@@ -9,8 +9,13 @@ XLA dots (the GEMMs run in XLA, which is much faster than hand-written loops and
 fuses the slicing), plus the native data movement:
 
 * ``one_sided``: ``osmm_fetch`` (MPI_Get of remote input pieces, only if the
-  plan needs any), local dots, then ``osmm_reduce`` (MPI_Accumulate / MPI_Put of
+  plan needs any), local dots, and the reduce (MPI_Accumulate / MPI_Put of
   partials straight into their owners' windows, only if the plan delivers any).
+  The partials other ranks need are computed first, in chunks, and each chunk
+  leaves (from a background thread) as soon as it is ready, while the next
+  chunk and then this rank's own part are computed: communication overlaps
+  computation. Chunking splits GEMMs by rows, never changes what is summed
+  (a split GEMM may round differently in the last bits).
 * ``allreduce``: the baseline. Each rank places its products into a zero
   full-size C, ``mpi4jax.allreduce`` sums it, and each rank slices its block.
 
@@ -25,6 +30,7 @@ float32.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -53,9 +59,18 @@ class _Options(NamedTuple):
 
     method: str
     verify: bool
+    chunk_bytes: int  # one_sided: overlap sends with GEMMs in chunks of this size; 0 = off
 
 
-def matmul(a_local, b_local, plan: Plan, *, method: str | None = None, verify: bool | None = None):
+def matmul(
+    a_local,
+    b_local,
+    plan: Plan,
+    *,
+    method: str | None = None,
+    verify: bool | None = None,
+    chunk_bytes: int | None = None,
+):
     """This rank's block of ``C = A @ B`` in ``plan``'s C layout.
 
     Args:
@@ -69,6 +84,14 @@ def matmul(a_local, b_local, plan: Plan, *, method: str | None = None, verify: b
             a few percent of the product's cost) and raise ChecksumError, naming
             the C block and the ranks involved, if it drifts; the backward
             products are checked too. ``None`` reads ``OSMM_VERIFY``.
+        chunk_bytes: ``one_sided`` only: overlap communication with computation.
+            The partials other ranks receive are computed in chunks of about
+            this many bytes, and each chunk is sent by a background thread as
+            soon as its GEMMs finish, while the next chunk (and finally this
+            rank's own part) is computed. ``0`` turns overlap off: every GEMM
+            first, then all sends. ``None`` reads ``OSMM_CHUNK_BYTES``
+            (default 4 MiB). The sums are the same either way; a GEMM split by
+            rows may round differently in the last bits.
 
     Returns:
         A JAX array of shape ``plan.c.local_shape(rank)`` and the input dtype.
@@ -84,7 +107,11 @@ def matmul(a_local, b_local, plan: Plan, *, method: str | None = None, verify: b
         raise TypeError(
             f"plan must be an osmm_jax Plan (from osmm_jax.plan), got {type(plan).__name__}"
         )
-    options = _Options(config.resolve_method(method), config.resolve_verify(verify))
+    options = _Options(
+        config.resolve_method(method),
+        config.resolve_verify(verify),
+        config.resolve_chunk_bytes(chunk_bytes),
+    )
     comm = comm_mod.comm_for_key(plan.comm_key)
     rank = comm.Get_rank()
     a_local, b_local, error = _check_inputs(a_local, b_local, plan, rank)
@@ -161,7 +188,10 @@ def _batchable_forward(plan: Plan, options: _Options):
     """
     rank = comm_mod.comm_for_key(plan.comm_key).Get_rank()
     comm = comm_mod.in_graph_comm(plan.comm_key)
-    execute = _allreduce_forward if options.method == "allreduce" else _one_sided_forward
+    if options.method == "allreduce":
+        execute = _allreduce_forward
+    else:
+        execute = functools.partial(_one_sided_forward, chunk_bytes=options.chunk_bytes)
 
     @jax.custom_batching.custom_vmap
     def forward(a, b):
@@ -233,57 +263,164 @@ def _products(plan: Plan, rank: int, a, b, multiplies, remote: dict) -> dict:
     Local pieces are cut from ``a``/``b``; others come from ``remote``, keyed
     ``(matrix, rows, cols)``. Products are in the accumulation dtype.
     """
-    acc = accumulation_dtype(a.dtype)
-    products = {}
-    for m in multiplies:
-        if m.a_source == rank:
-            a_piece = _local_piece(a, plan.a, rank, m.rows, m.inner)
-        else:
-            a_piece = remote[("A", m.rows, m.inner)]
-        if m.b_source == rank:
-            b_piece = _local_piece(b, plan.b, rank, m.inner, m.cols)
-        else:
-            b_piece = remote[("B", m.inner, m.cols)]
-        products[(m.rows, m.inner, m.cols)] = jnp.dot(a_piece, b_piece, preferred_element_type=acc)
-    return products
+    return {
+        (m.rows, m.inner, m.cols): _product(plan, rank, a, b, m, m.rows, remote) for m in multiplies
+    }
 
 
-def _partial(products: dict, rows, cols, inner):
-    return functools.reduce(jnp.add, [products[(rows, k, cols)] for k in inner])
+def _product(plan: Plan, rank: int, a, b, m, rows, remote: dict, after=None):
+    """``A[rows, m.inner] @ B[m.inner, m.cols]`` for a range ``rows`` within ``m.rows``.
+
+    ``after``: a value the GEMM must wait for (a chunk's ticket), or None.
+    """
+    if m.a_source == rank:
+        a_piece = _local_piece(a, plan.a, rank, rows, m.inner)
+    else:
+        a_piece = remote[("A", m.rows, m.inner)][rows[0] - m.rows[0] : rows[1] - m.rows[0]]
+    if m.b_source == rank:
+        b_piece = _local_piece(b, plan.b, rank, m.inner, m.cols)
+    else:
+        b_piece = remote[("B", m.inner, m.cols)]
+    if after is not None:
+        _, a_piece = jax.lax.optimization_barrier((after, a_piece))
+    return jnp.dot(a_piece, b_piece, preferred_element_type=accumulation_dtype(a.dtype))
 
 
-def _one_sided_forward(plan: Plan, rank: int, a, b):
+class _Cell(NamedTuple):
+    """One C rectangle this rank sums a partial for, and where that partial goes."""
+
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    inner: tuple  # the inner ranges summed
+    deliveries: tuple  # Transfers to other ranks
+    local: bool  # also added to this rank's own C block
+
+
+def _cells(plan: Plan, rank: int) -> list[_Cell]:
+    """The partials this rank forms: delivered ones first (in the plan's rotated order), then
+    the purely local ones. A partial of a replicated C goes to several places at once."""
+    order, deliveries, local = [], {}, set()
+    for t in plan.deliveries_from(rank):
+        key = (t.rows, t.cols, t.inner)
+        if key not in deliveries:
+            order.append(key)
+            deliveries[key] = []
+        deliveries[key].append(t)
+    for u in plan.local_updates_on(rank):
+        key = (u.rows, u.cols, u.inner)
+        local.add(key)
+        if key not in deliveries:
+            order.append(key)
+    return [_Cell(*key, tuple(deliveries.get(key, ())), key in local) for key in order]
+
+
+def _chunks(cells: list[_Cell], itemsize: int, chunk_bytes: int) -> list[list]:
+    """Group the delivered cells' rows into chunks of about ``chunk_bytes`` of partials.
+
+    Returns a list of chunks, each a list of ``(cell, rows)`` pieces. A cell's rows are cut
+    into pieces of at least ``chunk_bytes``; small cells share a chunk until it holds
+    ``chunk_bytes``. ``chunk_bytes == 0``: one chunk with every delivered cell, uncut.
+    """
+    delivered = [c for c in cells if c.deliveries]
+    if chunk_bytes == 0:
+        return [[(c, c.rows) for c in delivered]]
+    chunks, current, current_bytes = [], [], 0
+    for cell in delivered:
+        row_bytes = (cell.cols[1] - cell.cols[0]) * itemsize
+        step = max(1, -(-chunk_bytes // max(1, row_bytes)))
+        for r0 in range(cell.rows[0], cell.rows[1], step):
+            rows = (r0, min(r0 + step, cell.rows[1]))
+            current.append((cell, rows))
+            current_bytes += (rows[1] - rows[0]) * row_bytes
+            if current_bytes >= chunk_bytes:
+                chunks.append(current)
+                current, current_bytes = [], 0
+    if current or not chunks:
+        chunks.append(current)
+    return chunks
+
+
+def _one_sided_forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0):
+    """This rank's C block by one-sided transfers.
+
+    With ``chunk_bytes > 0`` the delivered partials are computed chunk by chunk and each chunk
+    is handed to the background issuer as soon as its GEMMs are done (the next chunk's GEMMs,
+    then the purely local ones, wait for its ticket), so sending overlaps computing. With 0,
+    every GEMM runs first and all partials go out at the end, from the calling thread.
+    """
     acc = accumulation_dtype(a.dtype)
     remote = _fetch_remote_pieces(plan, rank, a, b) if plan.has_gets else {}
-    products = _products(plan, rank, a, b, plan.multiplies_on(rank), remote)
+    multiplies = {(m.rows, m.inner, m.cols): m for m in plan.multiplies_on(rank)}
     c_shape = plan.c.local_shape(rank)
     (cr0, _), (cc0, _) = plan.c.blocks[rank]
     local = jnp.zeros(c_shape, acc)
-    for u in plan.local_updates_on(rank):
-        part = _partial(products, u.rows, u.cols, u.inner)
-        if (u.rows[1] - u.rows[0], u.cols[1] - u.cols[0]) == c_shape:
-            local = local + part
-        else:
-            local = local.at[
-                u.rows[0] - cr0 : u.rows[1] - cr0, u.cols[0] - cc0 : u.cols[1] - cc0
-            ].add(part)
+
+    def add_local(local, rows, cols, part):
+        if (rows[1] - rows[0], cols[1] - cols[0]) == c_shape:
+            return local + part
+        return local.at[rows[0] - cr0 : rows[1] - cr0, cols[0] - cc0 : cols[1] - cc0].add(part)
+
+    def partial(cell, rows, after=None):
+        return functools.reduce(
+            jnp.add,
+            [
+                _product(
+                    plan, rank, a, b, multiplies[(cell.rows, k, cell.cols)], rows, remote, after
+                )
+                for k in cell.inner
+            ],
+        )
+
+    cells = _cells(plan, rank)
+    ticket, buffers = None, []
+    if plan.has_deliveries:
+        chunks = _chunks(cells, acc.itemsize, chunk_bytes)
+        transfers, sizes = _chunk_records(plan, chunks)
+        for index, pieces in enumerate(chunks):
+            flat = []
+            for cell, rows in pieces:
+                part = partial(cell, rows, ticket)
+                if cell.local:
+                    local = add_local(local, rows, cell.cols, part)
+                flat.append(part.reshape(-1))
+            buffer = jnp.concatenate(flat) if len(flat) > 1 else flat[0] if flat else None
+            buffers.append(jnp.zeros((0,), acc) if buffer is None else buffer)
+            if index == 0:
+                ticket = primitives.reduce_start(
+                    buffers[0],
+                    comm=plan.comm_key,
+                    window_bytes=plan.receive_elements * acc.itemsize,
+                    local_elements=int(np.prod(c_shape)),
+                    overlap=chunk_bytes > 0,
+                    transfers=transfers,
+                    chunk_sizes=sizes,
+                )
+            else:
+                ticket = primitives.reduce_issue(buffers[-1], comm=plan.comm_key, index=index)
+        if chunk_bytes == 0:
+            ticket = None  # no overlap: the GEMMs need not wait for the sends
+    for cell in cells:
+        if cell.local and not cell.deliveries:
+            local = add_local(local, cell.rows, cell.cols, partial(cell, cell.rows, ticket))
     if not plan.has_deliveries:
         return local.astype(a.dtype)
-    records, pieces, offset = [], [], 0
-    for t in plan.deliveries_from(rank):
-        rows, cols = t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]
-        records += _record(_OPS[t.op], t, plan.c.blocks[t.target], offset)
-        pieces.append(_partial(products, t.rows, t.cols, t.inner).reshape(-1))
-        offset += rows * cols
-    staging = jnp.concatenate(pieces) if pieces else jnp.zeros((0,), acc)
-    out = primitives.reduce(
-        staging,
-        local,
-        comm=plan.comm_key,
-        window_bytes=plan.receive_elements * acc.itemsize,
-        transfers=records,
-    )
-    return out.astype(a.dtype)
+    return primitives.reduce_finish(local, buffers, comm=plan.comm_key).astype(a.dtype)
+
+
+def _chunk_records(plan: Plan, chunks: list[list]) -> tuple[list[list[int]], list[int]]:
+    """Each chunk's transfer records (offsets within the chunk) and its size in elements."""
+    transfers, sizes = [], []
+    for pieces in chunks:
+        records, offset = [], 0
+        for cell, rows in pieces:
+            for t in cell.deliveries:
+                records += _record(
+                    _OPS[t.op], dataclasses.replace(t, rows=rows), plan.c.blocks[t.target], offset
+                )
+            offset += (rows[1] - rows[0]) * (cell.cols[1] - cell.cols[0])
+        transfers.append(records)
+        sizes.append(offset)
+    return transfers, sizes
 
 
 def _allreduce_forward(plan: Plan, rank: int, a, b):

@@ -1,9 +1,10 @@
 """Bridge to the native extension ``osmm_jax._src._osmm_ffi`` (C++, built from ``xla_ffi/``).
 
 The extension holds the XLA FFI handlers that move matrix blocks between ranks with one-sided
-MPI (``osmm_fetch``: MPI_Get of remote A/B pieces; ``osmm_reduce``: MPI_Accumulate/MPI_Put of
-C partials into their owners' windows), a cache of persistent MPI windows, and counters. This
-module registers both handlers with XLA for the CPU platform (once, on first use) and exposes
+MPI (``osmm_fetch``: MPI_Get of remote A/B pieces; ``osmm_reduce_start``/``_issue``/``_finish``:
+MPI_Accumulate/MPI_Put of C partials, chunk by chunk, into their owners' windows, from a
+background thread when overlapping), a cache of persistent MPI windows, and counters. This
+module registers the handlers with XLA for the CPU platform (once, on first use) and exposes
 the counters and the window cache to the rest of the package.
 
 It deliberately does not import mpi4py: the extension links the same ``libmpi`` that mpi4py
@@ -25,9 +26,6 @@ except ImportError as err:  # pragma: no cover - depends on the build
         "--no-build-isolation -e .` in an environment with jax, nanobind, scikit-build-core, "
         "mpi4py and an MPI)."
     ) from err
-
-FETCH_TARGET = "osmm_fetch"
-REDUCE_TARGET = "osmm_reduce"
 
 _lock = threading.Lock()
 _registered = False
@@ -60,7 +58,7 @@ def comm_attribute(handle: int) -> int:
 def prepare_comm(handle: int) -> None:
     """Create the native layer's private duplicate of the communicator ``handle`` now.
 
-    Collective over that communicator. Optional: the first ``osmm_fetch``/``osmm_reduce`` call
+    Collective over that communicator. Optional: the first ``osmm_fetch``/``osmm_reduce_start`` call
     on a communicator does it otherwise, but then from whichever thread XLA runs the call on.
     Calling it when the communicator is set up keeps every collective on it on one thread.
     """

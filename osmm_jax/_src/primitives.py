@@ -4,16 +4,22 @@
     Every rank exposes the A/B blocks others need and gets the remote pieces it
     needs (MPI_Get). Inputs: this rank's A and B blocks. Output: the fetched
     pieces, concatenated flat.
-``osmm_reduce``
+``osmm_reduce_start``, ``osmm_reduce_issue``, ``osmm_reduce_finish``
     Every rank accumulates (MPI_Accumulate) or writes (MPI_Put) its C partials
-    into their owners' windows, then adds what it received to its own local
-    partial. Inputs: the outgoing partials, concatenated flat, and the local
-    partial of this rank's C block. Output: the finished C block.
+    into their owners' windows, chunk by chunk, then adds what it received to
+    its own local partial. ``start`` takes chunk 0 (and validates the records
+    of every chunk), ``issue`` takes chunk i, ``finish`` takes the local
+    partial of this rank's C block (and every chunk, to keep it alive while a
+    background thread may still be sending it) and returns the finished block.
+    ``start`` and ``issue`` return a ticket (an int32 scalar) that the caller
+    can make the next GEMM depend on, so the chunk is on its way before that
+    GEMM runs.
 
-Both are MPI collectives over the plan's communicator: every rank must issue
-them in the same order. Each carries mpi4jax's ordered effect, so one token
-chain orders them against each other AND against mpi4jax calls in the same
-program; XLA never reorders or overlaps them.
+``osmm_fetch``, ``start`` and ``finish`` are MPI collectives over the plan's
+communicator: every rank must issue them in the same order (``issue`` is local;
+ranks may have different numbers of chunks). Each carries mpi4jax's ordered
+effect, so one token chain orders them against each other AND against mpi4jax
+calls in the same program; XLA never reorders them.
 
 Section order as in mpi4jax: primitive, abstract evaluation, lowering.
 Batching and differentiation are handled above, in :mod:`osmm_jax._src.matmul`
@@ -39,8 +45,10 @@ from osmm_jax._src import native
 # -- primitives -----------------------------------------------------------------
 
 osmm_fetch_p = Primitive("osmm_fetch")
-osmm_reduce_p = Primitive("osmm_reduce")
-for _p in (osmm_fetch_p, osmm_reduce_p):
+osmm_reduce_start_p = Primitive("osmm_reduce_start")
+osmm_reduce_issue_p = Primitive("osmm_reduce_issue")
+osmm_reduce_finish_p = Primitive("osmm_reduce_finish")
+for _p in (osmm_fetch_p, osmm_reduce_start_p, osmm_reduce_issue_p, osmm_reduce_finish_p):
     _p.def_impl(functools.partial(dispatch.apply_primitive, _p))
 
 
@@ -64,20 +72,38 @@ def fetch(a, b, *, comm, window_bytes, b_offset, expose_a, expose_b, gets, fetch
     )
 
 
-def reduce(staging, local, *, comm, window_bytes, transfers):
-    """Bind ``osmm_reduce``: returns ``local`` plus everything other ranks delivered to this rank.
+def reduce_start(chunk, *, comm, window_bytes, local_elements, overlap, transfers, chunk_sizes):
+    """Bind ``osmm_reduce_start``: open the reduce epoch, send chunk 0; returns a ticket.
 
-    ``transfers`` is a tuple of int records ``(op, target, offset, rows, cols,
-    row0, col0, ld)``; ``window_bytes`` is identical on every rank.
+    ``transfers`` is one list of int records ``(op, target, offset, rows, cols,
+    row0, col0, ld)`` per chunk, ``offset`` relative to that chunk;
+    ``chunk_sizes`` the element count of every chunk's buffer. ``window_bytes``
+    is identical on every rank. ``overlap``: send from the background thread.
     """
     native.ensure_registered()
-    return osmm_reduce_p.bind(
-        staging,
-        local,
+    chunk_ends = tuple(int(x) for x in np.cumsum([len(r) // 8 for r in transfers]))
+    return osmm_reduce_start_p.bind(
+        chunk,
         comm=int(comm),
         window_bytes=int(window_bytes),
-        transfers=tuple(int(x) for x in transfers),
+        local_elements=int(local_elements),
+        overlap=bool(overlap),
+        transfers=tuple(int(x) for records in transfers for x in records),
+        chunk_ends=chunk_ends,
+        chunk_sizes=tuple(int(x) for x in chunk_sizes),
     )
+
+
+def reduce_issue(chunk, *, comm, index):
+    """Bind ``osmm_reduce_issue``: send chunk ``index`` (1, 2, ...); returns a ticket."""
+    native.ensure_registered()
+    return osmm_reduce_issue_p.bind(chunk, comm=int(comm), index=int(index))
+
+
+def reduce_finish(local, chunks, *, comm):
+    """Bind ``osmm_reduce_finish``: ``local`` plus everything other ranks delivered to this rank."""
+    native.ensure_registered()
+    return osmm_reduce_finish_p.bind(local, *chunks, comm=int(comm))
 
 
 # -- abstract evaluation ----------------------------------------------------------
@@ -87,25 +113,38 @@ def _fetch_abstract(a, b, *, fetched_elements, **_):
     return jax.core.ShapedArray((fetched_elements,), a.dtype), {ordered_effect}
 
 
-def _reduce_abstract(staging, local, **_):
+def _ticket_abstract(chunk, **_):
+    return jax.core.ShapedArray((), np.int32), {ordered_effect}
+
+
+def _reduce_finish_abstract(local, *chunks, **_):
     return jax.core.ShapedArray(local.shape, local.dtype), {ordered_effect}
 
 
 osmm_fetch_p.def_effectful_abstract_eval(_fetch_abstract)
-osmm_reduce_p.def_effectful_abstract_eval(_reduce_abstract)
+osmm_reduce_start_p.def_effectful_abstract_eval(_ticket_abstract)
+osmm_reduce_issue_p.def_effectful_abstract_eval(_ticket_abstract)
+osmm_reduce_finish_p.def_effectful_abstract_eval(_reduce_finish_abstract)
 
 
 # -- lowering -----------------------------------------------------------------------
 
 
-def _lower_with_token(target: str, ctx, *operands, aliases=None, **attributes):
+def _lower_with_token(target: str, ctx, *operands, token_position=None, aliases=None, **attrs):
+    """Lower an FFI call with the ordered-effect token as operand ``token_position`` (default:
+    last) and as the last result."""
     token = get_token_effect(ctx, ordered_effect)
+    position = len(operands) if token_position is None else token_position
+    avals_in = list(ctx.avals_in)
+    avals_in.insert(position, abstract_token)
     ctx_with_token = ctx.replace(
-        avals_in=(*ctx.avals_in, abstract_token),
+        avals_in=tuple(avals_in),
         avals_out=(*ctx.avals_out, abstract_token),
     )
     rule = jax.ffi.ffi_lowering(target, has_side_effect=True, operand_output_aliases=aliases)
-    results = list(rule(ctx_with_token, *operands, token, **attributes))
+    operands = list(operands)
+    operands.insert(position, token)
+    results = list(rule(ctx_with_token, *operands, **attrs))
     set_token_effect(ctx, ordered_effect, results.pop())
     return results
 
@@ -131,19 +170,43 @@ def _fetch_lowering(
     )
 
 
-def _reduce_lowering(ctx, staging, local, *, comm, window_bytes, transfers):
+def _reduce_start_lowering(
+    ctx, chunk, *, comm, window_bytes, local_elements, overlap, transfers, chunk_ends, chunk_sizes
+):
     return _lower_with_token(
-        "osmm_reduce",
+        "osmm_reduce_start",
         ctx,
-        staging,
-        local,
-        # The finished block is written over the local partial: no fresh output buffer.
-        aliases={1: 0},
+        chunk,
         comm=np.int64(comm),
         window_bytes=np.int64(window_bytes),
+        local_elements=np.int64(local_elements),
+        overlap=np.int64(overlap),
         transfers=_records(transfers),
+        chunk_ends=_records(chunk_ends),
+        chunk_sizes=_records(chunk_sizes),
+    )
+
+
+def _reduce_issue_lowering(ctx, chunk, *, comm, index):
+    return _lower_with_token(
+        "osmm_reduce_issue", ctx, chunk, comm=np.int64(comm), index=np.int64(index)
+    )
+
+
+def _reduce_finish_lowering(ctx, local, *chunks, comm):
+    return _lower_with_token(
+        "osmm_reduce_finish",
+        ctx,
+        local,
+        *chunks,
+        token_position=1,
+        # The finished block is written over the local partial: no fresh output buffer.
+        aliases={0: 0},
+        comm=np.int64(comm),
     )
 
 
 mlir.register_lowering(osmm_fetch_p, _fetch_lowering, platform="cpu")
-mlir.register_lowering(osmm_reduce_p, _reduce_lowering, platform="cpu")
+mlir.register_lowering(osmm_reduce_start_p, _reduce_start_lowering, platform="cpu")
+mlir.register_lowering(osmm_reduce_issue_p, _reduce_issue_lowering, platform="cpu")
+mlir.register_lowering(osmm_reduce_finish_p, _reduce_finish_lowering, platform="cpu")

@@ -102,6 +102,8 @@ def test_dtype_errors():
         om.matmul(a.astype(np.int32), b.astype(np.int32), plan)
     with pytest.raises(ValueError, match="method must be one of"):
         om.matmul(a, b, plan, method="two_sided")
+    with pytest.raises(ValueError, match="chunk_bytes must be >= 0"):
+        om.matmul(a, b, plan, chunk_bytes=-1)
     with pytest.raises(TypeError, match="plan must be an osmm_jax Plan"):
         om.matmul(a, b, "plan")
 
