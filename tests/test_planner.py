@@ -230,3 +230,18 @@ def test_planner_imports_neither_jax_nor_mpi():
         "bad = [m for m in ('jax', 'mpi4py', 'mpi4jax') if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("grid", [(2, 2), (2, 3), (3, 3), (2, 4)])
+def test_equal_grids_balance_flops_across_ranks(grid):
+    # Cells whose cheapest server is tied go to the least-loaded rank only after every
+    # untied cell is placed: each rank ends up with the same work.
+    n = 12 * grid[0] * grid[1]
+    layouts = [Layout.grid((n, n), grid) for _ in range(3)]
+    plan = make_plan(*layouts)
+    assert len(set(plan.flops)) == 1
+    assert sum(plan.flops) == 2 * n**3
+    # Each rank fetches or sends at most what owner-computes (fetch A's row and B's column
+    # blocks) would move.
+    block = (n // grid[0]) * (n // grid[1]) * 4
+    assert max(plan.comm_bytes) <= (grid[0] + grid[1] - 2) * block
