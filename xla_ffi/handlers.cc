@@ -427,7 +427,10 @@ ffi::Error ReduceStartImpl(ffi::AnyBuffer chunk, ffi::Token, ffi::Result<ffi::An
     epoch.records.push_back(RecordAt(transfers, i));
   epoch.chunk_ends.assign(chunk_ends.begin(), chunk_ends.end());
   epoch.chunk_sizes.assign(chunk_sizes.begin(), chunk_sizes.end());
-  if (ffi::Error err = Fence(epoch.win, 0, "osmm_reduce_start: opening MPI_Win_fence");
+  // NOPRECEDE: the previous epoch on this window ended with a NOSUCCEED fence, and the
+  // agreement above has just synchronised the ranks, so MPI may skip another barrier.
+  if (ffi::Error err =
+          Fence(epoch.win, MPI_MODE_NOPRECEDE, "osmm_reduce_start: opening MPI_Win_fence");
       err.failure()) {
     return err;
   }

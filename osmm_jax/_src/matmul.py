@@ -18,6 +18,8 @@ fuses the slicing), plus the native data movement:
   (a split GEMM may round differently in the last bits).
 * ``allreduce``: the baseline. Each rank places its products into a zero
   full-size C, ``mpi4jax.allreduce`` sums it, and each rank slices its block.
+  A plan that needs no communication at all is computed locally, as a
+  data-parallel code would.
 
 Under ``jax.vmap`` a batch of products runs one after another (see
 :func:`_batchable_forward`).
@@ -343,10 +345,11 @@ def _chunks(cells: list[_Cell], itemsize: int, chunk_bytes: int) -> list[list]:
 def _one_sided_forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0):
     """This rank's C block by one-sided transfers.
 
-    With ``chunk_bytes > 0`` the delivered partials are computed chunk by chunk and each chunk
-    is handed to the background issuer as soon as its GEMMs are done (the next chunk's GEMMs,
-    then the purely local ones, wait for its ticket), so sending overlaps computing. With 0,
-    every GEMM runs first and all partials go out at the end, from the calling thread.
+    With ``chunk_bytes > 0`` the delivered partials are computed chunk by chunk and, when
+    there is more than one chunk, each is handed to the background issuer as soon as its GEMMs
+    are done (the next chunk's GEMMs, then the purely local ones, wait for its ticket), so
+    sending overlaps computing. Otherwise every GEMM runs first and all partials go out at
+    the end, from the calling thread.
     """
     acc = accumulation_dtype(a.dtype)
     remote = _fetch_remote_pieces(plan, rank, a, b) if plan.has_gets else {}
@@ -375,6 +378,9 @@ def _one_sided_forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0):
     ticket, buffers = None, []
     if plan.has_deliveries:
         chunks = _chunks(cells, acc.itemsize, chunk_bytes)
+        # A single chunk has nothing to overlap with but the local GEMMs, which costs more in
+        # handing work to the issuer thread than it saves: send it from this thread.
+        overlap = len(chunks) > 1
         transfers, sizes = _chunk_records(plan, chunks)
         for index, pieces in enumerate(chunks):
             flat = []
@@ -391,14 +397,14 @@ def _one_sided_forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0):
                     comm=plan.comm_key,
                     window_bytes=plan.receive_elements * acc.itemsize,
                     local_elements=int(np.prod(c_shape)),
-                    overlap=chunk_bytes > 0,
+                    overlap=overlap,
                     transfers=transfers,
                     chunk_sizes=sizes,
                 )
             else:
                 ticket = primitives.reduce_issue(buffers[-1], comm=plan.comm_key, index=index)
-        if chunk_bytes == 0:
-            ticket = None  # no overlap: the GEMMs need not wait for the sends
+        if not overlap:
+            ticket = None  # the GEMMs need not wait for the sends
     for cell in cells:
         if cell.local and not cell.deliveries:
             local = add_local(local, cell.rows, cell.cols, partial(cell, cell.rows, ticket))
@@ -424,6 +430,11 @@ def _chunk_records(plan: Plan, chunks: list[list]) -> tuple[list[list[int]], lis
 
 
 def _allreduce_forward(plan: Plan, rank: int, a, b):
+    if not (plan.has_gets or plan.has_deliveries):
+        # Every rank holds all it needs for its own block (e.g. a data-parallel forward
+        # product): a data-parallel code would not communicate here, so neither does the
+        # baseline.
+        return _one_sided_forward(plan, rank, a, b)
     import mpi4jax
     from mpi4py import MPI
 
