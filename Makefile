@@ -122,14 +122,27 @@ test-mpi: install
 	  tests/mpi/test_heterogeneous.py tests/mpi/test_rebalance.py -q \
 	  --timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
-# About a minute: one_sided against the all-reduce baseline, JAX's NamedSharding and shard_map
-# paths, the no-communication floor and one process alone, on the K-split reduction (2 ranks),
-# the row split (3 ranks) and a 2x2 grid. More: python -m benchmarks.compare_methods --help
+# A few minutes: one_sided against the all-reduce baseline, JAX's NamedSharding and shard_map
+# paths, the no-communication floor and one process alone, on every case of
+# benchmarks/README.md; writes benchmarks/results/ (results.md, raw.json, PNG plots).
+# One case by hand: python -m benchmarks.compare_methods --help (or benchmarks.train_step).
+BENCH_RAW := benchmarks/results/raw.json
+HETERO := -n 3 -bind-to user:0,0,1
 .PHONY: bench
 bench: install
-	$(MPIEXEC) -n 2 $(PY) -m benchmarks.compare_methods --case k_split --size 2048 --peers
-	$(MPIEXEC) -n 3 $(PY) -m benchmarks.compare_methods --case rows --size 2048 --peers
-	$(MPIEXEC) -n 4 $(PY) -m benchmarks.compare_methods --case grid --size 1024
+	@mkdir -p benchmarks/results && rm -f $(BENCH_RAW)
+	$(MPIEXEC) -n 2 $(PY) -m benchmarks.compare_methods --case k_split --size 2048 --peers \
+	  --label k_split --json $(BENCH_RAW)
+	$(MPIEXEC) -n 3 $(PY) -m benchmarks.compare_methods --case rows --m 2046 --k 2048 --n 5504 \
+	  --peers --label ffn --json $(BENCH_RAW)
+	$(MPIEXEC) $(HETERO) $(PY) -m benchmarks.compare_methods --case rows --m 2046 --k 2048 \
+	  --n 5504 --split both --peers --label hetero --json $(BENCH_RAW)
+	$(MPIEXEC) -n 2 $(PY) -m benchmarks.compare_methods --case k_split --sizes 64,128,256,512 \
+	  --repeats 21 --peers --label small --json $(BENCH_RAW)
+	$(MPIEXEC) $(HETERO) $(PY) -m benchmarks.train_step --peers --json $(BENCH_RAW)
+	$(MPIEXEC) -n 4 $(PY) -m benchmarks.compare_methods --case grid --size 2048 --peers \
+	  --label grid --json $(BENCH_RAW)
+	$(PY) -m benchmarks.report --raw $(BENCH_RAW)
 
 # Execute the notebooks headless (they check themselves with assert cells).
 .PHONY: notebooks
