@@ -138,7 +138,7 @@ bench: install
 	$(MPIEXEC) $(HETERO) $(PY) -m benchmarks.compare_methods --case rows --m 2046 --k 2048 \
 	  --n 5504 --split both --peers --label hetero --json $(BENCH_RAW)
 	$(MPIEXEC) -n 2 $(PY) -m benchmarks.compare_methods --case k_split --sizes 64,128,256,512 \
-	  --repeats 21 --peers --label small --json $(BENCH_RAW)
+	  --repeats 61 --peers --label small --json $(BENCH_RAW)
 	$(MPIEXEC) $(HETERO) $(PY) -m benchmarks.train_step --peers --json $(BENCH_RAW)
 	$(MPIEXEC) -n 4 $(PY) -m benchmarks.compare_methods --case grid --size 2048 --peers \
 	  --label grid --json $(BENCH_RAW)

@@ -26,7 +26,7 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def interleaved_times(fns: dict, repeats: int, warmup: int = 2) -> dict[str, list[float]]:
-    """Seconds per repetition of each entry of ``{name: (fn, args)}``, timed A B C A B C ...
+    """Seconds per repetition of each entry of ``{name: (fn, args)}``, interleaved in shuffled rounds.
 
     Each entry runs ``warmup`` times first (compilation, window allocation). A
     repetition starts after a barrier and its time is the slowest rank's, so a
@@ -37,8 +37,14 @@ def interleaved_times(fns: dict, repeats: int, warmup: int = 2) -> dict[str, lis
         for _ in range(warmup):
             jax.block_until_ready(fn(*args))
     times = {name: [] for name in fns}
+    names = list(fns)
+    order = np.random.default_rng(0)  # the same sequence on every rank
     for _ in range(repeats):
-        for name, (fn, args) in fns.items():
+        # A fresh order each round, so no entry always runs first or right after the same
+        # neighbour (what ran just before can cost the next one tens of microseconds).
+        for i in order.permutation(len(names)):
+            name = names[i]
+            fn, args = fns[name]
             COMM.Barrier()
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))

@@ -20,6 +20,7 @@ void ResetCounters() {
   c.gets.store(0);
   c.fences.store(0);
   c.calls.store(0);
+  c.agreements.store(0);
   for (auto& bucket : c.latency_buckets) bucket.store(0);
   c.latency_sum_ns.store(0);
 }

@@ -16,7 +16,8 @@ struct Counters {
   std::atomic<int64_t> puts{0};         // MPI_Put records
   std::atomic<int64_t> gets{0};         // MPI_Get records
   std::atomic<int64_t> fences{0};       // MPI_Win_fence calls
-  std::atomic<int64_t> calls{0};        // osmm_fetch + osmm_reduce calls that ran an epoch
+  std::atomic<int64_t> calls{0};        // fetch and reduce epochs run
+  std::atomic<int64_t> agreements{0};   // agreement collectives run (first call of a signature)
 
   // Histogram of RMA epoch latencies (opening fence to closing fence, seconds): counts per
   // bucket, not cumulative; the last bucket is +Inf. Lock-free, so recording never blocks.

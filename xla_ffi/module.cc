@@ -45,6 +45,7 @@ nb::dict Stats() {
   d["gets"] = c.gets.load();
   d["fences"] = c.fences.load();
   d["calls"] = c.calls.load();
+  d["agreements"] = c.agreements.load();
   d["windows"] = osmm::LiveWindowCount();
   d["window_bytes"] = osmm::LiveWindowBytes();
   return d;

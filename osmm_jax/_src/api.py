@@ -72,7 +72,10 @@ def stats() -> dict:
     """This rank's cumulative native counters.
 
     Keys: ``rma_ops`` (RMA operations issued), ``rma_bytes`` (bytes they
-    moved), ``accumulates``, ``puts``, ``gets``, ``fences``, ``windows`` (live
-    persistent windows) and ``window_bytes`` (their total size).
+    moved), ``sent_bytes`` (of those, pushed to other ranks by accumulate and
+    put), ``accumulates``, ``puts``, ``gets``, ``fences``, ``calls`` (fetch
+    and reduce epochs run), ``agreements`` (all-ranks checks the native layer
+    ran: one per new compiled signature, none in a steady loop), ``windows``
+    (live persistent windows) and ``window_bytes`` (their total size).
     """
     return native.stats()

@@ -68,9 +68,9 @@ def prepare_comm(handle: int) -> None:
 def stats() -> dict[str, int]:
     """This process's native counters.
 
-    ``rma_ops``/``rma_bytes`` (all RMA operations and their payload), ``accumulates``, ``puts``,
-    ``gets``, ``fences`` (since the last :func:`reset_stats`), and the live ``windows`` and
-    their total ``window_bytes``.
+    ``rma_ops``/``rma_bytes`` (all RMA operations and their payload), ``sent_bytes``,
+    ``accumulates``, ``puts``, ``gets``, ``fences``, ``calls``, ``agreements`` (since the last
+    :func:`reset_stats`), and the live ``windows`` and their total ``window_bytes``.
     """
     return dict(_osmm_ffi.stats())
 
