@@ -19,7 +19,19 @@ def _size(iv):
 
 
 def simulate(plan, a, b):
-    """Run a plan with numpy: each rank's products, local updates and deliveries; returns C blocks."""
+    """Run a plan with numpy: each rank's products, local updates and deliveries, and for a
+    staged plan the gathers of the summed blocks; returns every rank's C block."""
+    if plan.gather_stage is not None:
+        split = plan.gather_stage.c
+        summed = simulate(plan.gather_stage, a, b)
+        blocks = []
+        for rank in range(plan.nranks):
+            full = np.full(plan.c.shape, np.nan)
+            full[split.local_slices(rank)] = summed[rank]
+            for t in plan.gathers_by(rank):
+                full[split.local_slices(t.target)] = summed[t.target]
+            blocks.append(full)
+        return blocks
     products_by_rank = {}
     for m in plan.multiplies:
         products_by_rank[(m.rank, m.rows, m.inner, m.cols)] = (
@@ -57,6 +69,8 @@ def test_plan_computes_the_product_exactly(layouts):
 @given(products())
 def test_every_c_element_gets_each_contraction_index_exactly_once(layouts):
     plan = make_plan(*layouts)
+    if plan.gather_stage is not None:  # summed in the stage, then copied
+        plan = plan.gather_stage
     (M, K), N = plan.a.shape, plan.b.shape[1]
     for rank in range(plan.nranks):
         count = np.zeros((M, N, K), dtype=np.int64)
@@ -103,7 +117,11 @@ def test_transfers_are_needed_and_well_formed(layouts):
             needed.add((m.rank, "A", m.rows, m.inner, m.a_source))
         if m.b_source != m.rank:
             needed.add((m.rank, "B", m.inner, m.cols, m.b_source))
-    gets = [(t.origin, t.matrix, t.rows, t.cols, t.target) for t in plan.transfers if t.op == "get"]
+    gets = [
+        (t.origin, t.matrix, t.rows, t.cols, t.target)
+        for t in plan.transfers
+        if t.op == "get" and t.matrix != "C"
+    ]
     assert len(gets) == len(set(gets)), "the same piece is fetched twice"
     assert set(gets) == needed, "every get feeds a multiply and every remote piece is fetched"
     computed = {(m.rank, m.rows, m.inner, m.cols) for m in plan.multiplies}
@@ -245,3 +263,31 @@ def test_equal_grids_balance_flops_across_ranks(grid):
     # blocks) would move.
     block = (n // grid[0]) * (n // grid[1]) * 4
     assert max(plan.comm_bytes) <= (grid[0] + grid[1] - 2) * block
+
+
+@settings(max_examples=200, deadline=None)
+@given(products())
+def test_a_replicated_c_is_staged_only_when_that_moves_less(layouts):
+    plan = make_plan(*layouts)
+    if plan.gather_stage is None:
+        return
+    assert plan.c.is_replicated and plan.nranks >= 3
+    split = plan.gather_stage.c
+    assert not split.is_replicated
+    for rank in range(plan.nranks):
+        got = {t.target for t in plan.gathers_by(rank)}
+        owners = {r for r in range(plan.nranks) if r != rank and min(split.local_shape(r)) > 0}
+        assert got == owners, "every rank gets every other non-empty block once"
+    assert set(plan.gathers) <= set(plan.transfers)
+
+
+def test_data_parallel_weight_gradient_moves_like_a_ring_allreduce():
+    # dW = X.T @ dY with the batch split over 4 ranks: summed directly, every rank would send
+    # its whole partial to 3 others; staged, each sends 3/4 of one copy and serves 3/4 of one.
+    n, batch = 64, 256
+    a = Layout.cols((n, batch), nranks=4)
+    b = Layout.rows((batch, n), nranks=4)
+    plan = make_plan(a, b, Layout.replicated((n, n), nranks=4))
+    assert plan.gather_stage is not None
+    assert max(plan.comm_elements) == 2 * (n * n - n * n // 4)
+    assert sum(plan.flops) == 2 * n * n * batch

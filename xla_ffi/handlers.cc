@@ -21,10 +21,10 @@
 // B offset). If anything is wrong, every rank returns an error and no rank issues RMA or
 // touches a window: a bad record on one rank can neither hang the others in a fence nor leave
 // the windows half-written. Only MPI failures after the agreement can differ between ranks.
-// The checks depend only on a call's static signature (attributes and operand shapes), so a
-// signature all ranks have accepted once is not agreed on again: the steady state of a jitted
-// loop pays no agreement collective. (This assumes what the rest of the design does too: all
-// ranks run the same compiled programs in the same order.)
+// The checks depend only on a call's static signature (its rank-independent call_id,
+// attributes and operand shapes), so a signature all ranks have accepted once is not agreed on
+// again: the steady state of a jitted loop pays no agreement collective. (This assumes what
+// the rest of the design does too: all ranks run the same compiled programs in the same order.)
 //
 // Synchronisation
 // ---------------
@@ -223,10 +223,14 @@ class Signature {
   uint64_t hash_ = 14695981039346656037ULL;
 };
 
-// Signatures (per communicator and operation) that every rank has already accepted together.
-// A call with the same signature passes the same local checks on every rank again (they depend
-// on nothing else), so its agreement is known without another collective. Every rank records
-// a signature at the same successful agreement, so all ranks skip or all ranks agree.
+// Signatures (per communicator) that every rank has already accepted together. A signature
+// starts with the call's "call_id" attribute, which the lowering makes identical on every rank
+// and unique to the call (plan fingerprint, step, dtype, chunking: what determines every
+// rank's attributes). So every rank meets a given id for the first time at the same call and
+// records it at the same successful agreement: all ranks skip, or all ranks agree. (Local
+// attributes alone would not do: two different calls can look the same on one rank and
+// different on another, e.g. where it holds an empty block.) A call with a known signature
+// passes the same local checks again, so its agreement is known without a collective.
 bool AgreedBefore(uint64_t comm_key, uint64_t signature, bool remember) {
   static std::mutex* mu = new std::mutex();
   static auto* agreed = new std::vector<std::pair<uint64_t, uint64_t>>();
@@ -392,8 +396,8 @@ void AddAndClear(const T* local, T* received, T* out, int64_t n) {
 }
 
 ffi::Error ReduceStartImpl(ffi::AnyBuffer chunk, ffi::Token, ffi::Result<ffi::AnyBuffer> ticket,
-                           ffi::Result<ffi::Token>, int64_t comm_handle, int64_t window_bytes,
-                           int64_t local_elements, int64_t overlap,
+                           ffi::Result<ffi::Token>, int64_t comm_handle, int64_t call_id,
+                           int64_t window_bytes, int64_t local_elements, int64_t overlap,
                            ffi::Span<const int64_t> transfers, ffi::Span<const int64_t> chunk_ends,
                            ffi::Span<const int64_t> chunk_sizes) {
   if (ffi::Error err = RequireMpiReady(); err.failure()) return err;
@@ -447,7 +451,7 @@ ffi::Error ReduceStartImpl(ffi::AnyBuffer chunk, ffi::Token, ffi::Result<ffi::An
   }
   MPI_Comm private_comm = MPI_COMM_NULL;
   const uint64_t signature = Signature()
-                                 .Add(1)  // the operation
+                                 .Add(call_id)
                                  .Add(chunk)
                                  .Add(window_bytes)
                                  .Add(local_elements)
@@ -593,8 +597,8 @@ bool FetchDtypeSupported(ffi::DataType dtype) {
 
 ffi::Error FetchImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Token,
                      ffi::Result<ffi::AnyBuffer> fetched, ffi::Result<ffi::Token>,
-                     int64_t comm_handle, int64_t window_bytes, int64_t b_offset, int64_t expose_a,
-                     int64_t expose_b, ffi::Span<const int64_t> gets) {
+                     int64_t comm_handle, int64_t call_id, int64_t window_bytes, int64_t b_offset,
+                     int64_t expose_a, int64_t expose_b, ffi::Span<const int64_t> gets) {
   if (ffi::Error err = RequireMpiReady(); err.failure()) return err;
   const MPI_Comm comm = CommFromHandle(comm_handle);
   int comm_size = 0;
@@ -637,7 +641,7 @@ ffi::Error FetchImpl(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Token,
   }
   MPI_Comm private_comm = MPI_COMM_NULL;
   const uint64_t signature = Signature()
-                                 .Add(2)  // the operation
+                                 .Add(call_id)
                                  .Add(a)
                                  .Add(b)
                                  .Add(*fetched)
@@ -705,6 +709,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OsmmReduceStart, osmm::ReduceStartImpl,
                                   .Ret<xla::ffi::AnyBuffer>()  // ticket
                                   .Ret<xla::ffi::Token>()      // ordering token out
                                   .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("call_id")
                                   .Attr<int64_t>("window_bytes")
                                   .Attr<int64_t>("local_elements")
                                   .Attr<int64_t>("overlap")
@@ -738,6 +743,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OsmmFetch, osmm::FetchImpl,
                                   .Ret<xla::ffi::AnyBuffer>()  // fetched
                                   .Ret<xla::ffi::Token>()      // ordering token out
                                   .Attr<int64_t>("comm")
+                                  .Attr<int64_t>("call_id")
                                   .Attr<int64_t>("window_bytes")
                                   .Attr<int64_t>("b_offset")
                                   .Attr<int64_t>("expose_a")

@@ -249,6 +249,7 @@ def _fetch_remote_pieces(plan: Plan, rank: int, a, b) -> dict:
         a,
         b,
         comm=plan.comm_key,
+        call_id=primitives.call_id(plan.fingerprint, "fetch", str(a.dtype)),
         window_bytes=b_offset + b_elems * itemsize,
         b_offset=b_offset,
         expose_a=expose_a,
@@ -351,6 +352,9 @@ def _one_sided_forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0):
     sending overlaps computing. Otherwise every GEMM runs first and all partials go out at
     the end, from the calling thread.
     """
+    if plan.gather_stage is not None:
+        block = _one_sided_forward(plan.gather_stage, rank, a, b, chunk_bytes)
+        return _gather_blocks(plan, rank, block)
     acc = accumulation_dtype(a.dtype)
     remote = _fetch_remote_pieces(plan, rank, a, b) if plan.has_gets else {}
     multiplies = {(m.rows, m.inner, m.cols): m for m in plan.multiplies_on(rank)}
@@ -395,6 +399,7 @@ def _one_sided_forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0):
                 ticket = primitives.reduce_start(
                     buffers[0],
                     comm=plan.comm_key,
+                    call_id=primitives.call_id(plan.fingerprint, "reduce", str(acc), chunk_bytes),
                     window_bytes=plan.receive_elements * acc.itemsize,
                     local_elements=int(np.prod(c_shape)),
                     overlap=overlap,
@@ -411,6 +416,41 @@ def _one_sided_forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0):
     if not plan.has_deliveries:
         return local.astype(a.dtype)
     return primitives.reduce_finish(local, buffers, comm=plan.comm_key).astype(a.dtype)
+
+
+def _gather_blocks(plan: Plan, rank: int, block):
+    """The whole (replicated) C of a staged plan from this rank's ``block`` of its even split:
+    get every other block from its owner (MPI_Get) and put them in place."""
+    split = plan.gather_stage.c
+    itemsize = np.dtype(block.dtype).itemsize
+    largest = max(split.local_shape(r)[0] * split.local_shape(r)[1] for r in range(plan.nranks))
+    window_bytes = -(-largest * itemsize // _ALIGN) * _ALIGN
+    records, where, offset = [], {}, 0
+    for t in plan.gathers_by(rank):
+        records += _record(_MATRICES["A"], t, split.blocks[t.target], offset)
+        where[t.target] = offset
+        offset += t.elements
+    fetched = primitives.fetch(
+        block,
+        jnp.zeros((0, 0), block.dtype),
+        comm=plan.comm_key,
+        call_id=primitives.call_id(plan.fingerprint, "gather", str(block.dtype)),
+        window_bytes=window_bytes,
+        b_offset=window_bytes,
+        expose_a=block.size > 0,
+        expose_b=False,
+        gets=records,
+        fetched_elements=offset,
+    )
+    pieces = []
+    for owner in range(plan.nranks):
+        shape = split.local_shape(owner)
+        if owner == rank:
+            pieces.append(block)
+        elif shape[0] and shape[1]:
+            start = where[owner]
+            pieces.append(fetched[start : start + shape[0] * shape[1]].reshape(shape))
+    return jnp.concatenate(pieces, axis=0 if split.kind == "rows" else 1)
 
 
 def _chunk_records(plan: Plan, chunks: list[list]) -> tuple[list[list[int]], list[int]]:

@@ -127,13 +127,34 @@ class Plan:
             origin; each origin's deliveries start at the next rank and wrap
             around, so ranks do not all target the same owner at once.
         local_updates: every :class:`LocalUpdate`.
+        gather_stage: for a replicated C that is cheaper to sum as "reduce-scatter,
+            then all-gather": the plan of the same product into an even row (or
+            column) split of C, whose multiplies, deliveries and local updates
+            this plan runs; None otherwise.
+        gathers: the C blocks each rank then gets from their owners in
+            ``gather_stage`` (``Transfer("get", "C", ...)``, also listed in
+            ``transfers``); empty unless staged.
     """
 
     def __init__(self, a: Layout, b: Layout, c: Layout, comm_key: int = 0):
         _check_layouts(a, b, c)
         self.a, self.b, self.c = a, b, c
         self.comm_key = int(comm_key)
-        self.multiplies, self.transfers, self.local_updates = _schedule(a, b, c)
+        multiplies, transfers, local_updates = _schedule(a, b, c)
+        gather_stage, gathers = None, ()
+        stage = _gather_stage(a, b, c, self.comm_key)
+        if stage is not None:
+            # Reduce-scatter, then all-gather: C is summed into an even split first (the
+            # stage's own schedule), and every rank then gets the blocks it lacks.
+            staged_gathers = _gathers(stage.c)
+            staged = _elements_sent(stage.transfers + staged_gathers, a.nranks)
+            if max(staged) < max(_elements_sent(transfers, a.nranks)):
+                gather_stage, gathers = stage, staged_gathers
+                multiplies, local_updates = stage.multiplies, stage.local_updates
+                transfers = stage.transfers + staged_gathers
+        self.multiplies, self.transfers, self.local_updates = multiplies, transfers, local_updates
+        self.gather_stage: Plan | None = gather_stage
+        self.gathers: tuple[Transfer, ...] = gathers
 
     # -- identity -----------------------------------------------------------
 
@@ -239,7 +260,10 @@ class Plan:
         return tuple(m for m in self.multiplies if m.rank == rank)
 
     def gets_by(self, rank: int) -> tuple[Transfer, ...]:
-        return tuple(t for t in self.transfers if t.op == "get" and t.origin == rank)
+        """The A and B pieces ``rank`` gets before it multiplies."""
+        return tuple(
+            t for t in self.transfers if t.op == "get" and t.matrix != "C" and t.origin == rank
+        )
 
     def deliveries_from(self, rank: int) -> tuple[Transfer, ...]:
         return tuple(t for t in self.transfers if t.op != "get" and t.origin == rank)
@@ -249,7 +273,8 @@ class Plan:
 
     @functools.cached_property
     def has_gets(self) -> bool:
-        return any(t.op == "get" for t in self.transfers)
+        """Whether any rank gets A or B pieces (the gathers of a staged plan do not count)."""
+        return any(t.op == "get" and t.matrix != "C" for t in self.transfers)
 
     @functools.cached_property
     def has_deliveries(self) -> bool:
@@ -259,6 +284,10 @@ class Plan:
         """Whether other ranks get pieces of ``rank``'s A block, and of its B block."""
         gets = [t for t in self.transfers if t.op == "get" and t.target == rank]
         return (any(t.matrix == "A" for t in gets), any(t.matrix == "B" for t in gets))
+
+    def gathers_by(self, rank: int) -> tuple[Transfer, ...]:
+        """The C blocks ``rank`` gets after the reduction of a staged plan (see ``gather_stage``)."""
+        return tuple(t for t in self.gathers if t.origin == rank)
 
     @functools.cached_property
     def expose_elements(self) -> tuple[int, int]:
@@ -334,6 +363,44 @@ def _src(source: int, rank: int) -> str:
 def _area(layout: Layout, rank: int) -> int:
     rows, cols = layout.local_shape(rank)
     return rows * cols
+
+
+def _elements_sent(transfers, nranks: int) -> list[int]:
+    sent = [0] * nranks
+    for t in transfers:
+        sent[t.sender] += t.elements
+    return sent
+
+
+def _gather_stage(a: Layout, b: Layout, c: Layout, comm_key: int) -> Plan | None:
+    """For a replicated C, the plan of the same product into an even split of C, or None.
+
+    Summing a replicated C directly makes every contributing rank send its whole partial to
+    every other rank: (P - 1) copies of C per rank. Reducing into an even split first and then
+    getting the other blocks moves about 2 (P - 1) / P copies, like a ring all-reduce, and
+    leaves every rank with bit-identical values. The caller keeps whichever moves less.
+    """
+    if not c.is_replicated or c.nranks < 3:
+        return None
+    M, N = c.shape
+    if M >= N:
+        split = Layout.rows(c.shape, nranks=c.nranks)
+    else:
+        split = Layout.cols(c.shape, nranks=c.nranks)
+    return make_plan(a, b, split, comm_key)
+
+
+def _gathers(split: Layout) -> tuple[Transfer, ...]:
+    """Every rank gets every other rank's block of ``split`` (rotated by origin, as deliveries)."""
+    n = split.nranks
+    gathers = []
+    for origin in range(n):
+        for step in range(1, n):
+            owner = (origin + step) % n
+            rows, cols = split.blocks[owner]
+            if rows[1] > rows[0] and cols[1] > cols[0]:
+                gathers.append(Transfer("get", "C", origin, owner, rows, cols))
+    return tuple(gathers)
 
 
 def _check_layouts(a: Layout, b: Layout, c: Layout) -> None:

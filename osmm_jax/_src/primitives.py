@@ -31,6 +31,7 @@ rank's operand is batched can depend on whether its block is empty.
 from __future__ import annotations
 
 import functools
+import hashlib
 
 import jax
 import numpy as np
@@ -52,17 +53,22 @@ for _p in (osmm_fetch_p, osmm_reduce_start_p, osmm_reduce_issue_p, osmm_reduce_f
     _p.def_impl(functools.partial(dispatch.apply_primitive, _p))
 
 
-def fetch(a, b, *, comm, window_bytes, b_offset, expose_a, expose_b, gets, fetched_elements):
+def fetch(
+    a, b, *, comm, call_id, window_bytes, b_offset, expose_a, expose_b, gets, fetched_elements
+):
     """Bind ``osmm_fetch``: returns a 1-D array of ``fetched_elements`` elements of a's dtype.
 
     ``gets`` is a tuple of int records ``(matrix, target, offset, rows, cols,
     row0, col0, ld)``; ``window_bytes`` and ``b_offset`` are identical on every rank.
+    ``call_id`` (see :func:`call_id`) is identical on every rank and determines every
+    rank's attributes: the native layer agrees across ranks once per id.
     """
     native.ensure_registered()
     return osmm_fetch_p.bind(
         a,
         b,
         comm=int(comm),
+        call_id=int(call_id),
         window_bytes=int(window_bytes),
         b_offset=int(b_offset),
         expose_a=bool(expose_a),
@@ -72,19 +78,23 @@ def fetch(a, b, *, comm, window_bytes, b_offset, expose_a, expose_b, gets, fetch
     )
 
 
-def reduce_start(chunk, *, comm, window_bytes, local_elements, overlap, transfers, chunk_sizes):
+def reduce_start(
+    chunk, *, comm, call_id, window_bytes, local_elements, overlap, transfers, chunk_sizes
+):
     """Bind ``osmm_reduce_start``: open the reduce epoch, send chunk 0; returns a ticket.
 
     ``transfers`` is one list of int records ``(op, target, offset, rows, cols,
     row0, col0, ld)`` per chunk, ``offset`` relative to that chunk;
     ``chunk_sizes`` the element count of every chunk's buffer. ``window_bytes``
     is identical on every rank. ``overlap``: send from the background thread.
+    ``call_id``: as for :func:`fetch`.
     """
     native.ensure_registered()
     chunk_ends = tuple(int(x) for x in np.cumsum([len(r) // 8 for r in transfers]))
     return osmm_reduce_start_p.bind(
         chunk,
         comm=int(comm),
+        call_id=int(call_id),
         window_bytes=int(window_bytes),
         local_elements=int(local_elements),
         overlap=bool(overlap),
@@ -104,6 +114,13 @@ def reduce_finish(local, chunks, *, comm):
     """Bind ``osmm_reduce_finish``: ``local`` plus everything other ranks delivered to this rank."""
     native.ensure_registered()
     return osmm_reduce_finish_p.bind(local, *chunks, comm=int(comm))
+
+
+def call_id(*parts) -> int:
+    """A signed 63-bit id of a native call, from ``parts`` that are identical on every rank and
+    determine every rank's attributes (plan fingerprint, step, dtype, chunking)."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 # -- abstract evaluation ----------------------------------------------------------
@@ -154,7 +171,7 @@ def _records(values) -> np.ndarray:
 
 
 def _fetch_lowering(
-    ctx, a, b, *, comm, window_bytes, b_offset, expose_a, expose_b, gets, fetched_elements
+    ctx, a, b, *, comm, call_id, window_bytes, b_offset, expose_a, expose_b, gets, fetched_elements
 ):
     return _lower_with_token(
         "osmm_fetch",
@@ -162,6 +179,7 @@ def _fetch_lowering(
         a,
         b,
         comm=np.int64(comm),
+        call_id=np.int64(call_id),
         window_bytes=np.int64(window_bytes),
         b_offset=np.int64(b_offset),
         expose_a=np.int64(expose_a),
@@ -171,13 +189,24 @@ def _fetch_lowering(
 
 
 def _reduce_start_lowering(
-    ctx, chunk, *, comm, window_bytes, local_elements, overlap, transfers, chunk_ends, chunk_sizes
+    ctx,
+    chunk,
+    *,
+    comm,
+    call_id,
+    window_bytes,
+    local_elements,
+    overlap,
+    transfers,
+    chunk_ends,
+    chunk_sizes,
 ):
     return _lower_with_token(
         "osmm_reduce_start",
         ctx,
         chunk,
         comm=np.int64(comm),
+        call_id=np.int64(call_id),
         window_bytes=np.int64(window_bytes),
         local_elements=np.int64(local_elements),
         overlap=np.int64(overlap),

@@ -36,6 +36,7 @@ def _reduce_to_next(key: int, target_on_rank0: int):
         primitives.reduce_start(
             chunk,
             comm=key,
+            call_id=primitives.call_id("test", target_on_rank0),
             window_bytes=ROWS * COLS * 4,
             local_elements=ROWS * COLS,
             overlap=False,
