@@ -284,10 +284,11 @@ def test_a_replicated_c_is_staged_only_when_that_moves_less(layouts):
 def test_data_parallel_weight_gradient_moves_like_a_ring_allreduce():
     # dW = X.T @ dY with the batch split over 4 ranks: summed directly, every rank would send
     # its whole partial to 3 others; staged, each sends 3/4 of one copy and serves 3/4 of one.
-    n, batch = 64, 256
-    a = Layout.cols((n, batch), nranks=4)
-    b = Layout.rows((batch, n), nranks=4)
+    # Staging must not move work: each rank still multiplies its own (speed-weighted) rows.
+    n, batch, weights = 64, 256, [1, 1, 2, 4]
+    a = Layout.cols((n, batch), weights=weights)
+    b = Layout.rows((batch, n), weights=weights)
     plan = make_plan(a, b, Layout.replicated((n, n), nranks=4))
     assert plan.gather_stage is not None
     assert max(plan.comm_elements) == 2 * (n * n - n * n // 4)
-    assert sum(plan.flops) == 2 * n * n * batch
+    assert list(plan.flops) == [2 * n * n * b.local_shape(r)[0] for r in range(4)]

@@ -131,16 +131,21 @@ class Plan:
             then all-gather": the plan of the same product into an even row (or
             column) split of C, whose multiplies, deliveries and local updates
             this plan runs; None otherwise.
+        compute_at_inputs: whether cells are computed where both inputs are
+            (set on gather stages).
         gathers: the C blocks each rank then gets from their owners in
             ``gather_stage`` (``Transfer("get", "C", ...)``, also listed in
             ``transfers``); empty unless staged.
     """
 
-    def __init__(self, a: Layout, b: Layout, c: Layout, comm_key: int = 0):
+    def __init__(
+        self, a: Layout, b: Layout, c: Layout, comm_key: int = 0, *, compute_at_inputs=False
+    ):
         _check_layouts(a, b, c)
         self.a, self.b, self.c = a, b, c
         self.comm_key = int(comm_key)
-        multiplies, transfers, local_updates = _schedule(a, b, c)
+        self.compute_at_inputs = bool(compute_at_inputs)
+        multiplies, transfers, local_updates = _schedule(a, b, c, self.compute_at_inputs)
         gather_stage, gathers = None, ()
         stage = _gather_stage(a, b, c, self.comm_key)
         if stage is not None:
@@ -148,7 +153,10 @@ class Plan:
             # stage's own schedule), and every rank then gets the blocks it lacks.
             staged_gathers = _gathers(stage.c)
             staged = _elements_sent(stage.transfers + staged_gathers, a.nranks)
-            if max(staged) < max(_elements_sent(transfers, a.nranks)):
+            direct_flops = _flops(multiplies, a.nranks)
+            if max(staged) < max(_elements_sent(transfers, a.nranks)) and all(
+                s <= d for s, d in zip(stage.flops, direct_flops)
+            ):
                 gather_stage, gathers = stage, staged_gathers
                 multiplies, local_updates = stage.multiplies, stage.local_updates
                 transfers = stage.transfers + staged_gathers
@@ -159,7 +167,7 @@ class Plan:
     # -- identity -----------------------------------------------------------
 
     def _key(self):
-        return (self.a, self.b, self.c, self.comm_key)
+        return (self.a, self.b, self.c, self.comm_key, self.compute_at_inputs)
 
     def __eq__(self, other):
         return isinstance(other, Plan) and self._key() == other._key()
@@ -190,6 +198,7 @@ class Plan:
                 self.c.shape,
                 self.c.blocks,
                 self.c.is_replicated,
+                self.compute_at_inputs,
             )
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -365,6 +374,13 @@ def _area(layout: Layout, rank: int) -> int:
     return rows * cols
 
 
+def _flops(multiplies, nranks: int) -> list[int]:
+    flops = [0] * nranks
+    for m in multiplies:
+        flops[m.rank] += m.flops
+    return flops
+
+
 def _elements_sent(transfers, nranks: int) -> list[int]:
     sent = [0] * nranks
     for t in transfers:
@@ -378,7 +394,10 @@ def _gather_stage(a: Layout, b: Layout, c: Layout, comm_key: int) -> Plan | None
     Summing a replicated C directly makes every contributing rank send its whole partial to
     every other rank: (P - 1) copies of C per rank. Reducing into an even split first and then
     getting the other blocks moves about 2 (P - 1) / P copies, like a ring all-reduce, and
-    leaves every rank with bit-identical values. The caller keeps whichever moves less.
+    leaves every rank with bit-identical values. The stage keeps the products where the
+    inputs are (``compute_at_inputs``), so the split of work the layouts chose (e.g. batch
+    rows in proportion to speed) stays; the caller keeps the stage only if it moves less and
+    gives no rank more work.
     """
     if not c.is_replicated or c.nranks < 3:
         return None
@@ -387,7 +406,7 @@ def _gather_stage(a: Layout, b: Layout, c: Layout, comm_key: int) -> Plan | None
         split = Layout.rows(c.shape, nranks=c.nranks)
     else:
         split = Layout.cols(c.shape, nranks=c.nranks)
-    return make_plan(a, b, split, comm_key)
+    return Plan(a, b, split, comm_key, compute_at_inputs=True)
 
 
 def _gathers(split: Layout) -> tuple[Transfer, ...]:
@@ -431,7 +450,12 @@ def _owner_table(layout: Layout, row_cells, col_cells) -> list[list[tuple[int, .
     return [[layout.owners(r, c) for c in col_cells] for r in row_cells]
 
 
-def _schedule(a: Layout, b: Layout, c: Layout):
+def _schedule(a: Layout, b: Layout, c: Layout, compute_at_inputs: bool = False):
+    """Multiplies, transfers and local updates of C = A @ B for the layouts.
+
+    ``compute_at_inputs``: a cell's product is computed by a rank that holds both of its
+    inputs whenever there is one (partials move, inputs do not), whatever the bytes.
+    """
     M, K = a.shape
     N = b.shape[1]
     m_cells = _cuts(M, [blk[0] for blk in a.blocks], [blk[0] for blk in c.blocks])
@@ -482,6 +506,10 @@ def _schedule(a: Layout, b: Layout, c: Layout):
         # inputs elsewhere would compute it twice.
         if self_serving:
             return self_serving
+        if compute_at_inputs:
+            holders = set(a_owners[mi][ki]) & set(b_owners[ki][ni])
+            if holders:
+                return holders
         return set(a_owners[mi][ki]) | set(b_owners[ki][ni]) | set(c_owners[mi][ni])
 
     def tied(entry):
