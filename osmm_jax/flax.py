@@ -28,13 +28,16 @@ loss then gives, on every rank:
 
 * for ``kernel`` and ``bias``: the gradient of the SUM of all ranks' losses,
   the same on every rank. The product's backward pass adds every rank's
-  contribution onto every rank (one-sided accumulation; an all-reduce for
+  contribution onto every rank (one-sided transfers: on 2 ranks each adds the
+  other's partial, from 3 ranks on usually a one-sided reduce-scatter followed
+  by gets of the summed blocks, see ``Plan.gather_stage``; an all-reduce for
   ``method="allreduce"``). Do not average or all-reduce them again. Apply the
-  same optimizer update on every rank and the parameters stay the same. (With
-  ``one_sided`` each rank adds the others' contributions in the order they
-  arrive, so the copies can differ in the last bits, about 1e-7 relative in
-  float32; broadcast the parameters from one rank now and then if a long run
-  needs bit-identical copies.)
+  same optimizer update on every rank and the parameters stay the same: the
+  copies are bit-identical on 2 ranks and when the plan is staged. (A replicated
+  sum that is not staged adds contributions in the order they arrive, so copies
+  can then differ in the last bits, about 1e-7 relative in float32; broadcast
+  the parameters from one rank now and then if a long run needs bit-identical
+  copies.)
 * for the layer's input: the gradient of this rank's loss with respect to
   this rank's rows (no other rank's loss depends on them).
 

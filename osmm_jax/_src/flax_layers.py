@@ -11,7 +11,7 @@ replicated. Its product is one :func:`osmm_jax.matmul` with
 
 The forward product needs no communication. Its backward products are
 dA = dC·Bᵀ (local) and dB = Aᵀ·dC, a reduction over every rank's rows that
-osmm_jax delivers onto every rank by one-sided accumulation: the kernel
+osmm_jax delivers onto every rank by one-sided transfers: the kernel
 gradient comes back summed over ranks, which is what data-parallel training
 needs, without an all-reduce.
 
