@@ -76,6 +76,23 @@ def reference(m: int, k: int, n: int, dtype):
     return jax.jit(jnp.dot), (a, b)
 
 
+def add_run_arguments(parser, *, peers_help: str, label_default: str | None) -> None:
+    """The options every benchmark takes: --repeats, --peers, --label, --json."""
+    parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--peers", action="store_true", help=peers_help)
+    parser.add_argument("--label", default=label_default, help="the case's name in the results")
+    parser.add_argument("--json", help="append the results to this JSON file (rank 0)")
+
+
+def start(args) -> tuple[np.ndarray, float]:
+    """Common start-up, on every rank: JAX's distributed runtime if ``--peers``, then every
+    rank's GEMM rate (GFLOP/s) and this process's peak RSS so far (MiB)."""
+    if args.peers:
+        init_jax_distributed()
+    speeds = om.profile_speeds(size=1024, repeats=5, progress=False)
+    return speeds, peak_rss_mib()
+
+
 def init_jax_distributed() -> None:
     """JAX's own multi-process runtime over the MPI ranks, with gloo CPU collectives."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

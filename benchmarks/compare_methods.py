@@ -238,15 +238,11 @@ def main(argv=None) -> None:
     parser.add_argument("--n", type=int)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--split", choices=("uniform", "speed", "both"), default="uniform")
-    parser.add_argument("--repeats", type=int, default=11)
-    parser.add_argument("--peers", action="store_true", help="also time JAX's multi-process path")
-    parser.add_argument("--label", help="the case's name in the results (default: --case)")
-    parser.add_argument("--json", help="append the results to this JSON file (rank 0)")
+    common.add_run_arguments(
+        parser, peers_help="also time JAX's multi-process path", label_default=None
+    )
     args = parser.parse_args(argv)
-    if args.peers:
-        common.init_jax_distributed()
-    speeds = om.profile_speeds(size=1024, repeats=5, progress=False)
-    rss_start = common.peak_rss_mib()
+    speeds, rss_start = common.start(args)
     sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else [args.size]
     for size in sizes:
         dims = tuple(v or size for v in (args.m, args.k, args.n))

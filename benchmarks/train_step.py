@@ -108,15 +108,11 @@ def main(argv=None) -> None:
     parser.add_argument("--d-in", type=int, default=1024)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--d-out", type=int, default=1024)
-    parser.add_argument("--repeats", type=int, default=11)
-    parser.add_argument("--peers", action="store_true", help="also time JAX's NamedSharding step")
-    parser.add_argument("--label", default="train_step")
-    parser.add_argument("--json", help="append the results to this JSON file (rank 0)")
+    common.add_run_arguments(
+        parser, peers_help="also time JAX's NamedSharding step", label_default="train_step"
+    )
     args = parser.parse_args(argv)
-    if args.peers:
-        common.init_jax_distributed()
-    speeds = om.profile_speeds(size=1024, repeats=5, progress=False)
-    rss_start = common.peak_rss_mib()
+    speeds, rss_start = common.start(args)
     dims = (args.batch, args.d_in, args.hidden, args.d_out)
     rng = np.random.default_rng(42)  # the same weights on every rank
     params = (
