@@ -73,5 +73,12 @@ def test_balanced_rows_make_measured_compute_times_agree_within_15_percent():
             break
         split = om.balance(total, [rows / t for rows, t in zip(split.sizes, times)], min_rows=64)
     assert spread <= 0.15, f"per-rank seconds never within 15% (rows, seconds, spread): {history}"
-    even = _share_seconds(total // 3)
-    assert max(even) > 1.2 * max(times), f"balanced {times} should finish well before even {even}"
+    # The balanced split finishes clearly before an even one (ideally ~1.28x: the ranks on the
+    # shared core would each do 2048 rows instead of ~1600). Alternate the two, so that drift
+    # hits both, and compare the medians of the slowest rank's time.
+    balanced, even = [], []
+    for _ in range(3):
+        balanced.append(max(_share_seconds(split.sizes[RANK])))
+        even.append(max(_share_seconds(total // 3)))
+    ratio = statistics.median(even) / statistics.median(balanced)
+    assert ratio > 1.1, f"even split {even} vs balanced {balanced}: only {ratio:.2f}x slower"
