@@ -114,6 +114,15 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def memory_fields(rss_start: float) -> dict:
+    """Every rank's memory, for a record: RSS after start-up and at its peak, window MiB."""
+    return {
+        "rss_start_mib": COMM.allgather(rss_start),
+        "rss_peak_mib": COMM.allgather(peak_rss_mib()),
+        "window_mib": COMM.allgather(om.stats()["window_bytes"] / 2**20),
+    }
+
+
 def binding() -> str:
     """The CPUs each rank may run on, e.g. ``0,0,1`` (identical on every rank)."""
     cpus = COMM.allgather(sorted(os.sched_getaffinity(0)))

@@ -199,9 +199,7 @@ def run_case(args, dims, speeds, rss_start) -> dict:
         "aggregate_limit_s": plan_limit,
         "ideal_limit_s": ideal_limit,
         "efficiency": ideal_limit / seconds["one_sided"],
-        "rss_start_mib": COMM.allgather(rss_start),
-        "rss_peak_mib": COMM.allgather(common.peak_rss_mib()),
-        "window_mib": COMM.allgather(om.stats()["window_bytes"] / 2**20),
+        **common.memory_fields(rss_start),
         "operand_mib": [x / 2**20 for x in operand_bytes],
     }
     mib = lambda xs: ", ".join(f"{x / 2**20:.2f}" for x in xs)  # noqa: E731

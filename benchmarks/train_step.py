@@ -34,7 +34,7 @@ import numpy as np
 
 import osmm_jax as om
 from benchmarks import common
-from benchmarks.common import COMM, RANK, SIZE
+from benchmarks.common import RANK, SIZE
 
 LEARNING_RATE = 1e-3
 
@@ -156,9 +156,7 @@ def main(argv=None) -> None:
         "entries": entries,
         "ideal_limit_s": ideal,
         "efficiency": ideal / seconds["one_sided"],
-        "rss_start_mib": COMM.allgather(rss_start),
-        "rss_peak_mib": COMM.allgather(common.peak_rss_mib()),
-        "window_mib": COMM.allgather(om.stats()["window_bytes"] / 2**20),
+        **common.memory_fields(rss_start),
     }
     ratio = seconds["allreduce (DDP: uniform)"] / seconds["one_sided"]
     record["notes"] = [
