@@ -31,7 +31,7 @@ _PUBLIC = {
     "plan": "osmm_jax._src.api",
     "gather": "osmm_jax._src.api",
     "stats": "osmm_jax._src.api",
-    "ChecksumError": "osmm_jax._src.verify",
+    "ChecksumError": "osmm_jax._src.checksum",
     "MethodSelector": "osmm_jax._src.fallback",
     "profile_speeds": "osmm_jax._src.speeds",
     "SpeedProfile": "osmm_jax._src.speeds",
@@ -101,6 +101,7 @@ if TYPE_CHECKING:
     from osmm_jax._src.api import gather, plan, stats
     from osmm_jax._src.auto_layout import LayoutChoice, auto_layouts
     from osmm_jax._src.balance import Balance, balance, guarantees_balance
+    from osmm_jax._src.checksum import ChecksumError
     from osmm_jax._src.config import METHODS
     from osmm_jax._src.fallback import MethodSelector
     from osmm_jax._src.layout import Layout, split_sizes
@@ -111,4 +112,3 @@ if TYPE_CHECKING:
     from osmm_jax._src.plot import plot_layout, plot_plan
     from osmm_jax._src.rebalance import Rebalancer
     from osmm_jax._src.speeds import SpeedProfile, declared_speeds, profile_speeds
-    from osmm_jax._src.verify import ChecksumError

@@ -84,7 +84,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
         "osmm_jax.flax needs Flax: pip install 'osmm_jax[flax]' (flax and optax)"
     ) from exc
 
-from osmm_jax._src.flax_layers import DistributedDot
+from osmm_jax._src.distributed_dot import DistributedDot
 
 __all__ = ["Dense", "Linear", "dot_general"]
 

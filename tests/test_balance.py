@@ -248,3 +248,18 @@ def test_validation_names_the_problem(kwargs, error, match):
     total, speeds = args.pop("total"), args.pop("speeds")
     with pytest.raises(error, match=match):
         balance(total, speeds, **args)
+
+
+def test_a_balance_is_the_sequence_of_its_sizes():
+    from osmm_jax._src.layout import Layout
+
+    result = balance(1000, [1.0, 1.0, 2.0], min_rows=8)
+    assert len(result) == 3
+    assert list(result) == list(result.sizes)
+    assert result[2] == result.sizes[2] and result[-1] == result.sizes[-1]
+    assert tuple(result) == result.sizes
+    layout = Layout.rows((1000, 16), sizes=result)
+    assert [layout.local_shape(r)[0] for r in range(3)] == list(result.sizes)
+    grid = Layout.grid((1000, 40), (3, 1), row_sizes=result)
+    assert [grid.local_shape(r)[0] for r in range(3)] == list(result.sizes)
+    assert result.describe().startswith("rows per rank")  # the extra fields stay

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from osmm_jax._src import comm as comm_mod
-from osmm_jax._src import metrics, native
+from osmm_jax._src import communicators, metrics, native
 from osmm_jax._src.layout import Layout
 from osmm_jax._src.planner import Plan, make_plan
 
@@ -27,7 +26,7 @@ def plan(a_layout: Layout, b_layout: Layout, c_layout: Layout, *, comm=None) -> 
         TypeError / ValueError: not layouts, mismatched dimensions, or layouts
             made for a different number of ranks than ``comm`` has.
     """
-    private = comm_mod.private_comm(comm)
+    private = communicators.private_comm(comm)
     metrics.start_from_environment()
     size = private.Get_size()
     for name, layout in (("a_layout", a_layout), ("b_layout", b_layout), ("c_layout", c_layout)):
@@ -36,7 +35,7 @@ def plan(a_layout: Layout, b_layout: Layout, c_layout: Layout, *, comm=None) -> 
                 f"{name} is for {layout.nranks} ranks but the communicator has {size}; "
                 f"build layouts with nranks={size} (or nranks=None for COMM_WORLD)"
             )
-    return make_plan(a_layout, b_layout, c_layout, comm_mod.comm_key(private))
+    return make_plan(a_layout, b_layout, c_layout, communicators.comm_key(private))
 
 
 def gather(x_local, layout: Layout, *, comm=None) -> np.ndarray:
@@ -47,7 +46,7 @@ def gather(x_local, layout: Layout, *, comm=None) -> np.ndarray:
     """
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be an osmm_jax.Layout, got {type(layout).__name__}")
-    private = comm_mod.private_comm(comm)
+    private = communicators.private_comm(comm)
     rank, size = private.Get_rank(), private.Get_size()
     if layout.nranks != size:
         raise ValueError(f"layout is for {layout.nranks} ranks but the communicator has {size}")
@@ -55,7 +54,7 @@ def gather(x_local, layout: Layout, *, comm=None) -> np.ndarray:
     error = None
     if block.shape != layout.local_shape(rank):
         error = f"block has shape {block.shape} but the layout gives rank {rank} {layout.local_shape(rank)}"
-    comm_mod.agree(
+    communicators.agree(
         private, "osmm_jax.gather", repr((layout.shape, layout.blocks, layout.is_replicated)), error
     )
     if layout.is_replicated:

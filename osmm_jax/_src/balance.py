@@ -31,6 +31,7 @@ Pure Python and numpy: no JAX, no MPI; the result is identical on every rank.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from osmm_jax._src import checks
@@ -45,8 +46,12 @@ _EPS = 1e-9
 
 
 @dataclass(frozen=True)
-class Balance:
+class Balance(Sequence):
     """The outcome of :func:`balance`; identical on every rank.
+
+    It is also the sequence of its ``sizes``, so it can be passed wherever sizes
+    are taken: ``Layout.rows(shape, sizes=osmm_jax.balance(n, speeds))``,
+    ``len(b)``, ``b[r]``, ``list(b)``.
 
     Attributes:
         sizes: rows per rank, in rank order; non-negative, summing to ``total``.
@@ -69,6 +74,15 @@ class Balance:
     imbalance: float
     granularity: int
     notes: tuple[str, ...]
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def __getitem__(self, index):
+        return self.sizes[index]
+
+    def __iter__(self):
+        return iter(self.sizes)
 
     def describe(self) -> str:
         """A few readable lines: sizes, granularity, predicted imbalance, notes."""

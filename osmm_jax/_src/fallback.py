@@ -125,7 +125,7 @@ class MethodSelector:
 
 
 def _mpi_exchange(comm) -> Callable[[float], Sequence[float]]:
-    from osmm_jax._src import comm as comm_mod
+    from osmm_jax._src import communicators
 
-    private = comm_mod.private_comm(comm)
+    private = communicators.private_comm(comm)
     return private.allgather

@@ -26,9 +26,9 @@ Block = tuple[Interval, Interval]
 
 
 def _default_nranks() -> int:
-    from osmm_jax._src import comm
+    from osmm_jax._src import communicators
 
-    return comm.default_comm().Get_size()
+    return communicators.default_comm().Get_size()
 
 
 def _check_shape(shape) -> tuple[int, int]:

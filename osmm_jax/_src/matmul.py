@@ -40,12 +40,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from osmm_jax._src import comm as comm_mod
-from osmm_jax._src import config, metrics, primitives
-from osmm_jax._src import verify as checksum
+from osmm_jax._src import checksum, communicators, config, dtypes, metrics, primitives
 from osmm_jax._src.planner import Plan, backward_plans
-
-SUPPORTED_DTYPES = tuple(np.dtype(d) for d in (jnp.float32, jnp.float64, jnp.bfloat16, jnp.float16))
 
 _ALIGN = 64  # bytes; the B region of the expose window starts on this boundary
 
@@ -82,7 +78,7 @@ def matmul(
         plan: from :func:`osmm_jax.plan`; the same on every rank.
         method: ``"one_sided"`` (default) or ``"allreduce"`` (the mpi4jax
             baseline); ``None`` reads ``OSMM_USE_ALLREDUCE``.
-        verify: check the result by checksum (see :mod:`osmm_jax._src.verify`;
+        verify: check the result by checksum (see :mod:`osmm_jax._src.checksum`;
             a few percent of the product's cost) and raise ChecksumError, naming
             the C block and the ranks involved, if it drifts; the backward
             products are checked too. ``None`` reads ``OSMM_VERIFY``.
@@ -114,10 +110,10 @@ def matmul(
         config.resolve_verify(verify),
         config.resolve_chunk_bytes(chunk_bytes),
     )
-    comm = comm_mod.comm_for_key(plan.comm_key)
+    comm = communicators.comm_for_key(plan.comm_key)
     rank = comm.Get_rank()
     a_local, b_local, error = _check_inputs(a_local, b_local, plan, rank)
-    comm_mod.agree(comm, "osmm_jax.matmul", f"plan {plan.fingerprint} {options}", error)
+    communicators.agree(comm, "osmm_jax.matmul", f"plan {plan.fingerprint} {options}", error)
     return _matmul(plan, options, a_local, b_local)
 
 
@@ -147,8 +143,8 @@ def _check_inputs(a_local, b_local, plan: Plan, rank: int):
     )
     if dtype_a != dtype_b:
         return a_local, b_local, f"a_local is {dtype_a} but b_local is {dtype_b}; they must match"
-    if np.dtype(a_local.dtype) not in SUPPORTED_DTYPES:
-        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+    if not dtypes.is_supported(a_local.dtype):
+        names = ", ".join(dtypes.NAMES)
         return a_local, b_local, f"dtype {a_local.dtype} is not supported (use one of {names})"
     for name, x, layout in (("a_local", a_local, plan.a), ("b_local", b_local, plan.b)):
         expected = layout.local_shape(rank)
@@ -162,13 +158,6 @@ def _check_inputs(a_local, b_local, plan: Plan, rank: int):
                 ),
             )
     return a_local, b_local, None
-
-
-def accumulation_dtype(dtype) -> np.dtype:
-    """The dtype products are summed in: float64 for float64, else float32."""
-    return (
-        np.dtype(jnp.float64) if np.dtype(dtype) == np.dtype(jnp.float64) else np.dtype(jnp.float32)
-    )
 
 
 # -- executors ----------------------------------------------------------------------------
@@ -188,8 +177,8 @@ def _batchable_forward(plan: Plan, options: _Options):
     issue a different number of collectives. Looping over the batch instead
     runs ``axis_size`` complete products, identically on every rank.
     """
-    rank = comm_mod.comm_for_key(plan.comm_key).Get_rank()
-    comm = comm_mod.in_graph_comm(plan.comm_key)
+    rank = communicators.comm_for_key(plan.comm_key).Get_rank()
+    comm = communicators.in_graph_comm(plan.comm_key)
     if options.method == "allreduce":
         execute = _allreduce_forward
     else:
@@ -202,7 +191,7 @@ def _batchable_forward(plan: Plan, options: _Options):
         if fault is not None and c.size:
             c = c.at[0, 0].add(jnp.asarray(fault, c.dtype))
         if options.verify:
-            checksum.check(plan, rank, comm, a, b, c, accumulation_dtype(a.dtype))
+            checksum.check(plan, rank, comm, a, b, c, dtypes.accumulation_dtype(a.dtype))
         if metrics.enabled():
             jax.debug.callback(metrics.count_product)
         return c
@@ -286,7 +275,7 @@ def _product(plan: Plan, rank: int, a, b, m, rows, remote: dict, after=None):
         b_piece = remote[("B", m.inner, m.cols)]
     if after is not None:
         _, a_piece = jax.lax.optimization_barrier((after, a_piece))
-    return jnp.dot(a_piece, b_piece, preferred_element_type=accumulation_dtype(a.dtype))
+    return jnp.dot(a_piece, b_piece, preferred_element_type=dtypes.accumulation_dtype(a.dtype))
 
 
 class _Cell(NamedTuple):
@@ -355,7 +344,7 @@ def _one_sided_forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0):
     if plan.gather_stage is not None:
         block = _one_sided_forward(plan.gather_stage, rank, a, b, chunk_bytes)
         return _gather_blocks(plan, rank, block)
-    acc = accumulation_dtype(a.dtype)
+    acc = dtypes.accumulation_dtype(a.dtype)
     remote = _fetch_remote_pieces(plan, rank, a, b) if plan.has_gets else {}
     multiplies = {(m.rows, m.inner, m.cols): m for m in plan.multiplies_on(rank)}
     c_shape = plan.c.local_shape(rank)
@@ -478,8 +467,8 @@ def _allreduce_forward(plan: Plan, rank: int, a, b):
     import mpi4jax
     from mpi4py import MPI
 
-    comm = comm_mod.in_graph_comm(plan.comm_key)
-    acc = accumulation_dtype(a.dtype)
+    comm = communicators.in_graph_comm(plan.comm_key)
+    acc = dtypes.accumulation_dtype(a.dtype)
     multiplies = [m for m in plan.multiplies_on(rank) if m.primary]
     remote = {}
     if plan.has_gets:
@@ -506,7 +495,7 @@ def _allreduce_assemble(x, layout, rank, comm):
     if layout.is_replicated:
         return x
     rows, cols = layout.local_slices(rank)
-    padded = jnp.zeros(layout.shape, accumulation_dtype(x.dtype)).at[rows, cols].set(x)
+    padded = jnp.zeros(layout.shape, dtypes.accumulation_dtype(x.dtype)).at[rows, cols].set(x)
     return mpi4jax.allreduce(padded, op=MPI.SUM, comm=comm).astype(x.dtype)
 
 

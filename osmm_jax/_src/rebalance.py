@@ -205,9 +205,9 @@ class Rebalancer:
         """Every rank's time of the last observed step, seconds (for logs)."""
 
     def _init_mpi(self, comm, speeds) -> None:
-        from osmm_jax._src import comm as comm_mod
+        from osmm_jax._src import communicators
 
-        private = comm_mod.private_comm(comm)
+        private = communicators.private_comm(comm)
         self._comm, self.rank, self._nranks = private, private.Get_rank(), private.Get_size()
         self._exchange = private.allgather
         error = None
@@ -217,7 +217,7 @@ class Rebalancer:
             )
         settings = (self._total, speeds, self._window, self._sigma, self._shrink, self._quantum)
         settings += (self._max_variants, self._min_units, self._tolerance, self._confirm)
-        comm_mod.agree(private, "osmm_jax.Rebalancer", repr(settings), error)
+        communicators.agree(private, "osmm_jax.Rebalancer", repr(settings), error)
 
     # -- state ----------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from osmm_jax._src import config
+from osmm_jax._src import config, dtypes
 from osmm_jax._src.balance import NOISE_THRESHOLD
 from osmm_jax._src.log import get_logger
 
@@ -42,9 +42,6 @@ log = get_logger("speeds")  # not __name__, which is "__main__" under python -m
 
 SOURCES = ("measured", "cache", "declared")
 """Where a :class:`SpeedProfile` came from."""
-
-DTYPES = ("float32", "float64", "bfloat16", "float16")
-"""The dtypes a GEMM rate can be measured for (those :func:`osmm_jax.matmul` supports)."""
 
 CACHE_VERSION = 1
 
@@ -138,8 +135,8 @@ def _dtype_name(dtype) -> str:
         name = np.dtype(dtype).name
     except TypeError:
         name = str(getattr(dtype, "__name__", dtype))
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if name not in dtypes.NAMES:
+        raise ValueError(f"dtype must be one of {dtypes.NAMES}, got {dtype!r}")
     return name
 
 
@@ -347,9 +344,9 @@ def profile_speeds(
             or not finite and positive, or ranks passing different arguments;
             raised on every rank alike.
     """
-    from osmm_jax._src import comm as comm_mod
+    from osmm_jax._src import communicators
 
-    private = comm_mod.private_comm(comm)
+    private = communicators.private_comm(comm)
     rank, nranks = private.Get_rank(), private.Get_size()
 
     # Check everything locally, then agree, so a bad argument on one rank raises on all.
@@ -372,7 +369,7 @@ def profile_speeds(
         dtype,
         path is not None,
     )
-    comm_mod.agree(
+    communicators.agree(
         private,
         "osmm_jax.profile_speeds",
         repr(choice),

@@ -155,7 +155,7 @@ def test_a_freed_communicators_handle_reused_by_a_new_one_gets_a_fresh_duplicate
         om.Layout.rows((4, 4)), om.Layout.replicated((4, 4)), om.Layout.rows((4, 4)), comm=second
     )
     assert plan.comm_key != dup_of_first.comm_key or SIZE == 1
-    from osmm_jax._src.comm import comm_for_key
+    from osmm_jax._src.communicators import comm_for_key
 
     assert comm_for_key(plan.comm_key).Get_rank() == second.Get_rank()
     a = np.full(plan.a.local_shape(second.Get_rank()), 1.0, np.float32)

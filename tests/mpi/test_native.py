@@ -15,8 +15,7 @@ import pytest
 from mpi4py import MPI
 
 import osmm_jax as om
-from osmm_jax._src import comm as comm_mod
-from osmm_jax._src import primitives
+from osmm_jax._src import communicators, primitives
 
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 ROWS, COLS = 3, 4
@@ -55,7 +54,7 @@ def key():
         om.Layout.replicated((COLS, COLS)),
         om.Layout.rows((ROWS * SIZE, COLS)),
     )
-    comm_mod.comm_for_key(plan.comm_key)  # the communicator exists on every rank
+    communicators.comm_for_key(plan.comm_key)  # the communicator exists on every rank
     return plan.comm_key
 
 

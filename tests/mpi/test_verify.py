@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 import osmm_jax as om
-from osmm_jax._src.verify import ChecksumError, inject_fault
+from osmm_jax._src.checksum import ChecksumError, inject_fault
 
 jax.config.update("jax_enable_x64", True)
 

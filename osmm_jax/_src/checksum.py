@@ -10,7 +10,7 @@ by each rank's B block (O(bands·K·N)), combined with one all-reduce of a
 its band's reference. The drift is measured relative to the same check run on
 absolute values, ``(1ᵀ|A[R, :]|) |B|``, so it is independent of scale.
 
-A drift above :data:`TOLERANCE` for the dtype raises :class:`ChecksumError`
+A drift above the dtype's tolerance (:func:`osmm_jax._src.dtypes.checksum_tolerance`) raises :class:`ChecksumError`
 (a ValueError) naming the C block and the ranks that contributed to it. Under
 ``jax.jit`` the error surfaces as a ``JaxRuntimeError`` carrying that message
 when the result is used.
@@ -25,16 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from osmm_jax._src import dtypes
 from osmm_jax._src.planner import Plan
-
-TOLERANCE = {
-    np.dtype(jnp.float64): 1e-12,
-    np.dtype(jnp.float32): 1e-5,
-    np.dtype(jnp.float16): 1e-3,
-    np.dtype(jnp.bfloat16): 8e-3,
-}
-"""Largest accepted relative drift per input dtype: float32's is 1e-5; the others scale with
-the dtype's rounding (the result is rounded to the input dtype before it is checked)."""
 
 _faults: dict[int, float] = {}
 
@@ -117,7 +109,7 @@ def check(plan: Plan, rank: int, comm, a, b, c, accumulate_dtype) -> None:
 
 def raise_on_drift(plan: Plan, input_dtype, drifts) -> None:
     """Host side: raise ChecksumError if any rank's drift exceeds the dtype's tolerance."""
-    tolerance = TOLERANCE[np.dtype(input_dtype)]
+    tolerance = dtypes.checksum_tolerance(input_dtype)
     drifts = np.asarray(drifts, dtype=np.float64)
     bad = [r for r in range(plan.nranks) if not drifts[r] <= tolerance]  # NaN counts as bad
     if not bad:

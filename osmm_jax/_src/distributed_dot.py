@@ -229,9 +229,9 @@ class DistributedDot:
         """
         import jax.numpy as jnp
 
-        from osmm_jax._src import comm as comm_mod
+        from osmm_jax._src import communicators
 
-        private = comm_mod.private_comm(self.comm)
+        private = communicators.private_comm(self.comm)
         rank, size = private.Get_rank(), private.Get_size()
         sizes = None
         try:
@@ -247,7 +247,7 @@ class DistributedDot:
         if error is None and out_sharding is not None:
             error = "out_sharding is not supported: each rank's output block is its own rows"
         token = repr((sizes, tuple(kernel.shape), bias is not None, self.method))
-        comm_mod.agree(
+        communicators.agree(
             private,
             self.name,
             token,

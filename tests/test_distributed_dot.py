@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from osmm_jax._src.flax_layers import check_row_sizes, input_error, local_rows
+from osmm_jax._src.distributed_dot import check_row_sizes, input_error, local_rows
 
 
 def test_row_sizes_are_normalised_to_ints():
