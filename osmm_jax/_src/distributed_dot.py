@@ -232,20 +232,17 @@ class DistributedDot:
         from osmm_jax._src import communicators
 
         private = communicators.private_comm(self.comm)
-        rank, size = private.Get_rank(), private.Get_size()
-        sizes = None
-        try:
-            sizes = check_row_sizes(self.row_sizes, size)
-        except (TypeError, ValueError) as exc:
-            error = error or exc
-        if error is None:
-            error = input_error(inputs.shape, kernel.shape, sizes, rank)
-        if error is None and bias is not None and tuple(bias.shape) != (kernel.shape[1],):
-            error = f"the bias has shape {tuple(bias.shape)}; expected ({kernel.shape[1]},)"
-        if error is None and precision is not None:
-            error = f"precision={precision!r} is not supported (osmm_jax.matmul takes none)"
-        if error is None and out_sharding is not None:
-            error = "out_sharding is not supported: each rank's output block is its own rows"
+        sizes, error = _check_apply(
+            self.row_sizes,
+            private.Get_size(),
+            private.Get_rank(),
+            inputs.shape,
+            kernel.shape,
+            None if bias is None else bias.shape,
+            precision,
+            out_sharding,
+            error,
+        )
         token = repr((sizes, tuple(kernel.shape), bias is not None, self.method))
         communicators.agree(
             private,
@@ -257,7 +254,7 @@ class DistributedDot:
 
         rows, features = local_rows(inputs.shape), inputs.shape[-1]
         x = jnp.reshape(inputs, (rows, features))
-        if bias is not None:
+        if bias is not None:  # [x, 1] @ [[kernel], [bias]]
             x = jnp.concatenate([x, jnp.ones((rows, 1), x.dtype)], axis=1)
             kernel = jnp.concatenate([kernel, jnp.reshape(bias, (1, -1)).astype(kernel.dtype)])
         y = _product(x, kernel, sizes, private, self.method)
@@ -265,6 +262,27 @@ class DistributedDot:
         if preferred_element_type is not None:
             y = y.astype(preferred_element_type)
         return y
+
+
+def _check_apply(
+    row_sizes, nranks, rank, inputs_shape, kernel_shape, bias_shape, precision, out_sharding, error
+):
+    """``(sizes, error)`` for :meth:`DistributedDot.apply` on ``rank``: the checked row sizes
+    (None if they are bad) and the first problem found (``error`` if the caller found one)."""
+    sizes = None
+    try:
+        sizes = check_row_sizes(row_sizes, nranks)
+    except (TypeError, ValueError) as exc:
+        error = error or exc
+    if error is None:
+        error = input_error(inputs_shape, kernel_shape, sizes, rank)
+    if error is None and bias_shape is not None and tuple(bias_shape) != (kernel_shape[1],):
+        error = f"the bias has shape {tuple(bias_shape)}; expected ({kernel_shape[1]},)"
+    if error is None and precision is not None:
+        error = f"precision={precision!r} is not supported (osmm_jax.matmul takes none)"
+    if error is None and out_sharding is not None:
+        error = "out_sharding is not supported: each rank's output block is its own rows"
+    return sizes, error
 
 
 def _product(x, kernel, sizes: tuple[int, ...], private, method):
