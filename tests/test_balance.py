@@ -239,7 +239,7 @@ def test_accepts_a_speed_profile():
         ({"cap": "half"}, TypeError, "cap must be a number"),
         ({"spread": [0.1]}, ValueError, "spread has 1 values but speeds has 2"),
         ({"spread": [0.1, -0.1]}, ValueError, "spread must be non-negative"),
-        ({"noise_threshold": -1}, ValueError, "noise_threshold must be >= 0"),
+        ({"noise_threshold": -1}, ValueError, "noise_threshold must be at least 0"),
         ({"flops_per_row": 0}, ValueError, "flops_per_row must be finite and > 0"),
     ],
 )

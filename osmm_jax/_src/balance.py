@@ -94,38 +94,6 @@ class Balance(Sequence):
         return "\n".join(lines)
 
 
-# -- validation ------------------------------------------------------------------------
-
-
-def _check_numbers(values, name: str) -> list[float]:
-    """``values`` as floats; each finite and non-negative."""
-    if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-        raise TypeError(f"{name} must be a sequence of numbers, got {values!r}")
-    result = []
-    for i, v in enumerate(values):
-        if isinstance(v, bool):
-            raise TypeError(f"{name}[{i}] must be a number, got {v!r}")
-        try:
-            v = float(v)
-        except (TypeError, ValueError):
-            raise TypeError(f"{name}[{i}] must be a number, got {v!r}") from None
-        if not math.isfinite(v):
-            raise ValueError(f"{name}[{i}] is {v}: {name} must be finite")
-        if v < 0:
-            raise ValueError(f"{name}[{i}] is {v}: {name} must be non-negative")
-        result.append(v)
-    return result
-
-
-def _check_real(value, name: str) -> float:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be a number, got {value!r}")
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number, got {value!r}") from None
-
-
 # -- the split ---------------------------------------------------------------------------
 
 
@@ -276,24 +244,17 @@ def balance(
     total = checks.integer(total, "total", 0)
     min_rows = checks.integer(min_rows, "min_rows", 1)
     align = checks.integer(align, "align", 1)
-    speeds = _check_numbers(speeds, "speeds")
+    speeds = checks.speeds(speeds)
     nranks = len(speeds)
-    if nranks == 0:
-        raise ValueError("speeds is empty: give one speed per rank")
-    speed_sum = math.fsum(speeds)
-    if speed_sum <= 0:
-        raise ValueError(f"speeds {speeds} are all zero: at least one rank must get rows")
     active = [r for r, s in enumerate(speeds) if s > 0]
     if spread is not None:
-        spread = _check_numbers(spread, "spread")
+        spread = checks.non_negative_reals(spread, "spread")
         if len(spread) != nranks:
             raise ValueError(f"spread has {len(spread)} values but speeds has {nranks}")
     if noise_threshold is not None:
-        noise_threshold = _check_real(noise_threshold, "noise_threshold")
-        if math.isnan(noise_threshold) or noise_threshold < 0:
-            raise ValueError(f"noise_threshold must be >= 0 or None, got {noise_threshold}")
+        noise_threshold = checks.at_least(noise_threshold, "noise_threshold", 0, allow_inf=True)
     if cap is not None:
-        cap = _check_real(cap, "cap")
+        cap = checks.real(cap, "cap")
         if not 0 < cap <= 1:
             raise ValueError(f"cap must be in (0, 1], got {cap}")
         if cap * len(active) < 1 - _EPS:
@@ -301,9 +262,7 @@ def balance(
                 f"cap {cap} is infeasible: {len(active)} ranks with nonzero speed can hold at "
                 f"most {cap * len(active):.0%} of the rows; it must be at least {1 / len(active):.4g}"
             )
-    flops_per_row = _check_real(flops_per_row, "flops_per_row")
-    if not (math.isfinite(flops_per_row) and flops_per_row > 0):
-        raise ValueError(f"flops_per_row must be finite and > 0, got {flops_per_row}")
+    flops_per_row = checks.positive_real(flops_per_row, "flops_per_row")
 
     notes: list[str] = []
     weights = list(speeds)
@@ -349,6 +308,6 @@ def balance(
     seconds = [
         n * flops_per_row / (s * 1e9) if n else 0.0 for n, s in zip(sizes, speeds)
     ]  # n > 0 implies s > 0
-    ideal = total * flops_per_row / (speed_sum * 1e9)
+    ideal = total * flops_per_row / (math.fsum(speeds) * 1e9)
     imbalance = (max(seconds) - ideal) / ideal if total else 0.0
     return Balance(tuple(sizes), tuple(seconds), imbalance, granularity, tuple(notes))

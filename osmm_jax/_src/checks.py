@@ -1,4 +1,12 @@
-"""Argument checks shared by the pure-Python modules, with messages that name the problem."""
+"""Argument checks shared by the pure-Python modules, with messages that name the problem.
+
+Every helper returns the checked value converted (``int`` or ``float``, tuples of
+floats for sequences) and raises TypeError for a value of the wrong kind
+(``bool`` is never taken for a number) and ValueError for one out of range. The
+messages name the argument, the value and what was expected.
+
+Pure Python: no JAX, no MPI.
+"""
 
 from __future__ import annotations
 
@@ -16,23 +24,71 @@ def integer(value, name: str, minimum: int = 0) -> int:
     return value
 
 
-def speeds(values, what: str = "GFLOP/s", name: str = "speeds") -> tuple[float, ...]:
-    """One finite, non-negative speed (or weight) per rank, not all zero."""
+def real(value, name: str) -> float:
+    """``value`` as a float, nan and inf included; TypeError for non-numbers (and bools)."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be a number, got {value!r}")
     try:
-        items = tuple(values)
+        return float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number, got {value!r}") from None
+
+
+def at_least(value, name: str, minimum: float, *, allow_inf: bool = False) -> float:
+    """``value`` as a float of at least ``minimum``: never nan; inf only with ``allow_inf``."""
+    out = real(value, name)
+    if math.isnan(out) or out < minimum or (math.isinf(out) and not allow_inf):
+        finite = "" if allow_inf else "finite and "
+        raise ValueError(f"{name} must be {finite}at least {minimum}, got {value!r}")
+    return out
+
+
+def positive_real(value, name: str) -> float:
+    """``value`` as a finite float greater than zero."""
+    out = real(value, name)
+    if not (math.isfinite(out) and out > 0):
+        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
+    return out
+
+
+def _reals(values, name: str) -> tuple[float, ...]:
+    """``values`` (a sequence, not a string) as floats, each as :func:`real` takes it."""
+    try:
+        if isinstance(values, (str, bytes)):
+            raise TypeError
+        items = list(values)
     except TypeError:
         raise TypeError(f"{name} must be a sequence of numbers, got {values!r}") from None
-    if not items:
+    return tuple(real(v, f"{name}[{i}]") for i, v in enumerate(items))
+
+
+def non_negative_reals(values, name: str) -> tuple[float, ...]:
+    """``values`` as floats, each finite and non-negative (the sequence may be empty)."""
+    out = _reals(values, name)
+    for i, v in enumerate(out):
+        if not math.isfinite(v):
+            raise ValueError(f"{name}[{i}] is {v}: {name} must be finite")
+        if v < 0:
+            raise ValueError(f"{name}[{i}] is {v}: {name} must be non-negative")
+    return out
+
+
+def speeds(values, what: str = "GFLOP/s", name: str = "speeds") -> tuple[float, ...]:
+    """One finite, non-negative speed (or weight, in ``what``) per rank, not all zero."""
+    out = non_negative_reals(values, name)
+    if not out:
         raise ValueError(f"{name} is empty: give one ({what}) per rank")
-    out = []
-    for i, s in enumerate(items):
-        try:
-            s = float(s)
-        except (TypeError, ValueError):
-            raise TypeError(f"{name}[{i}] must be a number, got {s!r}") from None
-        if not math.isfinite(s) or s < 0:
-            raise ValueError(f"{name}[{i}] is {s}: {name} must be finite and non-negative")
-        out.append(s)
     if not any(out):
-        raise ValueError(f"{name} {list(items)} are all zero: at least one rank must get work")
-    return tuple(out)
+        raise ValueError(f"{name} {list(out)} are all zero: at least one rank must get work")
+    return out
+
+
+def positive_speeds(values, nranks: int, name: str = "speeds") -> tuple[float, ...]:
+    """Exactly ``nranks`` speeds, each finite and greater than zero (declared GEMM rates)."""
+    out = _reals(values, name)
+    if len(out) != nranks:
+        raise ValueError(f"{name} has {len(out)} values but there are {nranks} ranks")
+    for r, s in enumerate(out):
+        if not (math.isfinite(s) and s > 0):
+            raise ValueError(f"{name}: rank {r}'s speed is {s}; speeds must be finite and > 0")
+    return out

@@ -32,7 +32,7 @@ import statistics
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from osmm_jax._src import config, metrics
+from osmm_jax._src import checks, config, metrics
 from osmm_jax._src.log import get_logger
 
 logger = get_logger(__name__)
@@ -64,14 +64,11 @@ class MethodSelector:
         comm=None,
         exchange: Callable[[float], Sequence[float]] | None = None,
     ):
-        if not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be a positive integer, got {window!r}")
-        if not ratio >= 1.0:
-            raise ValueError(f"ratio must be at least 1.0, got {ratio!r}")
-        self.window, self.ratio = window, float(ratio)
+        self.window = checks.integer(window, "window", 1)
+        self.ratio = checks.at_least(ratio, "ratio", 1.0, allow_inf=True)
         self._exchange = exchange if exchange is not None else _mpi_exchange(comm)
         self._probe = {m: [] for m in config.METHODS}
-        self._recent: deque[float] = deque(maxlen=window)
+        self._recent: deque[float] = deque(maxlen=self.window)
         self.fallbacks = 0
         if config.default_method() == "allreduce":
             self.method, self._decided = "allreduce", True

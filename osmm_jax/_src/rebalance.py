@@ -153,9 +153,9 @@ class Rebalancer:
         self._quantum = checks.integer(quantum, "quantum", 1)
         self._max_variants = checks.integer(max_variants, "max_variants", 1)
         self._confirm = checks.integer(confirm, "confirm", 1)
-        self._sigma = _number(sigma, "sigma", 0.0)
-        self._tolerance = _number(tolerance, "tolerance", 0.0)
-        self._shrink = _number(shrink, "shrink", 0.0)
+        self._sigma = checks.at_least(sigma, "sigma", 0.0)
+        self._tolerance = checks.at_least(tolerance, "tolerance", 0.0)
+        self._shrink = checks.real(shrink, "shrink")
         if not 0 < self._shrink < 1:
             raise ValueError(f"shrink must lie strictly between 0 and 1, got {shrink!r}")
         min_rows = self._quantum if min_rows is None else checks.integer(min_rows, "min_rows", 0)
@@ -454,13 +454,3 @@ class Rebalancer:
             last = nonempty[-1] if nonempty else max(active, key=lambda r: (targets[r], -r))
             rows[last] += leftover
         return tuple(rows)
-
-
-def _number(value, name: str, minimum: float) -> float:
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number, got {value!r}") from None
-    if not math.isfinite(out) or out < minimum:
-        raise ValueError(f"{name} must be finite and at least {minimum}, got {value!r}")
-    return out

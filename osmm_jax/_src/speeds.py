@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from osmm_jax._src import config, dtypes
+from osmm_jax._src import checks, config, dtypes
 from osmm_jax._src.balance import NOISE_THRESHOLD
 from osmm_jax._src.log import get_logger
 
@@ -89,20 +89,6 @@ class SpeedProfile:
 # -- declared speeds ---------------------------------------------------------------------
 
 
-def _check_speeds(values, nranks: int, what: str) -> np.ndarray:
-    """``values`` as a float64 array of ``nranks`` finite positive rates, or a ValueError naming ``what``."""
-    try:
-        speeds = [float(v) for v in values]
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be numbers (GFLOP/s per rank), got {values!r}") from None
-    if len(speeds) != nranks:
-        raise ValueError(f"{what} has {len(speeds)} values but there are {nranks} ranks")
-    for r, s in enumerate(speeds):
-        if not math.isfinite(s) or s <= 0:
-            raise ValueError(f"{what}: rank {r}'s speed is {s}; speeds must be finite and > 0")
-    return np.array(speeds, dtype=np.float64)
-
-
 def declared_speeds(nranks: int) -> np.ndarray | None:
     """The speeds declared by ``OSMM_SPEEDS`` (GFLOP/s per rank), or None when it is unset.
 
@@ -124,7 +110,7 @@ def declared_speeds(nranks: int) -> np.ndarray | None:
         raise ValueError(
             f"{what}: expected comma-separated GFLOP/s per rank, e.g. '300,300,125'"
         ) from None
-    return _check_speeds(values, nranks, what)
+    return np.array(checks.positive_speeds(values, nranks, what), dtype=np.float64)
 
 
 # -- measuring ------------------------------------------------------------------------
@@ -138,15 +124,6 @@ def _dtype_name(dtype) -> str:
     if name not in dtypes.NAMES:
         raise ValueError(f"dtype must be one of {dtypes.NAMES}, got {dtype!r}")
     return name
-
-
-def _check_count(value, name: str) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
-        raise TypeError(f"{name} must be an integer, got {value!r}")
-    value = int(value)
-    if value < 1:
-        raise ValueError(f"{name} must be at least 1, got {value}")
-    return value
 
 
 def _time_gemm(comm, size: int, repeats: int, dtype: str) -> tuple[float, float]:
@@ -352,12 +329,13 @@ def profile_speeds(
     # Check everything locally, then agree, so a bad argument on one rank raises on all.
     declared, origin, path, error = None, "", None, None
     try:
-        size = _check_count(size, "size")
-        repeats = _check_count(repeats, "repeats")
+        size = checks.integer(size, "size", 1)
+        repeats = checks.integer(repeats, "repeats", 1)
         dtype = _dtype_name(dtype)
         path = _cache_path(cache)
         if speeds is not None:
-            declared, origin = _check_speeds(speeds, nranks, "speeds"), "declared"
+            declared = np.array(checks.positive_speeds(speeds, nranks), dtype=np.float64)
+            origin = "declared"
         else:
             declared, origin = declared_speeds(nranks), f"declared by {config.SPEEDS}"
     except (TypeError, ValueError) as e:
