@@ -72,7 +72,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from osmm_jax._src import checks
+from osmm_jax._src import checks, units
 from osmm_jax._src.layout import Layout
 from osmm_jax._src.planner import Plan, record_choice
 
@@ -175,8 +175,8 @@ def predict(
     accumulation type: ``max(itemsize, 4)`` bytes per element.
     """
     speeds = checks.speeds(speeds)
-    bandwidth = _check_bandwidth(bandwidth)
-    itemsize = _check_itemsize(itemsize)
+    bandwidth = checks.positive_real(bandwidth, "bandwidth")
+    itemsize = checks.integer(itemsize, "itemsize", 1)
     if len(speeds) != plan.nranks:
         raise ValueError(f"{len(speeds)} speeds for a plan over {plan.nranks} ranks")
     compute = max(
@@ -218,8 +218,10 @@ def auto_layouts(
         if checks.integer(v, name) < 1:
             raise ValueError(f"{name} must be positive, got {v}")
     speeds = checks.speeds(speeds)
-    bandwidth = DEFAULT_BANDWIDTH if bandwidth is None else _check_bandwidth(bandwidth)
-    itemsize = _check_itemsize(itemsize)
+    bandwidth = checks.positive_real(
+        DEFAULT_BANDWIDTH if bandwidth is None else bandwidth, "bandwidth"
+    )
+    itemsize = checks.integer(itemsize, "itemsize", 1)
 
     scored = []
     for name, a, b, c in candidate_layouts(M, K, N, speeds, replicated_is_free=replicated_is_free):
@@ -252,19 +254,12 @@ def _describe(c: Candidate, replicated_is_free: bool, bandwidth: float) -> str:
         if replicated_is_free and c.name in ("rows", "cols"):
             comm += f" ({'B' if c.name == 'rows' else 'A'} assumed already on every rank)"
     else:
-        comm = f"{c.comm_seconds:.3g} s sending {_bytes(c.comm_seconds * bandwidth)}"
+        comm = f"{c.comm_seconds:.3g} s sending {units.format_bytes(c.comm_seconds * bandwidth)}"
     return f"{c.compute_seconds:.3g} s of compute on the slowest rank, {comm}"
 
 
 def _ties(seconds: float, fastest: float) -> bool:
     return seconds <= fastest * (1 + TIE_TOLERANCE)
-
-
-def _bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 def _reason(best: Candidate, runner_up, replicated_is_free: bool, bandwidth: float) -> str:
@@ -282,19 +277,3 @@ def _reason(best: Candidate, runner_up, replicated_is_free: bool, bandwidth: flo
         f"{text}; total {best.predicted_seconds:.3g} s. Runner-up {runner_up.name} ({versus}): "
         f"{_describe(runner_up, replicated_is_free, bandwidth)}"
     )
-
-
-def _check_bandwidth(bandwidth) -> float:
-    try:
-        value = float(bandwidth)
-    except (TypeError, ValueError):
-        raise TypeError(f"bandwidth must be a number (bytes/s), got {bandwidth!r}") from None
-    if not (value > 0) or math.isinf(value):
-        raise ValueError(f"bandwidth must be positive and finite (bytes/s), got {bandwidth!r}")
-    return value
-
-
-def _check_itemsize(itemsize) -> int:
-    if isinstance(itemsize, bool) or not hasattr(itemsize, "__index__") or int(itemsize) < 1:
-        raise ValueError(f"itemsize must be a positive integer (bytes), got {itemsize!r}")
-    return int(itemsize)

@@ -21,6 +21,7 @@ import numpy as np
 
 from osmm_jax._src.layout import Layout
 from osmm_jax._src.planner import FLOAT32_BYTES, Plan
+from osmm_jax._src.units import format_bytes
 
 REPLICATED_HATCH = "//"
 """Hatch pattern of a replicated matrix."""
@@ -50,14 +51,6 @@ def transfer_matrix(
         itemsize = input_itemsize if t.op == "get" else accum_itemsize
         sent[t.sender, receiver] += t.elements * itemsize
     return sent
-
-
-def format_bytes(n: float) -> str:
-    """``n`` bytes in the largest binary unit that keeps it at least 1 (``"1.5 MiB"``)."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 def rank_colors(nranks: int) -> list:
