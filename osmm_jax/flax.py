@@ -20,53 +20,19 @@ The parameter tree is the stock one (``kernel`` of shape ``(in, out)``,
 so checkpoints interchange with the stock layers both ways, and the same
 initialiser and key give the same parameters.
 
-**Gradients.** Each rank computes its own loss from its own rows: its
-contribution to the global loss, e.g. the sum over its rows of the per-example
-loss divided by the GLOBAL batch size, so that the sum over ranks is the mean
-over the whole batch however unevenly it is split. ``jax.grad`` of that local
-loss then gives, on every rank:
+Gradients, when each rank's loss is its share of the global loss (e.g. its
+rows' per-example losses summed and divided by the GLOBAL batch size): the
+``kernel`` and ``bias`` gradients arrive already summed over ranks, the same on
+every rank (do not average or all-reduce them again); the input's gradient is
+this rank's rows'. Any other parameter gets this rank's gradient alone.
 
-* for ``kernel`` and ``bias``: the gradient of the SUM of all ranks' losses,
-  the same on every rank. The product's backward pass adds every rank's
-  contribution onto every rank (one-sided transfers: on 2 ranks each adds the
-  other's partial, from 3 ranks on usually a one-sided reduce-scatter followed
-  by gets of the summed blocks, see ``Plan.gather_stage``; an all-reduce for
-  ``method="allreduce"``). Do not average or all-reduce them again. Apply the
-  same optimizer update on every rank and the parameters stay the same: the
-  copies are bit-identical on 2 ranks and when the plan is staged. (A replicated
-  sum that is not staged adds contributions in the order they arrive, so copies
-  can then differ in the last bits, about 1e-7 relative in float32; broadcast
-  the parameters from one rank now and then if a long run needs bit-identical
-  copies.)
-* for the layer's input: the gradient of this rank's loss with respect to
-  this rank's rows (no other rank's loss depends on them).
-
-Only gradient that flows through these layers' products is summed. Any other
-parameter (a LayerNorm scale, an embedding, a stock layer) gets this rank's
-gradient alone: sum it over ranks yourself. A term that uses a kernel
-directly and is computed the same on every rank (weight decay) contributes its
-gradient once, as if it were added to the global loss once.
-
-How: the product is one :func:`osmm_jax.matmul` with the input split by rows
-(``Layout.rows(..., sizes=row_sizes)``), the kernel replicated and the output
-split like the input. The bias is folded into it (``[x, 1] @ [[kernel],
-[bias]]``) so that its gradient rides in the same accumulation as the
-kernel's; a bias added after the product, as the stock layers do, would get
-only this rank's rows' gradient. The forward pass moves no data.
-
-Every rank must call a layer at the same point of the program with the same
-``row_sizes`` (SPMD), a rank with no rows included (with an input of 0 rows).
-Before the product, the ranks check their arguments together (at trace time
-under ``jax.jit``): bad ``row_sizes``, an input whose rows differ from this
-rank's entry, or ranks that disagree raise the same ``ValueError`` /
-``TypeError`` on every rank.
-
-Not supported: tensor parallelism (a kernel split by rows or columns; call
-:func:`osmm_jax.matmul` with such layouts directly), ``precision`` (osmm_jax
-forms products at XLA's default precision, accumulating in float32 or
-float64), ``out_sharding``, and forward-mode or higher-order derivatives.
-
-Needs Flax (``pip install 'osmm_jax[flax]'``).
+Every rank calls a layer at the same point with the same ``row_sizes`` (a rank
+with no rows passes 0 rows); bad or disagreeing arguments raise the same
+``ValueError`` / ``TypeError`` on every rank. Not supported: tensor
+parallelism, ``precision``, ``out_sharding``, forward-mode or higher-order
+derivatives. How the layers work, when copies stay bit-identical, and the
+details: docs/design.md ("The Flax layers"). Needs Flax
+(``pip install 'osmm_jax[flax]'``).
 """
 
 from __future__ import annotations

@@ -1,63 +1,25 @@
 """Move rows away from ranks that fall behind, while a training loop runs.
 
 A :class:`Rebalancer` owns the split of ``total_rows`` rows (a batch, the M of
-a data-parallel product) over the ranks. The loop reports each step's time on
-every rank; the ranks exchange their times (one small allgather), and every
-rank runs the same deterministic rule on the same numbers, so all of them
-always hold the same sizes without further agreement.
+a data-parallel product) over the ranks. Every rank reports each step's time
+in seconds (:meth:`Rebalancer.observe`); the ranks exchange their times (one
+small allgather) and run the same deterministic rule on the same numbers, so
+all of them always hold the same sizes (``sizes``, ``row_slice()``, and the
+cached ``layouts`` / ``plan`` for them) without further agreement.
 
-Rules (``n`` = ranks that currently have rows; ranks with no rows take no part):
+A rank whose time stands out (suddenly, for ``confirm`` steps in a row, or
+persistently, by its median over the ``window``) loses ``shrink`` of its rows
+(less when less balances it, at least one ``quantum``) to the others in
+proportion to their speeds, only when that lowers the slowest rank's predicted
+time. Sizes
+change at most once every ``1 + min(window, 2 + confirm)`` steps, and at most
+``max_variants`` size tuples keep their plans, so recompiles stay bounded.
 
-* Window: the last ``window`` steps of all ``n`` ranks' times, counted from
-  the last change of sizes (times measured with other sizes say nothing about
-  the new ones), without the first step after a change or after construction
-  (it usually includes compiling the new shapes).
-* Straggler, sudden: the baseline is the window's steps in which no rank stood
-  out, all ranks' times pooled (the current step is not in it: the baseline
-  never contains the slowdown it tests). With at least 2 such steps, rank
-  ``r`` stands out when this step's time ``t_r`` exceeds both ``mean + sigma *
-  std`` and ``(1 + tolerance) * mean`` of the baseline (population std); the
-  tolerance keeps jitter in a steady run (std near 0) from counting. A rank
-  that stands out on ``confirm`` consecutive steps (default 2) is a straggler:
-  a single slow step (a page fault, a neighbour's burst on a shared machine)
-  moves nothing, and, being kept out of the baseline, does not widen it.
-* Straggler, persistent: once the window is full (this step included), rank
-  ``r`` is a straggler when its median time over the window exceeds ``(1 +
-  tolerance)`` times the mean of all ranks' medians (medians, so that one slow
-  step does not count). This catches an imbalance present from the start (two
-  slow ranks of three, say), which the sudden rule cannot see once slow times
-  fill the window, and the imbalance left after one shrink. It also brings
-  rows back to a rank that recovers: the others then look slow.
-* Action: each rank's speed is taken as its rows / its time (this step's time
-  for a sudden straggler, its median over the window otherwise), and the
-  balanced time as total rows / total speed. Each straggler's rows shrink by
-  ``shrink``, or by less when less brings its time down to the balanced time
-  (so a nearly balanced split does not overshoot), rounded to whole quanta
-  (at least one, never below ``min_rows``); the rows removed go to the other
-  ranks in proportion to their speeds. The move is made only if it lowers the
-  predicted time of the slowest rank (times proportional to rows at those
-  speeds), so rounding to quanta cannot make sizes flip back and forth.
-  Nothing changes when every rank is a straggler (a slowdown of the whole
-  machine is no reason to move rows).
-
-Sizes are multiples of ``quantum`` except the last non-empty one, which takes
-the ``total_rows % quantum`` left over. With the warm-up step and the 2-step
-baseline, sizes change at most once every ``1 + min(window, 2 + confirm)``
-steps, and each change is one new jit variant at most. The controller keeps
-the plans and layouts of at most ``max_variants`` size tuples (least recently
-used dropped first) and hands out the same :class:`Plan` object while a size
-tuple stays cached, so a jitted step with the plan as a static argument finds
-its compiled variant again.
-
-What to time: this rank's own work. A step that ends in a collective (an
-all-reduce, or the one-sided accumulate of a weight gradient, which completes
-together on all ranks) lasts as long on every rank as on the slowest one, and
-then nothing can be told apart. Time the part before the first communicating
-operation, e.g. the forward product of rows by a replicated weight, which
-moves no data.
-
-Pure Python except for the exchange: pass ``exchange=`` (and ``nranks=``) to
-run without MPI, as the unit tests do.
+What to time: this rank's own work, before the step's first communicating
+operation (a step that ends in a collective lasts as long on every rank as
+on the slowest). The rules in full, and why: docs/design.md ("Rebalancing
+while training"). Pure Python except for the exchange: pass ``exchange=``
+(and ``nranks=``) to run without MPI, as the unit tests do.
 """
 
 from __future__ import annotations
