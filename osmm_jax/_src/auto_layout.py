@@ -1,69 +1,26 @@
 """Choose layouts for C = A @ B from the ranks' speeds, by a simple cost model.
 
-:func:`auto_layouts` builds a few candidate strategies, each with shares
-proportional to the ranks' speeds, plans every one with the planner, and keeps
-the one the model predicts fastest::
+:func:`auto_layouts` takes the product's dimensions M, K, N and one GEMM rate
+per rank (GFLOP/s), builds a few candidate strategies with shares proportional
+to the speeds, plans every one with the planner, and returns the
+:class:`LayoutChoice` (layouts of A, B and C, and the ``reason``) of the one
+with the least predicted time::
 
     predicted = max_r flops[r] / (speeds[r] * 1e9)  +  max_r bytes_sent[r] / bandwidth
 
-``flops`` and ``bytes_sent`` are the plan's own per-rank figures (what the
-executor really multiplies and sends, gets included), ``speeds`` are GFLOP/s
-and ``bandwidth`` bytes/s. Compute and communication are added, not
-overlapped: the one-sided executor multiplies, then sends. The model has no
-per-message latency and no contention, so it is a guide for large products,
-not a timer.
+``flops`` and ``bytes_sent`` are the plan's own per-rank figures (gets
+included); ``bandwidth`` is bytes/s. Candidates, in this order: ``rows``,
+``cols``, ``k_split`` and ``grid PRxPC`` for every ``P = PR * PC`` with ``PR,
+PC > 1``. By default a replicated operand is taken to be on every rank already
+(free); with ``replicated_is_free=False`` it is split like the other operand
+over K instead, and fetching the pieces a rank lacks is counted.
 
-Candidates (``P`` ranks, weights = speeds):
-
-* ``rows``: A split by rows, B replicated, C split by rows (data parallel);
-* ``cols``: A replicated, B split by columns, C split by columns;
-* ``k_split``: A split by columns and B by rows over K, C split by rows: each
-  rank computes a full M x N partial and delivers the other ranks' rows;
-* ``grid PRxPC``: A, B and C on a 2-D grid, for every factorisation
-  ``P = PR * PC`` with ``PR, PC > 1``. Rank ``i*PC + j`` owns block ``(i, j)``
-  (:meth:`Layout.grid`'s numbering). A block's area is ``row_weight[i] *
-  col_weight[j]``; with row weight = the sum of the speeds of grid row ``i``
-  and column weight = the sum of grid column ``j``, the area is exactly
-  proportional to the rank's speed whenever the speeds, read as a PR x PC
-  matrix, are an outer product (equal speeds; one slow grid row; ...), and is
-  the marginal (independence) fit otherwise. The inputs' K splits use the same
-  band weights so each rank also holds a matching share of A and B.
-
-By default replication is free. ``rows`` and ``cols`` assume the replicated
-operand (B, resp. A) is already on every rank, as with weights in data-parallel
-training; the cost of putting it there is not counted. With
-``replicated_is_free=False`` the replicated operand is instead split like the
-other one over K (B by rows, resp. A by columns, weighted), and the planner's
-gets of the pieces a rank lacks are counted.
-
-What the model says about "split B by columns when K >> M". Four equal ranks
-of 100 GFLOP/s, 5e9 B/s, float32, M=256, K=16384, N=4096 (8.6 GFLOP, 0.0859 s
-of compute per rank in every strategy):
-
-=========  ============================  ============================
-strategy   replicated operand is free    every input starts sharded
-=========  ============================  ============================
-rows       0.0859 s (no communication)   0.0872 s (sends 6 MiB)
-cols       0.0859 s (no communication)   0.0884 s (sends 12 MiB)
-k_split    0.0865 s (sends 3 MiB)        0.0865 s (sends 3 MiB)
-grid 2x2   0.0878 s (sends 9 MiB)        0.0878 s (sends 9 MiB)
-=========  ============================  ============================
-
-The model does not support the rule. With the replicated operand free, rows
-and cols do the same flops with no communication, so K >> M has nothing to
-decide (ties go to ``rows``). With sharded inputs the column split of B is the
-worst of the four here: every rank must fetch the three quarters of A it
-lacks (A is M x K, which grows with K), while ``k_split`` moves only the M x N partials and wins. What
-the model does say: the cheapest strategy moves the smallest of the three
-matrices, i.e. splits the largest dimension: M largest -> ``rows`` (moves B or
-less: the planner ships A pieces and partials when that is cheaper), N
-largest -> ``cols`` (moves A; e.g. M=256, K=4096, N=16384: cols 0.0865 s,
-3 MiB, against k_split 0.0884 s, 12 MiB), K largest -> ``k_split`` (moves C).
-Column-split B is right when N, not K, is the large dimension.
-
-Pure Python (no JAX, no MPI), deterministic: predictions within
-:data:`TIE_TOLERANCE` of the fastest tie, and a tie goes to the earlier
-candidate in the order above.
+A guide for large products, not a timer: no latency, no contention, and no
+credit for overlapping sends with GEMMs. The candidates, the caveats and what
+the model says about which dimension to split are in docs/design.md ("Choosing
+layouts"). Pure Python (no JAX, no MPI), deterministic, the same on every rank:
+predictions within :data:`TIE_TOLERANCE` of the fastest tie, and a tie goes to
+the earlier candidate in the order above.
 """
 
 from __future__ import annotations
