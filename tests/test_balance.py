@@ -263,3 +263,80 @@ def test_a_balance_is_the_sequence_of_its_sizes():
     grid = Layout.grid((1000, 40), (3, 1), row_sizes=result)
     assert [grid.local_shape(r)[0] for r in range(3)] == list(result.sizes)
     assert result.describe().startswith("rows per rank")  # the extra fields stay
+
+
+# -- the steps of balance(), one at a time -------------------------------------------------
+
+
+def test_unpack_profile_prefers_an_explicit_spread():
+    from osmm_jax._src.balance import _unpack_profile
+    from osmm_jax._src.speeds import SpeedProfile
+
+    profile = SpeedProfile([1.0, 2.0], [0.1, 0.2], "measured")
+    speeds, spread = _unpack_profile(profile, None)
+    assert list(speeds) == [1.0, 2.0] and list(spread) == [0.1, 0.2]
+    assert _unpack_profile(profile, [0.0, 0.0])[1] == [0.0, 0.0]
+    assert _unpack_profile([3.0], None) == ([3.0], None)
+
+
+def test_checked_spread_and_cap():
+    from osmm_jax._src.balance import _checked_cap, _checked_spread
+
+    assert _checked_spread(None, 3) is None
+    assert _checked_spread([0, 0.5], 2) == (0.0, 0.5)
+    with pytest.raises(ValueError, match="spread has 1 values but speeds has 2"):
+        _checked_spread([0.1], 2)
+    assert _checked_cap(None, 1) is None
+    assert _checked_cap(0.5, 2) == 0.5
+    with pytest.raises(ValueError, match="cap must be in"):
+        _checked_cap(1.5, 2)
+    with pytest.raises(ValueError, match="must be at least 0.3333"):
+        _checked_cap(0.3, 3)
+
+
+def test_trusted_weights_are_the_speeds_unless_a_rank_with_speed_is_noisy():
+    from osmm_jax._src.balance import _trusted_weights
+
+    speeds = (0.0, 1.0, 3.0)
+    assert _trusted_weights(speeds, None, 0.2) == ([0.0, 1.0, 3.0], [])
+    assert _trusted_weights(speeds, (0.9, 0.1, 0.1), None) == ([0.0, 1.0, 3.0], [])
+    assert _trusted_weights(speeds, (0.9, 0.1, 0.1), 0.2) == ([0.0, 1.0, 3.0], [])  # rank 0 idle
+    weights, notes = _trusted_weights(speeds, (0.0, 0.1, 0.3), 0.2)
+    assert weights == [0.0, 1.0, 1.0]
+    assert notes == ["speeds too noisy (rank 2 CV 0.30 > 0.2): even split"]
+
+
+def test_granularity_is_lowered_to_align_when_rows_are_few():
+    from osmm_jax._src.balance import _granularity
+
+    assert _granularity(1000, 100, 8, 2) == (200, [])
+    assert _granularity(399, 100, 8, 2) == (
+        8,
+        ["total 399 < 200 rows x 2 ranks: granularity lowered to 8"],
+    )
+    assert _granularity(10, 4, 8, 3) == (8, [])  # already align: nothing to lower
+
+
+def test_best_split_puts_the_remainder_before_a_slow_tail():
+    from osmm_jax._src.balance import _best_split, _split_notes
+
+    last, sizes, capped = _best_split(1005, [100.0, 100.0, 0.01], 10, [0, 1, 2], None)
+    assert (last, sizes, capped) == (1, [500, 505, 0], [])
+    notes = _split_notes(1005, 10, [0, 1, 2], last, sizes, capped, None)
+    assert notes == [
+        "ranks [2] left empty (their shares are below the granularity): rank 1 takes the remainder of 5 rows"
+    ]
+    last, sizes, capped = _best_split(1000, [1.0, 3.0], 10, [0, 1], 0.6)
+    assert (last, sizes, capped) == (1, [400, 600], [1])
+    assert _split_notes(1000, 10, [0, 1], last, sizes, capped, 0.6) == [
+        "rank 1 capped at 60%: 600 of 1000 rows"
+    ]
+
+
+def test_predicted_times_in_seconds():
+    from osmm_jax._src.balance import _predicted_times
+
+    seconds, imbalance = _predicted_times([100, 300, 0], [1.0, 2.0, 1.0], 400, 2e9)
+    assert seconds == pytest.approx([200.0, 300.0, 0.0])
+    assert imbalance == pytest.approx(300.0 / 200.0 - 1)  # ideal 400 * 2 / 4 = 200 s
+    assert _predicted_times([0, 0], [1.0, 1.0], 0, 1.0) == ([0.0, 0.0], 0.0)

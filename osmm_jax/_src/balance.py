@@ -238,52 +238,111 @@ def balance(
             negative, ``cap`` outside (0, 1] or too small for the ranks,
             ``flops_per_row`` not finite and positive.
     """
-    if hasattr(speeds, "gflops") and hasattr(speeds, "spread"):  # a SpeedProfile
-        spread = speeds.spread if spread is None else spread
-        speeds = speeds.gflops
+    speeds, spread = _unpack_profile(speeds, spread)
     total = checks.integer(total, "total", 0)
     min_rows = checks.integer(min_rows, "min_rows", 1)
     align = checks.integer(align, "align", 1)
     speeds = checks.speeds(speeds)
-    nranks = len(speeds)
     active = [r for r, s in enumerate(speeds) if s > 0]
-    if spread is not None:
-        spread = checks.non_negative_reals(spread, "spread")
-        if len(spread) != nranks:
-            raise ValueError(f"spread has {len(spread)} values but speeds has {nranks}")
+    spread = _checked_spread(spread, len(speeds))
     if noise_threshold is not None:
         noise_threshold = checks.at_least(noise_threshold, "noise_threshold", 0, allow_inf=True)
-    if cap is not None:
-        cap = checks.real(cap, "cap")
-        if not 0 < cap <= 1:
-            raise ValueError(f"cap must be in (0, 1], got {cap}")
-        if cap * len(active) < 1 - _EPS:
-            raise ValueError(
-                f"cap {cap} is infeasible: {len(active)} ranks with nonzero speed can hold at "
-                f"most {cap * len(active):.0%} of the rows; it must be at least {1 / len(active):.4g}"
-            )
+    cap = _checked_cap(cap, len(active))
     flops_per_row = checks.positive_real(flops_per_row, "flops_per_row")
 
-    notes: list[str] = []
-    weights = list(speeds)
-    if spread is not None and noise_threshold is not None:
-        noisy = [r for r in active if spread[r] > noise_threshold]
-        if noisy:
-            detail = ", ".join(f"rank {r} CV {spread[r]:.2f}" for r in noisy)
-            notes.append(f"speeds too noisy ({detail} > {noise_threshold:g}): even split")
-            weights = [1.0 if s > 0 else 0.0 for s in speeds]
+    weights, notes = _trusted_weights(speeds, spread, noise_threshold)
+    granularity, lowered = _granularity(total, min_rows, align, len(active))
+    last, sizes, capped = _best_split(total, weights, granularity, active, cap)
+    notes += lowered + _split_notes(total, granularity, active, last, sizes, capped, cap)
+    seconds, imbalance = _predicted_times(sizes, speeds, total, flops_per_row)
+    return Balance(tuple(sizes), tuple(seconds), imbalance, granularity, tuple(notes))
 
-    granularity = math.lcm(min_rows, align)
-    if granularity > align and total < granularity * len(active):
-        notes.append(
-            f"total {total} < {granularity} rows x {len(active)} ranks: "
-            f"granularity lowered to {align}"
+
+def _unpack_profile(speeds, spread):
+    """``(speeds, spread)``, taken apart when ``speeds`` is a ``SpeedProfile``.
+
+    A profile brings its GFLOP/s (``gflops``) and the coefficients of variation
+    of its timings (``spread``); an explicit ``spread`` wins over the profile's.
+    Anything else is returned unchanged (checked later).
+    """
+    if hasattr(speeds, "gflops") and hasattr(speeds, "spread"):  # a SpeedProfile
+        spread = speeds.spread if spread is None else spread
+        speeds = speeds.gflops
+    return speeds, spread
+
+
+def _checked_spread(spread, nranks: int) -> tuple[float, ...] | None:
+    """``spread`` (per-rank coefficients of variation, unitless) checked: one per rank, >= 0."""
+    if spread is None:
+        return None
+    spread = checks.non_negative_reals(spread, "spread")
+    if len(spread) != nranks:
+        raise ValueError(f"spread has {len(spread)} values but speeds has {nranks}")
+    return spread
+
+
+def _checked_cap(cap, holders: int) -> float | None:
+    """``cap`` (a fraction of the rows) checked: in (0, 1], and ``holders`` ranks can hold all rows.
+
+    ``holders`` is the number of ranks with nonzero speed; each may take at most
+    ``cap`` of the rows, so ``cap * holders`` must reach 1.
+    """
+    if cap is None:
+        return None
+    cap = checks.real(cap, "cap")
+    if not 0 < cap <= 1:
+        raise ValueError(f"cap must be in (0, 1], got {cap}")
+    if cap * holders < 1 - _EPS:
+        raise ValueError(
+            f"cap {cap} is infeasible: {holders} ranks with nonzero speed can hold at "
+            f"most {cap * holders:.0%} of the rows; it must be at least {1 / holders:.4g}"
         )
-        granularity = align
-    # The remainder piece goes to the last rank with rows, so every block starts on the
-    # granularity. Normally that is the last rank with nonzero speed; but when the ranks at
-    # the end are so slow that their shares are below one unit, the remainder fits better on
-    # an earlier rank, the ones after it left empty. Take whichever finishes first.
+    return cap
+
+
+def _trusted_weights(speeds, spread, noise_threshold) -> tuple[list[float], list[str]]:
+    """The weights to split by, and a note when the speeds are too noisy to trust.
+
+    The weights are the speeds (GFLOP/s), unless some rank with nonzero speed has
+    a ``spread`` (coefficient of variation of its timings) above
+    ``noise_threshold``: then every rank with nonzero speed weighs 1 (an even split).
+    """
+    if spread is None or noise_threshold is None:
+        return list(speeds), []
+    noisy = [r for r, s in enumerate(speeds) if s > 0 and spread[r] > noise_threshold]
+    if not noisy:
+        return list(speeds), []
+    detail = ", ".join(f"rank {r} CV {spread[r]:.2f}" for r in noisy)
+    note = f"speeds too noisy ({detail} > {noise_threshold:g}): even split"
+    return [1.0 if s > 0 else 0.0 for s in speeds], [note]
+
+
+def _granularity(total: int, min_rows: int, align: int, holders: int) -> tuple[int, list[str]]:
+    """The unit of the sizes (rows), and a note when it had to be lowered.
+
+    ``lcm(min_rows, align)``, lowered to ``align`` when ``total`` rows cannot give
+    each of the ``holders`` ranks with nonzero speed one unit.
+    """
+    granularity = math.lcm(min_rows, align)
+    if granularity > align and total < granularity * holders:
+        note = (
+            f"total {total} < {granularity} rows x {holders} ranks: granularity lowered to {align}"
+        )
+        return align, [note]
+    return granularity, []
+
+
+def _best_split(
+    total: int, weights: list[float], granularity: int, active: list[int], cap: float | None
+) -> tuple[int, list[int], list[int]]:
+    """``(remainder rank, sizes, capped ranks)`` of the split that finishes first.
+
+    The remainder piece (``total % granularity`` rows) goes to the last rank with
+    rows, so every block starts on the granularity. Normally that is the last of
+    the ``active`` ranks (nonzero speed); but when the ranks at the end are so slow
+    that their shares are below one unit, the remainder fits better on an earlier
+    rank, the ones after it left empty. Finish times are rows / weight (relative).
+    """
     best = None
     for last in reversed(active):
         if cap is None or cap * sum(1 for r in active if r <= last) >= 1 - _EPS:
@@ -295,6 +354,14 @@ def balance(
         if total % granularity == 0 or total * weights[last] / math.fsum(weights) >= granularity:
             break  # an earlier remainder rank would leave a whole unit's worth of work undone
     _, last, sizes, capped = best
+    return last, sizes, capped
+
+
+def _split_notes(
+    total: int, granularity: int, active: list[int], last: int, sizes, capped, cap
+) -> list[str]:
+    """In words: ranks left empty before the remainder rank ``last``, and caps that bound."""
+    notes = []
     if last != active[-1]:
         empty = [r for r in active if r > last]
         notes.append(
@@ -304,10 +371,19 @@ def balance(
     for r in capped:
         over = " (the cap rounded up to the granularity)" if sizes[r] > cap * total else ""
         notes.append(f"rank {r} capped at {cap:.0%}: {sizes[r]} of {total} rows{over}")
+    return notes
 
+
+def _predicted_times(sizes, speeds, total: int, flops_per_row: float) -> tuple[list[float], float]:
+    """Per-rank predicted seconds and the imbalance (see :class:`Balance`).
+
+    A rank's seconds are ``rows * flops_per_row / (GFLOP/s * 1e9)``, 0 without
+    rows; the imbalance is the slowest rank's excess over the ideal time of a
+    perfect split, as a fraction of it (0 when ``total`` is 0).
+    """
     seconds = [
         n * flops_per_row / (s * 1e9) if n else 0.0 for n, s in zip(sizes, speeds)
     ]  # n > 0 implies s > 0
     ideal = total * flops_per_row / (math.fsum(speeds) * 1e9)
     imbalance = (max(seconds) - ideal) / ideal if total else 0.0
-    return Balance(tuple(sizes), tuple(seconds), imbalance, granularity, tuple(notes))
+    return seconds, imbalance
