@@ -31,6 +31,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -325,8 +326,50 @@ def profile_speeds(
 
     private = communicators.private_comm(comm)
     rank, nranks = private.Get_rank(), private.Get_size()
+    args = _checked_arguments(size, repeats, dtype, cache, speeds, nranks)
+    communicators.agree(
+        private,
+        "osmm_jax.profile_speeds",
+        _agreed_choice(args),
+        args.error,
+        must_match="the same declared speeds, size, repeats, dtype and cache on/off",
+    )
+    if args.declared is not None:
+        if progress:
+            _info(rank, "GEMM rates %s: %s GFLOP/s", args.origin, _fmt(args.declared))
+        return _result(SpeedProfile(args.declared, np.zeros(nranks), "declared"), return_profile)
+    key = None
+    if args.path is not None:
+        key, profile = _cached_profile(private, args.path, args.size, args.dtype, progress)
+        if profile is not None:
+            return _result(profile, return_profile)
+    return _result(_measured_profile(private, args, key, progress), return_profile)
 
-    # Check everything locally, then agree, so a bad argument on one rank raises on all.
+
+class _Arguments(NamedTuple):
+    """:func:`profile_speeds`'s arguments as checked on this rank, and the first problem found.
+
+    ``declared`` holds the declared GFLOP/s per rank (None: measure), ``origin``
+    says where they were declared, ``path`` is the cache file (None: no cache).
+    After an ``error`` the fields not yet checked hold the values as given.
+    """
+
+    size: int
+    repeats: int
+    dtype: str
+    path: Path | None
+    declared: np.ndarray | None
+    origin: str
+    error: Exception | None
+
+
+def _checked_arguments(size, repeats, dtype, cache, speeds, nranks: int) -> _Arguments:
+    """Check :func:`profile_speeds`'s arguments locally, catching the error instead of raising.
+
+    The error is raised later by the agreement, on every rank alike, so that a
+    bad argument on one rank does not leave the others waiting in a collective.
+    Without ``speeds``, ``OSMM_SPEEDS`` is read.
+    """
     declared, origin, path, error = None, "", None, None
     try:
         size = checks.integer(size, "size", 1)
@@ -340,52 +383,56 @@ def profile_speeds(
             declared, origin = declared_speeds(nranks), f"declared by {config.SPEEDS}"
     except (TypeError, ValueError) as e:
         error = e
-    choice = (
-        None if declared is None else declared.tolist(),
-        size,
-        repeats,
-        dtype,
-        path is not None,
-    )
-    communicators.agree(
-        private,
-        "osmm_jax.profile_speeds",
-        repr(choice),
-        error,
-        must_match="the same declared speeds, size, repeats, dtype and cache on/off",
-    )
-    if declared is not None:
-        if progress:
-            _info(rank, "GEMM rates %s: %s GFLOP/s", origin, _fmt(declared))
-        return _result(SpeedProfile(declared, np.zeros(nranks), "declared"), return_profile)
+    return _Arguments(size, repeats, dtype, path, declared, origin, error)
 
-    if path is not None:
-        key = _cache_key(private, size, dtype)
-        mine = _cached_entry(path, key)
-        found = private.allgather(mine)
-        if all(entry is not None for entry in found):
-            profile = SpeedProfile([g for g, _ in found], [s for _, s in found], "cache")
-            if progress:
-                _info(rank, "GEMM rates from the cache %s: %s GFLOP/s", path, _fmt(profile.gflops))
-            return _result(profile, return_profile)
-        missing = [r for r, entry in enumerate(found) if entry is None]
-        if progress:
-            _info(rank, "speed cache %s has no entry for ranks %s: measuring", path, missing)
 
+def _agreed_choice(args: _Arguments) -> str:
+    """What every rank must have chosen alike: declared speeds, size, repeats, dtype, cache on/off."""
+    declared = None if args.declared is None else args.declared.tolist()
+    return repr((declared, args.size, args.repeats, args.dtype, args.path is not None))
+
+
+def _cached_profile(comm, path: Path, size: int, dtype: str, progress: bool):
+    """``(this rank's cache key, the cached SpeedProfile or None)``; collective over ``comm``.
+
+    The profile comes from the cache only when every rank finds its entry;
+    otherwise every rank measures (and None is returned).
+    """
+    rank = comm.Get_rank()
+    key = _cache_key(comm, size, dtype)
+    found = comm.allgather(_cached_entry(path, key))
+    if all(entry is not None for entry in found):
+        profile = SpeedProfile([g for g, _ in found], [s for _, s in found], "cache")
+        if progress:
+            _info(rank, "GEMM rates from the cache %s: %s GFLOP/s", path, _fmt(profile.gflops))
+        return key, profile
+    missing = [r for r, entry in enumerate(found) if entry is None]
     if progress:
-        _info(rank, "profiling GEMM rate: %d^3 %s, %d repeats", size, dtype, repeats)
-    gflops, spread = _time_gemm(private, size, repeats, dtype)
-    measured = private.allgather((gflops, spread))
+        _info(rank, "speed cache %s has no entry for ranks %s: measuring", path, missing)
+    return key, None
+
+
+def _measured_profile(comm, args: _Arguments, key: str | None, progress: bool) -> SpeedProfile:
+    """Time the GEMM on every rank of ``comm`` at once and exchange the rates (collective).
+
+    Each rank stores its entry under ``key`` when there is a cache; on return the
+    file holds every rank's entry.
+    """
+    rank = comm.Get_rank()
+    if progress:
+        _info(rank, "profiling GEMM rate: %d^3 %s, %d repeats", args.size, args.dtype, args.repeats)
+    gflops, spread = _time_gemm(comm, args.size, args.repeats, args.dtype)
+    measured = comm.allgather((gflops, spread))
     profile = SpeedProfile([g for g, _ in measured], [s for _, s in measured], "measured")
-    if path is not None:
-        _write_cache(path, key, gflops, spread)
-        private.Barrier()  # on return, the file holds every rank's entry
-    noisy = [f"rank {r} CV {s:.2f}" for r, s in enumerate(profile.spread) if s > NOISE_THRESHOLD]
+    if args.path is not None:
+        _write_cache(args.path, key, gflops, spread)
+        comm.Barrier()  # on return, the file holds every rank's entry
+    noisy = _noisy_ranks(profile.spread)
     if noisy and rank == 0:
         log.warning(
             "GEMM timings vary (%s > %s): balance() will split evenly; a larger size or "
             "more repeats may help",
-            ", ".join(noisy),
+            noisy,
             NOISE_THRESHOLD,
         )
     if progress:
@@ -395,7 +442,17 @@ def profile_speeds(
             _fmt(profile.gflops),
             ", ".join(f"{s:.2f}" for s in profile.spread),
         )
-    return _result(profile, return_profile)
+    return profile
+
+
+def _noisy_ranks(spread) -> str:
+    """The ranks too noisy for ``balance()`` to trust, in words; empty when none.
+
+    ``spread`` holds each rank's coefficient of variation of its timings
+    (unitless); above :data:`NOISE_THRESHOLD` a rank is listed, e.g.
+    ``"rank 1 CV 0.35"``.
+    """
+    return ", ".join(f"rank {r} CV {s:.2f}" for r, s in enumerate(spread) if s > NOISE_THRESHOLD)
 
 
 def _fmt(values) -> str:
