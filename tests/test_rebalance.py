@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -262,3 +263,38 @@ def test_errors(kwargs, error, match):
     total, speeds = args.pop("total_rows"), args.pop("speeds")
     with pytest.raises(error, match=match):
         Rebalancer(total, speeds, **args)
+
+
+# -- the pure steps, one at a time ------------------------------------------------------------
+
+
+def test_min_units_rounds_min_rows_up_to_quanta():
+    from osmm_jax._src.rebalance import _min_units
+
+    assert _min_units(None, 64) == 1
+    assert [_min_units(rows, 64) for rows in (0, 1, 64, 65)] == [0, 1, 1, 2]
+
+
+def test_proportional_rows():
+    from osmm_jax._src.rebalance import _proportional
+
+    assert _proportional(100, (1.0, 0.0, 3.0)) == [25.0, 0.0, 75.0]
+
+
+def test_step_times_are_checked_alike_on_every_rank():
+    from osmm_jax._src.rebalance import _as_seconds, _checked_times
+
+    assert _as_seconds("0.5") == 0.5 and math.isnan(_as_seconds(None))
+    assert _checked_times([1, 0.5], 2) == (1.0, 0.5)
+    with pytest.raises(ValueError, match="exchange returned 1 times for 2 ranks"):
+        _checked_times([1.0], 2)
+    with pytest.raises(ValueError, match=r"got rank 1: nan, rank 2: -1.0$"):
+        _checked_times([1.0, math.nan, -1.0], 3)
+
+
+def test_streaks_and_the_change_event():
+    from osmm_jax._src.rebalance import _advance_streaks, _change_event
+
+    assert _advance_streaks([0, 2, 1], {1: (1.0, "slow")}) == [0, 3, 0]
+    event = _change_event(7, ["rank 1 slow", "rank 2 slow"], (64, 64, 64), (128, 32, 32))
+    assert event == "step 7: rank 1 slow; rank 2 slow; sizes [64, 64, 64] -> [128, 32, 32]"

@@ -42,6 +42,82 @@ MIN_BASELINE_STEPS = 2
 _TINY = 1e-12  # seconds; a time of 0 (a coarse clock) must not divide by zero
 
 
+def _checked_shrink(shrink) -> float:
+    """``shrink``, the fraction of a straggler's rows taken away, checked: strictly in (0, 1)."""
+    value = checks.real(shrink, "shrink")
+    if not 0 < value < 1:
+        raise ValueError(f"shrink must lie strictly between 0 and 1, got {shrink!r}")
+    return value
+
+
+def _min_units(min_rows, quantum: int) -> int:
+    """The fewest quanta a rank with rows keeps: ``min_rows`` rounded up to quanta.
+
+    ``min_rows`` (rows, >= 0) defaults to one quantum, so that a straggler keeps
+    being measured and can win rows back.
+    """
+    min_rows = quantum if min_rows is None else checks.integer(min_rows, "min_rows", 0)
+    return -(-min_rows // quantum)
+
+
+def _local_nranks(speeds, comm, nranks, exchange) -> int:
+    """The number of ranks when the times travel through ``exchange`` instead of MPI.
+
+    ``nranks`` defaults to one per speed; ``comm`` must be None and ``exchange``
+    callable, and there must be one speed per rank.
+    """
+    if comm is not None:
+        raise ValueError("give either comm (MPI) or exchange (no MPI), not both")
+    if not callable(exchange):
+        raise TypeError(f"exchange must be callable, got {type(exchange).__name__}")
+    nranks = len(speeds) if nranks is None else checks.integer(nranks, "nranks", 1)
+    if len(speeds) != nranks:
+        raise ValueError(f"speeds has {len(speeds)} entries but there are {nranks} ranks")
+    return nranks
+
+
+def _proportional(total: int, speeds) -> list[float]:
+    """``total`` rows split in proportion to ``speeds`` (any common unit), as fractional rows."""
+    weight = math.fsum(speeds)
+    return [total * s / weight for s in speeds]
+
+
+def _as_seconds(step_seconds) -> float:
+    """``step_seconds`` (this rank's step time, seconds) as a float; NaN when it is no number.
+
+    A bad time is still exchanged, so that every rank raises together.
+    """
+    try:
+        return float(step_seconds)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _checked_times(exchanged, nranks: int) -> tuple[float, ...]:
+    """Every rank's step time in seconds, checked: one per rank, finite and >= 0.
+
+    Raises the same ValueError on every rank, since all see the same times.
+    """
+    times = tuple(float(t) for t in exchanged)
+    if len(times) != nranks:
+        raise ValueError(f"exchange returned {len(times)} times for {nranks} ranks")
+    bad = [(r, t) for r, t in enumerate(times) if not (math.isfinite(t) and t >= 0)]
+    if bad:
+        detail = ", ".join(f"rank {r}: {t}" for r, t in bad)
+        raise ValueError(f"step times must be finite, non-negative seconds; got {detail}")
+    return times
+
+
+def _advance_streaks(streak: list[int], standing_out) -> list[int]:
+    """Consecutive steps each rank has stood out, after one more step: +1, or back to 0."""
+    return [n + 1 if r in standing_out else 0 for r, n in enumerate(streak)]
+
+
+def _change_event(step: int, reasons, old, new) -> str:
+    """Why and how the sizes changed at ``step``, in one readable line (for logs)."""
+    return f"step {step}: " + "; ".join(reasons) + f"; sizes {list(old)} -> {list(new)}"
+
+
 class Rebalancer:
     """Per-rank row counts of ``total_rows`` rows, adapted to measured step times.
 
@@ -117,39 +193,21 @@ class Rebalancer:
         self._confirm = checks.integer(confirm, "confirm", 1)
         self._sigma = checks.at_least(sigma, "sigma", 0.0)
         self._tolerance = checks.at_least(tolerance, "tolerance", 0.0)
-        self._shrink = checks.real(shrink, "shrink")
-        if not 0 < self._shrink < 1:
-            raise ValueError(f"shrink must lie strictly between 0 and 1, got {shrink!r}")
-        min_rows = self._quantum if min_rows is None else checks.integer(min_rows, "min_rows", 0)
-        self._min_units = -(-min_rows // self._quantum)
+        self._shrink = _checked_shrink(shrink)
+        self._min_units = _min_units(min_rows, self._quantum)
         speeds = checks.speeds(speeds)
-
         if exchange is not None:
-            if comm is not None:
-                raise ValueError("give either comm (MPI) or exchange (no MPI), not both")
-            if not callable(exchange):
-                raise TypeError(f"exchange must be callable, got {type(exchange).__name__}")
-            self._nranks = len(speeds) if nranks is None else checks.integer(nranks, "nranks", 1)
-            self._comm, self.rank = None, None
-            self._exchange = exchange
-            if len(speeds) != self._nranks:
-                raise ValueError(
-                    f"speeds has {len(speeds)} entries but there are {self._nranks} ranks"
-                )
+            self._nranks = _local_nranks(speeds, comm, nranks, exchange)
+            self._comm, self.rank, self._exchange = None, None, exchange
+        elif nranks is not None:
+            raise ValueError("nranks is only for exchange=; with MPI it is the comm's size")
         else:
-            if nranks is not None:
-                raise ValueError("nranks is only for exchange=; with MPI it is the comm's size")
             self._init_mpi(comm, speeds)
 
-        weight = math.fsum(speeds)
         self._sizes = ()
-        targets = [self._total * s / weight for s in speeds]
-        self._sizes = self._quantise(
-            targets, frozenset(), [r for r, s in enumerate(speeds) if s > 0]
-        )
-        self._history: deque[tuple[tuple[float, ...], bool]] = deque(maxlen=self._window)
-        self._streak = [0] * self._nranks
-        self._warmup = WARMUP_STEPS
+        active = [r for r, s in enumerate(speeds) if s > 0]
+        self._sizes = self._quantise(_proportional(self._total, speeds), frozenset(), active)
+        self._restart_window()
         self._cache: OrderedDict[tuple[int, ...], dict] = OrderedDict()
         self._seen: set[tuple[int, ...]] = set()
         self._touch(self._sizes)
@@ -267,54 +325,57 @@ class Rebalancer:
         same ValueError is raised on every rank if any rank's time is not a
         finite, non-negative number.
         """
-        try:
-            local = float(step_seconds)
-        except (TypeError, ValueError):
-            local = math.nan  # still exchanged, so every rank raises together
-        times = tuple(float(t) for t in self._exchange(local))
-        if len(times) != self._nranks:
-            raise ValueError(f"exchange returned {len(times)} times for {self._nranks} ranks")
-        bad = [(r, t) for r, t in enumerate(times) if not (math.isfinite(t) and t >= 0)]
-        if bad:
-            detail = ", ".join(f"rank {r}: {t}" for r, t in bad)
-            raise ValueError(f"step times must be finite, non-negative seconds; got {detail}")
+        local = _as_seconds(step_seconds)
+        times = _checked_times(self._exchange(local), self._nranks)
         self.steps += 1
         self.times = times
         metrics.observe_step(local)
         if self._warmup:
             self._warmup -= 1
             return False
-
         active = [r for r in range(self._nranks) if self._sizes[r] > 0]
-        standing_out = self._stand_out(times, active)
-        for r in range(self._nranks):
-            self._streak[r] = self._streak[r] + 1 if r in standing_out else 0
-        flagged = {r: v for r, v in standing_out.items() if self._streak[r] >= self._confirm}
-        self._history.append((times, bool(standing_out)))
-        if len(self._history) == self._window:
-            for r, found in self._persistent(active).items():
-                flagged.setdefault(r, found)
+        flagged = self._flag_stragglers(times, active)
         if not flagged:
             return False
         new, shrunk = self._redistribute(flagged, active)
         if new == self._sizes:
             return False
+        self._resize(new, shrunk, [flagged[r][1] for r in shrunk])
+        return True
+
+    def _flag_stragglers(self, times, active) -> dict[int, tuple[float, str]]:
+        """This step's stragglers, rank -> (seconds, why); records the step in the window.
+
+        Sudden stragglers count once they have stood out ``confirm`` steps in a
+        row; once the window is full, persistent ones are added (a rank flagged
+        both ways keeps its sudden time, this step's).
+        """
+        standing_out = self._stand_out(times, active)
+        self._streak = _advance_streaks(self._streak, standing_out)
+        flagged = {r: v for r, v in standing_out.items() if self._streak[r] >= self._confirm}
+        self._history.append((times, bool(standing_out)))
+        if len(self._history) == self._window:
+            for r, found in self._persistent(active).items():
+                flagged.setdefault(r, found)
+        return flagged
+
+    def _resize(self, new, shrunk, reasons) -> None:
+        """Adopt the ``new`` sizes: cache them, restart the window, count and describe the change."""
         old, self._sizes = self._sizes, new
         self._touch(new)
-        self._history.clear()
-        self._streak = [0] * self._nranks
-        self._warmup = WARMUP_STEPS
+        self._restart_window()
         self.rebalances += 1
         metrics.increment("rebalances")
         if self.rank is not None:
             metrics.set_share(new[self.rank] / max(sum(new), 1))
         self.stragglers = shrunk
-        self.last_event = (
-            f"step {self.steps}: "
-            + "; ".join(flagged[r][1] for r in shrunk)
-            + f"; sizes {list(old)} -> {list(new)}"
-        )
-        return True
+        self.last_event = _change_event(self.steps, reasons, old, new)
+
+    def _restart_window(self) -> None:
+        """Forget the step times (they were measured with other sizes) and skip the next step."""
+        self._history: deque[tuple[tuple[float, ...], bool]] = deque(maxlen=self._window)
+        self._streak = [0] * self._nranks
+        self._warmup = WARMUP_STEPS
 
     def _stand_out(self, times, active) -> dict[int, tuple[float, str]]:
         """Ranks whose time this step stands out of the baseline: rank -> (time, why)."""
