@@ -89,8 +89,12 @@ clean:
 # The main job and the tests.
 #
 #   make demo      the FFN training-step demo on 3 local ranks (examples/ffn_demo.py)
-#   make test      planner/layout/process tests, then the MPI tests on 1, 2, 3 and 4 ranks,
-#                  then the heterogeneity tests on 3 ranks bound to cores 0, 0, 1
+#   make test      the single-process tests, then the MPI tests on 1, 2, 3 and 4 ranks, then
+#                  the heterogeneity tests on 3 ranks bound to cores 0, 0, 1
+#
+# A bare `pytest` from the repository root runs the single-process tests and the MPI tests on
+# one rank, in one process. MPI tests declare the rank counts they need (the `ranks` marker,
+# see tests/mpi/conftest.py) and are skipped, saying why, on the other runs.
 #
 # Each MPI run is bounded twice: pytest-timeout stops a test stuck for TEST_TIMEOUT seconds
 # (dumping every thread's stack), and `timeout` stops a whole run after MPI_RUN_TIMEOUT.

@@ -1,29 +1,89 @@
-"""Run MPI tests collectively: under ``mpiexec -n N python -m pytest tests/mpi``.
+"""MPI tests: every rank of a job runs them together.
 
-Every rank runs the same tests in the same order. After each test the ranks
-exchange their outcomes, so a test that fails on one rank fails on all of them,
-and the report names the failing ranks and their errors (only rank 0 prints;
-see ``tests/mpi/run.py``). A rank stuck in a collective is caught by
-pytest-timeout and by the timeout around mpiexec, so a run always ends.
+Run them on N ranks with ``tests/mpi/run.py``, which quiets every rank but 0 (``make test``
+runs N = 1, 2, 3, 4, then the heterogeneity tests on 3 ranks bound to cores 0, 0, 1)::
+
+    mpiexec -n N .venv/bin/python tests/mpi/run.py tests/mpi -q [pytest arguments]
+
+Without ``mpiexec`` they run in-process on one rank, alone (``.venv/bin/python -m pytest
+tests/mpi``) or as part of a bare ``pytest`` from the repository root.
+
+A test that needs particular job sizes says so with the ``ranks`` marker; on other sizes it is
+skipped, with a reason that names the sizes::
+
+    @pytest.mark.ranks(3)                  # exactly 3 ranks
+    @pytest.mark.ranks(2, 4)               # 2 or 4 ranks
+    @pytest.mark.ranks(min=2, reason="a rank cannot disagree with itself")
+
+Every rank runs the same tests in the same order: the skips depend on the job size alone, and
+after collection the ranks compare their lists of tests and stop with a usage error if they
+differ (e.g. after ``--lf``, whose cache only rank 0 keeps). After each test the ranks exchange
+their outcomes, so a test that fails on one rank fails on all of them, and the report names the
+failing ranks and their errors. A rank stuck in a collective is caught by pytest-timeout and by
+the timeout around mpiexec, so a run always ends.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
-
 _OUTCOMES = MPI.COMM_WORLD.Dup()
+_SIZE = MPI.COMM_WORLD.Get_size()
 
 
 @pytest.fixture(scope="session")
 def world():
     """(rank, size) of COMM_WORLD."""
     return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+def _ranks_skip_reason(mark, size: int) -> str | None:
+    """Why a test marked ``mark`` (``ranks(*sizes, min=None, reason=None)``) cannot run on a
+    job of ``size`` ranks, or None if it can."""
+    sizes, minimum = mark.args, mark.kwargs.get("min")
+    counts = sizes if minimum is None else (*sizes, minimum)
+    valid = all(type(n) is int and n >= 1 for n in counts) and set(mark.kwargs) <= {"min", "reason"}
+    if not valid or bool(sizes) == (minimum is not None):
+        raise pytest.UsageError(
+            f"bad marker {mark}: write ranks(n, ...) or ranks(min=n) with positive integer "
+            "counts, and optionally reason=..."
+        )
+    if sizes:
+        if size in sizes:
+            return None
+        needs = " or ".join(map(str, sizes))
+        needs = f"needs {needs} rank{'s' if sizes != (1,) else ''}"
+    else:
+        if size >= minimum:
+            return None
+        needs = f"needs at least {minimum} ranks"
+    why = mark.kwargs.get("reason")
+    return f"{needs}, this job has {size}" + (f" ({why})" if why else "")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for mark in item.iter_markers("ranks"):
+            reason = _ranks_skip_reason(mark, _SIZE)
+            if reason is not None:
+                item.add_marker(pytest.mark.skip(reason=reason))
+                break
+
+
+def pytest_collection_finish(session):
+    """Stop, on every rank, unless all ranks are about to run the same tests in the same order."""
+    if _SIZE == 1:
+        return
+    mine = [item.nodeid for item in session.items]
+    everyone = _OUTCOMES.allgather(mine)
+    differ = [r for r, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if differ:
+        counts = ", ".join(f"rank {r}: {len(everyone[r])}" for r in [0, *differ])
+        raise pytest.UsageError(
+            f"ranks {differ} would run other tests than rank 0 ({counts} tests); every rank "
+            "must run the same tests in the same order (same arguments, no --lf/--ff/--sw)"
+        )
 
 
 @pytest.hookimpl(hookwrapper=True)

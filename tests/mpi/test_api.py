@@ -108,9 +108,8 @@ def test_dtype_errors():
         om.matmul(a, b, "plan")
 
 
+@pytest.mark.ranks(min=2, reason="a rank cannot disagree with itself")
 def test_ranks_that_disagree_on_the_plan_all_get_an_error():
-    if SIZE == 1:
-        pytest.skip("needs two ranks to disagree")
     weights = [2.0 if (r == 0 and RANK == 0) else 1.0 for r in range(SIZE)]
     plan = om.plan(
         om.Layout.rows((8, 4), weights=weights),
@@ -123,9 +122,8 @@ def test_ranks_that_disagree_on_the_plan_all_get_an_error():
         om.matmul(a, b, plan)
 
 
+@pytest.mark.ranks(min=2, reason="a rank cannot disagree with itself")
 def test_ranks_that_disagree_on_the_method_all_get_an_error():
-    if SIZE == 1:
-        pytest.skip("needs two ranks to disagree")
     plan = _k_split_plan()
     a = np.ones(plan.a.local_shape(RANK), np.float32)
     b = np.ones(plan.b.local_shape(RANK), np.float32)

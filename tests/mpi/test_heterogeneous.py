@@ -2,7 +2,7 @@
 
 Runs only under ``mpiexec -n 3 -bind-to user:0,0,1`` (``make test`` runs it so):
 ranks 0 and 1 share core 0, rank 2 has core 1 to itself, so rank 2 computes
-about twice as fast. Elsewhere every test here is skipped with that reason.
+about twice as fast. Elsewhere every test here is skipped, saying why.
 The bounds are generous (a shared machine is noisy) but each check fails if
 the mechanism it checks does not work: an even split is ~2x off, for example.
 """
@@ -25,13 +25,18 @@ COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 AFFINITIES = COMM.allgather(sorted(os.sched_getaffinity(0)))
 
-pytestmark = pytest.mark.skipif(
-    SIZE != 3
-    or AFFINITIES[0] != AFFINITIES[1]
-    or len(AFFINITIES[0]) != 1
-    or AFFINITIES[2] == AFFINITIES[0],
-    reason="needs mpiexec -n 3 -bind-to user:0,0,1 (ranks 0 and 1 on one core, rank 2 on another)",
-)
+pytestmark = [
+    pytest.mark.ranks(3, reason="two ranks share a core, the third has one to itself"),
+    pytest.mark.skipif(
+        SIZE == 3
+        and (
+            AFFINITIES[0] != AFFINITIES[1]
+            or len(AFFINITIES[0]) != 1
+            or AFFINITIES[2] == AFFINITIES[0]
+        ),
+        reason="needs mpiexec -n 3 -bind-to user:0,0,1 (ranks 0 and 1 on one core, rank 2 on another)",
+    ),
+]
 
 
 def _share_seconds(rows: int, k: int = 1024, n: int = 1024, repeats: int = 7) -> list[float]:

@@ -58,7 +58,7 @@ def key():
     return plan.comm_key
 
 
-@pytest.mark.skipif(SIZE == 1, reason="needs a neighbour to send to")
+@pytest.mark.ranks(min=2, reason="a rank needs a neighbour to send to")
 def test_a_bad_record_on_one_rank_fails_every_rank_before_anything_moves(key):
     local = jnp.zeros((ROWS, COLS), jnp.float32)
     before = om.stats()

@@ -59,9 +59,8 @@ def test_a_bad_time_on_one_rank_raises_on_every_rank():
         rb.observe(float("nan") if RANK == SIZE - 1 else 0.01)
 
 
+@pytest.mark.ranks(min=2, reason="a rank cannot disagree with itself")
 def test_ranks_with_different_settings_raise_together():
-    if SIZE == 1:
-        pytest.skip("one rank cannot disagree with itself")
     with pytest.raises(ValueError, match="ranks disagree"):
         Rebalancer(128 * SIZE + (RANK == SIZE - 1), [1.0] * SIZE)
 
@@ -78,6 +77,7 @@ def test_the_plan_runs():
     np.testing.assert_allclose(np.asarray(y), x[rb.row_slice()] @ w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.ranks(min=2, reason="a slow rank is slow only next to a faster one")
 def test_a_rank_slowed_mid_run_by_extra_work_is_detected_and_loses_rows():
     """Real timings: from step 6 on, the last rank does its product three more times."""
     import time
@@ -85,8 +85,6 @@ def test_a_rank_slowed_mid_run_by_extra_work_is_detected_and_loses_rows():
     import jax
     import jax.numpy as jnp
 
-    if SIZE == 1:
-        pytest.skip("needs a second rank to compare with")
     rebalancer = Rebalancer(SIZE * 512, [1.0] * SIZE, window=5, quantum=64)
     dot = jax.jit(jnp.dot)
     b = jnp.ones((256, 256), jnp.float32)

@@ -102,9 +102,8 @@ def test_bad_declared_speeds_raise_on_every_rank(monkeypatch):
         profile_speeds(cache=3, **SMALL)
 
 
+@pytest.mark.ranks(min=2, reason="a rank cannot disagree with itself")
 def test_ranks_that_disagree_all_get_an_error(monkeypatch):
-    if SIZE == 1:
-        pytest.skip("needs two ranks to disagree")
     monkeypatch.delenv("OSMM_SPEEDS", raising=False)
     if RANK == 0:
         monkeypatch.setenv("OSMM_SPEEDS", ",".join(["100"] * SIZE))

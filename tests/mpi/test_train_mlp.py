@@ -32,10 +32,9 @@ def test_training_matches_single_process(train_mlp):
     assert train_mlp.main(argv) == 0
 
 
+@pytest.mark.ranks(min=2, reason="one rank's gradient is the global one")
 def test_a_mismatch_is_reported(train_mlp, monkeypatch):
     """Stock layers on each rank's shard alone (no summed gradients) must fail the check."""
-    if SIZE < 2:
-        pytest.skip("one rank's gradient is the global one")
 
     class Dense(nn.Dense):  # named like the stock layer, so the parameter names match
         row_sizes: tuple | None = None

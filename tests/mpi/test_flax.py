@@ -255,9 +255,8 @@ def test_local_rows_that_disagree_with_row_sizes_on_one_rank():
         om_flax.Linear(IN, OUT, row_sizes=sizes, rngs=nnx.Rngs(0))(x_local)
 
 
+@pytest.mark.ranks(min=2, reason="a rank cannot disagree with itself")
 def test_ranks_that_disagree_on_row_sizes():
-    if SIZE < 2:
-        pytest.skip("needs two ranks")
     x, _, mine, sizes = _data(2)
     other = (RANK + 1) % SIZE  # each rank misstates its neighbour's rows, not its own
     mine_sizes = [s + (1 if r == other else 0) for r, s in enumerate(sizes)]
