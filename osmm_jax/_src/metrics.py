@@ -84,53 +84,99 @@ def count_product() -> None:
 # -- exposition -------------------------------------------------------------------------------
 
 
-def _families():
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+_EVENT_COUNTERS = (
+    ("osmm_rebalances", "Rebalancing decisions.", "rebalances"),
+    ("osmm_fallbacks", "Switches from one_sided to allreduce.", "fallbacks"),
+    ("osmm_checksum_failures", "Products that failed checksum verification.", "checksum_failures"),
+)
+"""The Python-side event counters after the step histogram and share: (name, help, key in ``_counts``)."""
 
+
+def _families():
+    """Every metric family of this rank, in exposition order, read when the scrape asks.
+
+    The native RMA counters are read first, then the Python-side ones in one
+    snapshot under the lock; the RMA latency histogram is read when reached.
+    """
     from osmm_jax._src import native
 
     labels = ["rank", "world_size"]
     values = [str(_state["rank"]), str(_state["size"])]
     stats = native.stats()
+    counts, step_buckets, step_sum, share = _snapshot()
+    doc = "Products executed while metrics were enabled."
+    yield _counter("osmm_matmul_calls", doc, counts["matmul_calls"], labels, values)
+    yield from _rma_families(stats, native.latency_histogram, labels, values)
+    yield from _python_families(counts, step_buckets, step_sum, share, labels, values)
+
+
+def _snapshot():
+    """The Python-side state, copied under the lock: one scrape sees one consistent state.
+
+    Returns ``(counters by name, step-histogram count per bucket, sum of step
+    seconds, this rank's share of the rows as a ratio)``.
+    """
     with _lock:
-        counts = dict(_counts)
-        step_buckets, step_sum = list(_steps["buckets"]), _steps["sum"]
-        share = _share["ratio"]
+        return dict(_counts), list(_steps["buckets"]), _steps["sum"], _share["ratio"]
 
-    def counter(name, doc, value):
-        family = CounterMetricFamily(name, doc, labels=labels)
-        family.add_metric(values, value)
-        return family
 
-    yield counter(
-        "osmm_matmul_calls", "Products executed while metrics were enabled.", counts["matmul_calls"]
-    )
+def _counter(name, doc, value, labels, values):
+    """A counter family ``name`` (``_total`` is added on exposition) with one sample."""
+    from prometheus_client.core import CounterMetricFamily
+
+    family = CounterMetricFamily(name, doc, labels=labels)
+    family.add_metric(values, value)
+    return family
+
+
+def _rma_families(stats, latency_histogram, labels, values):
+    """The native RMA families: operations by ``op``, bytes sent, epoch latency (seconds).
+
+    ``stats`` is ``native.stats()``; ``latency_histogram()`` returns ``(bucket
+    upper bounds in seconds, count per bucket, sum of seconds)``.
+    """
+    from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
     ops = CounterMetricFamily(
         "osmm_rma_ops", "RMA operations issued by this rank.", labels=[*labels, "op"]
     )
     for op, key in (("accumulate", "accumulates"), ("put", "puts"), ("get", "gets")):
         ops.add_metric([*values, op], stats[key])
     yield ops
-    yield counter(
+    yield _counter(
         "osmm_sent_bytes",
         "Bytes this rank pushed by MPI_Accumulate and MPI_Put.",
         stats["sent_bytes"],
+        labels,
+        values,
     )
-    bounds, bucket_counts, latency_sum = native.latency_histogram()
+    bounds, counts, seconds = latency_histogram()
+    doc = "One-sided RMA epochs, opening to closing fence."
     yield _histogram(
         HistogramMetricFamily,
         "osmm_rma_latency_seconds",
-        "One-sided RMA epochs, opening to closing fence.",
+        doc,
         labels,
         values,
         bounds,
-        bucket_counts,
-        latency_sum,
+        counts,
+        seconds,
     )
+
+
+def _python_families(counts, step_buckets, step_sum, share, labels, values):
+    """The Python-side families, from a :func:`_snapshot`.
+
+    Step times (seconds), this rank's share of the rows (a ratio), then the
+    counters of rebalances, fallbacks and checksum failures.
+    """
+    from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+
+    doc = "Step times observed by MethodSelector and Rebalancer."
     yield _histogram(
         HistogramMetricFamily,
         "osmm_step_seconds",
-        "Step times observed by MethodSelector and Rebalancer.",
+        doc,
         labels,
         values,
         STEP_BUCKETS,
@@ -142,13 +188,8 @@ def _families():
     )
     gauge.add_metric(values, share)
     yield gauge
-    yield counter("osmm_rebalances", "Rebalancing decisions.", counts["rebalances"])
-    yield counter("osmm_fallbacks", "Switches from one_sided to allreduce.", counts["fallbacks"])
-    yield counter(
-        "osmm_checksum_failures",
-        "Products that failed checksum verification.",
-        counts["checksum_failures"],
-    )
+    for name, doc, key in _EVENT_COUNTERS:
+        yield _counter(name, doc, counts[key], labels, values)
 
 
 def _histogram(family_type, name, doc, labels, values, bounds, counts, total):
