@@ -19,7 +19,21 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from osmm_jax._src import layout as _layout
+
 __version__ = "0.1.0"
+
+
+def _comm_world_size() -> int:
+    # Imported on the first call: layouts given a rank count never start MPI.
+    from osmm_jax._src.api import default_nranks
+
+    return default_nranks()
+
+
+# A layout built with nranks=None is for every rank of COMM_WORLD; the pure layout module
+# cannot ask MPI itself (see osmm_jax._src.layout.set_default_nranks).
+_layout.set_default_nranks(_comm_world_size)
 
 _PUBLIC = {
     "Layout": "osmm_jax._src.layout",

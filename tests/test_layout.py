@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -10,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import layouts, weights
 
+from osmm_jax._src import layout as layout_module
 from osmm_jax._src.layout import Layout, split_sizes
 
 
@@ -97,3 +99,27 @@ def test_bad_types_raise_type_errors():
         Layout.rows((4, 4), nranks=2).local_shape(2)
     with pytest.raises(ValueError, match="global array of shape"):
         Layout.rows((4, 4), nranks=2).shard(np.zeros((3, 4)), 0)
+
+
+def test_nranks_none_asks_the_installed_resolver():
+    previous = layout_module.set_default_nranks(lambda: 5)
+    try:
+        assert previous is not None  # the package installs one when imported
+        assert Layout.rows((10, 2)).nranks == 5
+        assert Layout.cols((2, 10)).nranks == 5
+        assert Layout.replicated((3, 3)).nranks == 5
+        assert Layout.rows((10, 2), weights=[1, 2]).nranks == 2  # weights give the count
+        layout_module.set_default_nranks(None)
+        with pytest.raises(ValueError, match="nranks is required"):
+            Layout.rows((10, 2))
+        assert Layout.rows((10, 2), nranks=3).nranks == 3
+    finally:
+        layout_module.set_default_nranks(previous)
+
+
+def test_reason_is_carried_but_not_compared():
+    plain = Layout.rows((6, 2), nranks=3)
+    chosen = dataclasses.replace(plain, reason="picked")
+    assert chosen.reason == "picked" and plain.reason == ""
+    assert chosen == plain and hash(chosen) == hash(plain)
+    assert chosen.T.reason == ""  # the transpose was not chosen

@@ -38,6 +38,15 @@ def plan(a_layout: Layout, b_layout: Layout, c_layout: Layout, *, comm=None) -> 
     return make_plan(a_layout, b_layout, c_layout, communicators.comm_key(private))
 
 
+def default_nranks() -> int:
+    """The rank count of a layout built with ``nranks=None``: the size of COMM_WORLD.
+
+    The package installs this as the layouts' default (see
+    :func:`osmm_jax._src.layout.set_default_nranks`); the first call initialises MPI.
+    """
+    return communicators.default_comm().Get_size()
+
+
 def gather(x_local, layout: Layout, *, comm=None) -> np.ndarray:
     """The whole global matrix, assembled on every rank from each rank's block (eager, host-side).
 

@@ -6,15 +6,15 @@ by exactly one rank: row, column and 2-D grid splits, uneven sizes allowed) or
 every rank owns the whole matrix (replicated).
 
 This module is pure Python: it imports neither JAX nor MPI, so plans can be
-computed and tested anywhere. Only ``nranks=None`` asks the default
-communicator for its size, lazily.
+computed and tested anywhere. ``nranks=None`` is answered by a resolver the
+package installs (see :func:`set_default_nranks`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from osmm_jax._src import checks
 
@@ -25,10 +25,27 @@ Block = tuple[Interval, Interval]
 """A rectangle of a matrix: ``(row_interval, col_interval)``."""
 
 
-def _default_nranks() -> int:
-    from osmm_jax._src import communicators
+_default_nranks: Callable[[], int] | None = None
 
-    return communicators.default_comm().Get_size()
+
+def set_default_nranks(resolver: Callable[[], int] | None) -> Callable[[], int] | None:
+    """Install the function that gives the rank count of a layout built with ``nranks=None``;
+    returns the one it replaces.
+
+    The constructors take the rank count as an argument; only its default lives
+    elsewhere. ``Layout.rows(shape)`` with no ``nranks`` is public API (a layout
+    for every rank of the job), and the size of the job is a question for MPI,
+    which this module must not import: so the layer that owns MPI answers it.
+    ``osmm_jax/__init__.py`` installs, when the package is imported, a resolver
+    that asks the default communicator (COMM_WORLD) for its size through
+    ``osmm_jax._src.api.default_nranks``, importing MPI only when first called.
+    Every ``import osmm_jax...`` runs the package first, so every existing call
+    keeps working, and layouts with an explicit ``nranks`` (or weights, or sizes)
+    never touch MPI. Without a resolver, ``nranks=None`` raises.
+    """
+    global _default_nranks
+    previous, _default_nranks = _default_nranks, resolver
+    return previous
 
 
 def _check_shape(shape) -> tuple[int, int]:
@@ -43,6 +60,8 @@ def _check_shape(shape) -> tuple[int, int]:
 
 def _check_nranks(nranks) -> int:
     if nranks is None:
+        if _default_nranks is None:
+            raise ValueError("nranks is required: no default communicator is known")
         nranks = _default_nranks()
     nranks = checks.integer(nranks, "nranks")
     if nranks < 1:
@@ -115,12 +134,18 @@ class Layout:
             global value) instead of the blocks partitioning it.
         kind: ``"rows"``, ``"cols"``, ``"grid"``, ``"replicated"``, or the
             same with ``".T"`` for a transposed layout; descriptive only.
+        reason: why the layout was chosen (:func:`osmm_jax.auto_layouts` sets it
+            on the three layouts it returns; :meth:`Plan.describe` repeats it when
+            all three layouts of a plan carry the same one), else ``""``. Not part
+            of equality or hashing: two layouts that split a matrix the same way
+            are equal whatever their reasons.
     """
 
     shape: tuple[int, int]
     blocks: tuple[Block, ...]
     is_replicated: bool = False
     kind: str = "custom"
+    reason: str = field(default="", compare=False)
 
     def __post_init__(self):
         shape = _check_shape(self.shape)
