@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
+from osmm_jax._src import planner
 from osmm_jax._src.auto_layout import (
     DEFAULT_BANDWIDTH,
     LayoutChoice,
@@ -14,7 +16,7 @@ from osmm_jax._src.auto_layout import (
     predict,
 )
 from osmm_jax._src.layout import Layout
-from osmm_jax._src.planner import Plan
+from osmm_jax._src.planner import Plan, make_plan
 
 SPEEDS = [3.0, 1.0, 2.0, 2.0, 0.5, 4.0]
 
@@ -194,8 +196,19 @@ def test_errors(args, kwargs, error, match):
 
 
 def test_plan_describe_says_why_auto_layouts_chose_the_layouts():
-    from osmm_jax._src.planner import make_plan
-
     choice = auto_layouts(512, 256, 256, [41.0, 41.0, 85.0])
-    text = make_plan(choice.a, choice.b, choice.c).describe()
-    assert "chosen by auto_layouts" in text and choice.reason in text
+    why = f"chosen by auto_layouts: {choice.reason}"
+    assert choice.a.reason == choice.b.reason == choice.c.reason == why
+    plain = tuple(dataclasses.replace(x, reason="") for x in (choice.a, choice.b, choice.c))
+    assert plain == (choice.a, choice.b, choice.c)  # the reason is not part of equality
+    # The reason travels with the layouts, not in a table: equal layouts built by hand plan
+    # the same product but say nothing, even when planned first and cached.
+    assert why not in make_plan(*plain).describe()
+    assert why in make_plan(choice.a, choice.b, choice.c).describe()
+    assert why in Plan(choice.a, choice.b, choice.c).describe()
+    assert make_plan(*plain) == make_plan(choice.a, choice.b, choice.c)
+    # Layouts mixed from different choices (or transposed) were not chosen together.
+    assert "chosen by" not in Plan(choice.a, choice.b, plain[2]).describe()
+    d_a, d_b = make_plan(choice.a, choice.b, choice.c).backward()
+    assert "chosen by" not in d_a.describe() and "chosen by" not in d_b.describe()
+    assert not hasattr(planner, "_CHOICE_REASONS")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -11,7 +12,23 @@ from hypothesis import given, settings
 from strategies import products
 
 from osmm_jax._src.layout import Layout
-from osmm_jax._src.planner import backward_plans, make_plan
+from osmm_jax._src.planner import (
+    Assignment,
+    Cells,
+    LocalMultiply,
+    LocalUpdate,
+    Transfer,
+    Unserved,
+    backward_plans,
+    choose_servers,
+    cut_cells,
+    emit_schedule,
+    make_plan,
+    moved,
+    per_rank_totals,
+    serve_self,
+    server_candidates,
+)
 
 
 def _size(iv):
@@ -94,14 +111,19 @@ def test_flops_and_bytes_add_up(layouts):
     primary = sum(m.flops for m in plan.multiplies if m.primary)
     assert primary == 2 * M * N * K
     assert sum(plan.flops) >= primary
-    assert len(plan.flops) == len(plan.comm_bytes) == plan.nranks
+    assert len(plan.flops) == len(plan.bytes_sent()) == plan.nranks
     # Bytes: exactly what the transfers move, charged to the rank the data leaves.
     expected = [0] * plan.nranks
     for t in plan.transfers:
         expected[t.target if t.op == "get" else t.origin] += 4 * _size(t.rows) * _size(t.cols)
-    assert list(plan.comm_bytes) == expected
+    assert list(plan.bytes_sent()) == expected
     assert plan.bytes_sent(8, 8) == tuple(2 * x for x in expected)
-    assert sum(plan.bytes_issued(4, 4)) == sum(expected)
+    assert sum(plan.bytes_issued()) == sum(expected)
+    # Issued: the same bytes, charged to the rank that runs the RMA operation.
+    issued = [0] * plan.nranks
+    for t in plan.transfers:
+        issued[t.origin] += 4 * _size(t.rows) * _size(t.cols)
+    assert list(plan.bytes_issued()) == issued
 
 
 @settings(max_examples=300, deadline=None)
@@ -149,7 +171,7 @@ def test_row_split_with_replicated_b_needs_no_communication():
     c = Layout.rows((10, 4), weights=[1, 2, 3])
     plan = make_plan(a, b, c)
     assert plan.transfers == ()
-    assert plan.comm_bytes == (0, 0, 0)
+    assert plan.bytes_sent() == (0, 0, 0)
     assert [m.rows for m in plan.multiplies] == [(0, 2), (2, 5), (5, 10)]
     assert plan.flops == (2 * 2 * 6 * 4, 2 * 3 * 6 * 4, 2 * 5 * 6 * 4)
 
@@ -162,7 +184,7 @@ def test_k_split_reduce_scatters_by_accumulate_with_half_an_allreduce_of_bytes()
     assert {t.op for t in plan.transfers} == {"accumulate"}
     # Each rank sends the half of C it does not own: n*n/2 floats. An all-reduce of
     # the whole C moves at least twice that per rank.
-    assert plan.comm_bytes == (4 * n * n // 2, 4 * n * n // 2)
+    assert plan.bytes_sent() == (4 * n * n // 2, 4 * n * n // 2)
 
 
 def test_transfers_rotate_targets_by_origin():
@@ -262,7 +284,7 @@ def test_equal_grids_balance_flops_across_ranks(grid):
     # Each rank fetches or sends at most what owner-computes (fetch A's row and B's column
     # blocks) would move.
     block = (n // grid[0]) * (n // grid[1]) * 4
-    assert max(plan.comm_bytes) <= (grid[0] + grid[1] - 2) * block
+    assert max(plan.bytes_sent()) <= (grid[0] + grid[1] - 2) * block
 
 
 @settings(max_examples=200, deadline=None)
@@ -290,5 +312,247 @@ def test_data_parallel_weight_gradient_moves_like_a_ring_allreduce():
     b = Layout.rows((batch, n), weights=weights)
     plan = make_plan(a, b, Layout.replicated((n, n), nranks=4))
     assert plan.gather_stage is not None
-    assert max(plan.comm_elements) == 2 * (n * n - n * n // 4)
+    assert max(plan.bytes_sent(1, 1)) == 2 * (n * n - n * n // 4)
     assert list(plan.flops) == [2 * n * n * b.local_shape(r)[0] for r in range(4)]
+
+
+# -- the passes of the schedule, one at a time -------------------------------------------------
+#
+# EXAMPLE: 2 ranks, A (4x6) split by rows 1:3, B (6x5) by rows 2:4, C (4x5) by columns 3:2.
+# M is cut at A's rows, K at B's rows, N at C's columns; no C owner has both inputs except
+# for two cells, one per rank.
+
+
+def _example_layouts():
+    return (
+        Layout.rows((4, 6), sizes=[1, 3]),
+        Layout.rows((6, 5), sizes=[2, 4]),
+        Layout.cols((4, 5), sizes=[3, 2]),
+    )
+
+
+EXAMPLE_UNSERVED = [
+    Unserved(0, 1, 0, (), (0,)),
+    Unserved(0, 0, 1, (), (1,)),
+    Unserved(0, 1, 1, (), (1,)),
+    Unserved(1, 0, 0, (), (0,)),
+    Unserved(1, 1, 0, (), (0,)),
+    Unserved(1, 0, 1, (), (1,)),
+]
+
+
+def test_cut_cells_cuts_at_every_shared_boundary_and_tables_the_owners():
+    cells = cut_cells(*_example_layouts())
+    assert (cells.m, cells.k, cells.n) == (((0, 1), (1, 4)), ((0, 2), (2, 6)), ((0, 3), (3, 5)))
+    assert cells.a_owners == (((0,), (0,)), ((1,), (1,)))  # [mi][ki]
+    assert cells.b_owners == (((0,), (0,)), ((1,), (1,)))  # [ki][ni]
+    assert cells.c_owners == (((0,), (1,)), ((0,), (1,)))  # [mi][ni]
+    assert cells.nranks == 2
+    assert cells.flops(1, 1, 0) == 2 * 3 * 4 * 3
+    # A replicated operand: every rank owns every piece.
+    rep = cut_cells(
+        Layout.replicated((2, 3), nranks=2),
+        Layout.replicated((3, 2), nranks=2),
+        Layout.rows((2, 2), nranks=2),
+    )
+    assert (rep.m, rep.k, rep.n) == (((0, 1), (1, 2)), ((0, 3),), ((0, 2),))
+    assert rep.a_owners == (((0, 1),), ((0, 1),)) and rep.c_owners == (((0,),), ((1,),))
+
+
+def test_serve_self_assigns_owners_with_both_inputs_and_lists_the_rest():
+    assignment, unserved = serve_self(cut_cells(*_example_layouts()))
+    assert assignment.products == {(0, 0, 0, 0): True, (1, 1, 1, 1): True}
+    assert assignment.deliveries == {(0, 0, 0, 0): [0], (1, 1, 1, 1): [1]}
+    assert assignment.load == [2 * 1 * 2 * 3, 2 * 3 * 4 * 2]
+    assert unserved == EXAMPLE_UNSERVED  # in (mi, ni, ki) order
+
+
+def test_serve_self_makes_the_lowest_owner_primary_and_keeps_partly_served_cells():
+    # Everything replicated: both ranks compute the one cell, rank 0's copy is primary.
+    assignment, unserved = serve_self(
+        cut_cells(*(Layout.replicated((2, 2), nranks=2) for _ in range(3)))
+    )
+    assert assignment.products == {(0, 0, 0, 0): True, (1, 0, 0, 0): False}
+    assert assignment.deliveries == {(0, 0, 0, 0): [0], (1, 1, 0, 0): [0]}
+    assert assignment.load == [16, 16] and unserved == []
+    # A replicated C, A split by rows: the A owner serves itself; the other C owner waits.
+    assignment, unserved = serve_self(
+        cut_cells(
+            Layout.rows((2, 2), nranks=2),
+            Layout.replicated((2, 2), nranks=2),
+            Layout.replicated((2, 2), nranks=2),
+        )
+    )
+    assert assignment.products == {(0, 0, 0, 0): False, (1, 1, 0, 0): False}
+    assert unserved == [Unserved(0, 0, 0, (0,), (1,)), Unserved(1, 0, 0, (1,), (0,))]
+
+
+def test_moved_counts_missing_inputs_and_results_to_send():
+    cells = cut_cells(*_example_layouts())
+    cell = EXAMPLE_UNSERVED[0]  # A[0:1, 2:6] on rank 0, B[2:6, 0:3] on rank 1, C owner 0
+    assert moved(cells, cell, 0) == 4 * 3  # gets B, keeps the result
+    assert moved(cells, cell, 1) == 1 * 4 + 1 * 3  # gets A, sends the result to rank 0
+    # A self-serving candidate still sends the cell to the other C owners.
+    rep = cut_cells(
+        Layout.rows((2, 2), nranks=2),
+        Layout.replicated((2, 2), nranks=2),
+        Layout.replicated((2, 2), nranks=2),
+    )
+    assert moved(rep, Unserved(0, 0, 0, (0,), (1,)), 0) == 2
+
+
+def test_server_candidates():
+    cells = cut_cells(*_example_layouts())
+    both_on_0 = EXAMPLE_UNSERVED[1]  # A and B pieces on rank 0, C on rank 1
+    split = EXAMPLE_UNSERVED[0]  # A on 0, B on 1, C on 0
+    assert server_candidates(cells, both_on_0) == {0, 1}
+    assert server_candidates(cells, both_on_0, compute_at_inputs=True) == {0}
+    assert server_candidates(cells, split, compute_at_inputs=True) == {0, 1}  # nobody has both
+    assert server_candidates(cells, Unserved(0, 0, 0, (1,), (0,))) == (1,)  # self-serving only
+
+
+def test_choose_servers_picks_the_cheapest_server_and_delivers_to_the_c_owners():
+    cells = cut_cells(*_example_layouts())
+    assignment, unserved = serve_self(cells)
+    choose_servers(cells, assignment, unserved)
+    assert assignment.products == {
+        (0, 0, 0, 0): True,
+        (1, 1, 1, 1): True,
+        (1, 0, 1, 0): True,
+        (0, 0, 0, 1): True,
+        (1, 0, 1, 1): True,
+        (0, 1, 0, 0): True,
+        (1, 1, 1, 0): True,
+        (1, 1, 0, 1): True,
+    }
+    assert assignment.deliveries == {
+        (0, 0, 0, 0): [0],
+        (1, 1, 1, 1): [1, 0],
+        (1, 0, 0, 0): [1],
+        (0, 1, 0, 1): [0],
+        (1, 1, 0, 1): [1],
+        (0, 0, 1, 0): [0],
+        (1, 0, 1, 0): [1],
+    }
+    assert assignment.load == [56, 184] and sum(assignment.load) == 2 * 4 * 6 * 5
+
+
+def _tie_cells() -> Cells:
+    # One C cell owned by rank 2, K cut in two: A[:, 0:1] and A[:, 1:2] on rank 0,
+    # B[0:1, :] on rank 1 and B[1:2, :] on rank 0.
+    return Cells(
+        m=((0, 1),),
+        k=((0, 1), (1, 2)),
+        n=((0, 1),),
+        a_owners=(((0,), (0,)),),
+        b_owners=(((1,),), ((0,),)),
+        c_owners=(((2,),),),
+        nranks=3,
+    )
+
+
+def test_choose_servers_breaks_ties_by_load_then_rank():
+    cells = _tie_cells()
+    tied = Unserved(0, 0, 0, (), (2,))  # every rank moves 2 elements
+    assert [moved(cells, tied, p) for p in range(3)] == [2, 2, 2]
+    for load, server in (([5, 0, 3], 1), ([0, 0, 0], 0), ([4, 4, 1], 2)):
+        assignment = Assignment({}, defaultdict(list), list(load))
+        choose_servers(cells, assignment, [tied])
+        assert assignment.products == {(server, 0, 0, 0): True}
+        assert assignment.deliveries == {(server, 2, 0, 0): [0]}
+
+
+def test_choose_servers_places_untied_cells_before_tied_ones():
+    # The tied cell comes first in the list, but rank 0 must first take the cell only it
+    # serves cheaply; the tie then goes to the less-loaded rank 1, not to rank 0.
+    cells = _tie_cells()
+    assignment = Assignment({}, defaultdict(list), [0, 0, 0])
+    choose_servers(cells, assignment, [Unserved(0, 0, 0, (), (2,)), Unserved(0, 1, 0, (), (2,))])
+    assert assignment.products == {(0, 0, 1, 0): True, (1, 0, 0, 0): True}
+    assert assignment.deliveries == {(0, 2, 0, 0): [1], (1, 2, 0, 0): [0]}
+    assert assignment.load == [2, 2, 0]
+
+
+def test_emit_schedule_fetches_missing_inputs_and_accumulates_shared_rectangles():
+    cells = _tie_cells()
+    assignment = Assignment(
+        {(1, 0, 0, 0): True, (0, 0, 1, 0): True},
+        defaultdict(list, {(1, 2, 0, 0): [0], (0, 2, 0, 0): [1]}),
+        [2, 2, 0],
+    )
+    multiplies, transfers, local_updates = emit_schedule(cells, assignment)
+    assert multiplies == (
+        LocalMultiply(0, (0, 1), (1, 2), (0, 1), 0, 0, True),
+        LocalMultiply(1, (0, 1), (0, 1), (0, 1), 0, 1, True),
+    )
+    assert transfers == (
+        Transfer("get", "A", 1, 0, (0, 1), (0, 1)),
+        Transfer("accumulate", "C", 0, 2, (0, 1), (0, 1), ((1, 2),)),
+        Transfer("accumulate", "C", 1, 2, (0, 1), (0, 1), ((0, 1),)),
+    )
+    assert local_updates == ()
+
+
+def test_emit_schedule_puts_sole_contributions_in_rotated_order_and_sorts_local_updates():
+    # Rank 2 holds A and B and computes both rows of C: row 0 is rank 0's, row 1 rank 1's.
+    # Rank 2's deliveries start at the next rank (0), then 1; each is the only contribution
+    # to its rectangle, so a put. Rank 0 also adds a product of its own into its block.
+    cells = Cells(
+        m=((0, 1), (1, 2)),
+        k=((0, 1),),
+        n=((0, 1),),
+        a_owners=(((0, 2),), ((2,),)),
+        b_owners=(((0, 2),),),
+        c_owners=(((0,),), ((1,),)),
+        nranks=3,
+    )
+    assignment = Assignment(
+        {(2, 1, 0, 0): True, (2, 0, 0, 0): False, (0, 0, 0, 0): True},
+        defaultdict(list, {(2, 1, 1, 0): [0], (0, 0, 0, 0): [0]}),
+        [2, 0, 4],
+    )
+    multiplies, transfers, local_updates = emit_schedule(cells, assignment)
+    assert [(m.rank, m.rows) for m in multiplies] == [(0, (0, 1)), (2, (0, 1)), (2, (1, 2))]
+    assert transfers == (Transfer("put", "C", 2, 1, (1, 2), (0, 1), ((0, 1),)),)
+    assert local_updates == (LocalUpdate(0, (0, 1), (0, 1), ((0, 1),)),)
+    assignment.deliveries[(2, 0, 0, 0)].append(0)
+    _, transfers, _ = emit_schedule(cells, assignment)
+    assert [(t.op, t.target) for t in transfers] == [("accumulate", 0), ("put", 1)]
+
+
+# -- per-rank tallies ----------------------------------------------------------------------------
+
+
+def test_per_rank_totals_buckets_by_the_chosen_rank():
+    transfers = [
+        Transfer("get", "A", 0, 1, (0, 2), (0, 3)),  # 6 elements from rank 1's memory to rank 0
+        Transfer("accumulate", "C", 1, 2, (0, 1), (0, 4), ((0, 1),)),  # 4 from 1 to 2
+        Transfer("put", "C", 2, 0, (0, 1), (0, 1), ((0, 1),)),  # 1 from 2 to 0
+    ]
+    assert per_rank_totals(transfers, 3, "sender", "elements") == (0, 10, 1)
+    assert per_rank_totals(transfers, 3, "origin", "elements") == (6, 4, 1)
+    assert per_rank_totals(transfers, 3, "receiver", "elements") == (7, 0, 4)
+    assert per_rank_totals(transfers, 3, "sender", lambda t: t.nbytes(2, 4)) == (0, 12 + 16, 4)
+    assert per_rank_totals(transfers, 3, ("sender", "receiver"), "elements") == (
+        (0, 0, 0),
+        (6, 0, 4),
+        (1, 0, 0),
+    )
+    multiplies = [LocalMultiply(1, (0, 2), (0, 3), (0, 4), 1, 1, True)]
+    assert per_rank_totals(multiplies, 2, "rank", "flops") == (0, 48)
+    assert per_rank_totals([], 2, "rank", "flops") == (0, 0)
+
+
+def test_bytes_sent_charges_the_owner_and_bytes_issued_the_rank_that_gets():
+    # A (2x1) all on rank 0, C (2x4) all on rank 1: rank 1 gets A (2 elements) rather than
+    # rank 0 sending the 8-element product.
+    plan = make_plan(
+        Layout.rows((2, 1), sizes=[2, 0]),
+        Layout.replicated((1, 4), nranks=2),
+        Layout.rows((2, 4), sizes=[0, 2]),
+    )
+    assert plan.transfers == (Transfer("get", "A", 1, 0, (0, 2), (0, 1)),)
+    assert plan.bytes_sent() == (8, 0) and plan.bytes_sent(2, 8) == (4, 0)
+    assert plan.bytes_issued() == (0, 8) and plan.bytes_issued(8, 4) == (0, 16)
+    assert plan.flops == (0, 16)
+    assert plan.expose_elements == (2, 0)

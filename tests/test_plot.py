@@ -137,7 +137,7 @@ def test_plot_plan_draws_every_tiling_and_the_byte_matrix(kinds, nranks):
     (image,) = axes["transfers"].images
     data = np.asarray(image.get_array())
     np.testing.assert_array_equal(data, expected_bytes(plan))
-    np.testing.assert_array_equal(data.sum(axis=1), plan.comm_bytes)
+    np.testing.assert_array_equal(data.sum(axis=1), plan.bytes_sent())
     texts = [t.get_text() for t in axes["transfers"].texts]
     if data.any():
         assert sorted(texts) == sorted(format_bytes(v) for v in data.ravel() if v)
@@ -147,7 +147,7 @@ def test_plot_plan_draws_every_tiling_and_the_byte_matrix(kinds, nranks):
     title = fig.get_suptitle()
     assert f"A[{M}×{K}]" in title and f"B[{K}×{N}]" in title and f"C[{M}×{N}]" in title
     assert f"{sum(plan.flops) / 1e9:.3g} GFLOP" in title
-    assert format_bytes(sum(plan.comm_bytes)) in title
+    assert format_bytes(sum(plan.bytes_sent())) in title
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert [label.split(":")[0] for label in labels[:nranks]] == [
         f"rank {r}" for r in range(nranks)

@@ -25,13 +25,14 @@ the earlier candidate in the order above.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from osmm_jax._src import checks, units
 from osmm_jax._src.layout import Layout
-from osmm_jax._src.planner import Plan, record_choice
+from osmm_jax._src.planner import Plan
 
 DEFAULT_BANDWIDTH = 5e9
 """Bytes/s one rank can send, when the caller gives none: one-sided accumulates
@@ -64,7 +65,9 @@ class LayoutChoice:
     """The layouts :func:`auto_layouts` picked, and why.
 
     Attributes:
-        a, b, c: layouts of A (M x K), B (K x N) and C (M x N) over ``len(speeds)`` ranks.
+        a, b, c: layouts of A (M x K), B (K x N) and C (M x N) over ``len(speeds)`` ranks;
+            each carries ``"chosen by auto_layouts: " + reason`` as its ``Layout.reason``,
+            which :meth:`Plan.describe` of their plan repeats.
         name: the winning strategy (``"rows"``, ``"cols"``, ``"k_split"``, ``"grid 2x2"``, ...).
         predicted_seconds: the model's time of one product with these layouts.
         reason: one line saying why it won, against the runner-up.
@@ -193,7 +196,10 @@ def auto_layouts(
     )
     runner_up = rest[0] if rest else None
     reason = _reason(best, runner_up, replicated_is_free, bandwidth)
-    record_choice(a, b, c, f"chosen by auto_layouts: {reason}")
+    # The layouts carry the reason, so the plan of them says why they were chosen.
+    a, b, c = (
+        dataclasses.replace(x, reason=f"chosen by auto_layouts: {reason}") for x in (a, b, c)
+    )
     return LayoutChoice(
         a=a,
         b=b,

@@ -33,8 +33,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import itertools
+import operator
 from collections import defaultdict
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from osmm_jax._src.layout import Interval, Layout
 
@@ -101,6 +104,16 @@ class Transfer:
         """The rank whose memory the data leaves (the owner, for a get)."""
         return self.target if self.op == "get" else self.origin
 
+    @property
+    def receiver(self) -> int:
+        """The rank whose memory the data arrives in (the rank that gets, for a get)."""
+        return self.origin if self.op == "get" else self.target
+
+    def nbytes(self, input_itemsize: int, accum_itemsize: int) -> int:
+        """Bytes moved: gets carry ``input_itemsize`` bytes per element, C partials
+        (accumulate, put) ``accum_itemsize``."""
+        return self.elements * (input_itemsize if self.op == "get" else accum_itemsize)
+
 
 @dataclass(frozen=True)
 class LocalUpdate:
@@ -152,11 +165,12 @@ class Plan:
             # Reduce-scatter, then all-gather: C is summed into an even split first (the
             # stage's own schedule), and every rank then gets the blocks it lacks.
             staged_gathers = _gathers(stage.c)
-            staged = _elements_sent(stage.transfers + staged_gathers, a.nranks)
-            direct_flops = _flops(multiplies, a.nranks)
-            if max(staged) < max(_elements_sent(transfers, a.nranks)) and all(
-                s <= d for s, d in zip(stage.flops, direct_flops)
-            ):
+            staged = per_rank_totals(
+                stage.transfers + staged_gathers, a.nranks, "sender", "elements"
+            )
+            direct = per_rank_totals(transfers, a.nranks, "sender", "elements")
+            direct_flops = per_rank_totals(multiplies, a.nranks, "rank", "flops")
+            if max(staged) < max(direct) and all(s <= d for s, d in zip(stage.flops, direct_flops)):
                 gather_stage, gathers = stage, staged_gathers
                 multiplies, local_updates = stage.multiplies, stage.local_updates
                 transfers = stage.transfers + staged_gathers
@@ -217,32 +231,25 @@ class Plan:
     @functools.cached_property
     def flops(self) -> tuple[int, ...]:
         """Floating-point operations (2 per multiply-add) each rank performs."""
-        flops = [0] * self.nranks
-        for m in self.multiplies:
-            flops[m.rank] += m.flops
-        return tuple(flops)
+        return per_rank_totals(self.multiplies, self.nranks, "rank", "flops")
 
-    @functools.cached_property
-    def comm_elements(self) -> tuple[int, ...]:
-        """Matrix elements leaving each rank's memory (C partials it sends, A/B pieces others get from it)."""
-        sent = [0] * self.nranks
-        for t in self.transfers:
-            sent[t.sender] += t.elements
-        return tuple(sent)
+    def bytes_sent(
+        self, input_itemsize: int = FLOAT32_BYTES, accum_itemsize: int = FLOAT32_BYTES
+    ) -> tuple[int, ...]:
+        """Bytes leaving each rank's memory per product, counted at the SENDER.
 
-    @property
-    def comm_bytes(self) -> tuple[int, ...]:
-        """Bytes each rank sends for a float32 product (see :meth:`bytes_sent` for other dtypes)."""
-        return self.bytes_sent(FLOAT32_BYTES, FLOAT32_BYTES)
-
-    def bytes_sent(self, input_itemsize: int, accum_itemsize: int) -> tuple[int, ...]:
-        """Bytes each rank sends when inputs have ``input_itemsize`` bytes per element
-        and C partials travel with ``accum_itemsize`` (the accumulation type:
-        4 for float32/bfloat16/float16, 8 for float64)."""
-        sent = [0] * self.nranks
-        for t in self.transfers:
-            sent[t.sender] += t.elements * (input_itemsize if t.op == "get" else accum_itemsize)
-        return tuple(sent)
+        A rank is charged for the C partials it accumulates or puts into other ranks'
+        blocks and for the A/B pieces other ranks get from its blocks (a get is charged
+        to the owner, not to the rank that issues it). This is the load on each rank's
+        outgoing link, the figure :func:`osmm_jax.auto_layouts` and :func:`osmm_jax.plot_plan`
+        use. A/B pieces count ``input_itemsize`` bytes per element, C partials
+        ``accum_itemsize`` (the accumulation type: 4 for float32/bfloat16/float16, 8 for
+        float64); both default to float32. For what each rank's own RMA calls move, see
+        :meth:`bytes_issued`.
+        """
+        return per_rank_totals(
+            self.transfers, self.nranks, "sender", _nbytes(input_itemsize, accum_itemsize)
+        )
 
     def plot(self, **kwargs):
         """A matplotlib Figure of the A, B and C tilings and the bytes each rank sends to each
@@ -255,13 +262,19 @@ class Plan:
         """The plans of the backward products ``(dA = dC @ B.T, dB = A.T @ dC)``."""
         return backward_plans(self)
 
-    def bytes_issued(self, input_itemsize: int, accum_itemsize: int) -> tuple[int, ...]:
-        """Bytes moved by the RMA operations each rank issues (gets counted at the rank that
-        gets); what ``osmm_jax.stats()['rma_bytes']`` measures per product."""
-        issued = [0] * self.nranks
-        for t in self.transfers:
-            issued[t.origin] += t.elements * (input_itemsize if t.op == "get" else accum_itemsize)
-        return tuple(issued)
+    def bytes_issued(
+        self, input_itemsize: int = FLOAT32_BYTES, accum_itemsize: int = FLOAT32_BYTES
+    ) -> tuple[int, ...]:
+        """Bytes moved by the RMA operations each rank issues per product, counted at the ISSUER.
+
+        A rank is charged for its own gets (the pieces it reads from other ranks) and for
+        the C partials it accumulates or puts; nothing for what others get from it. This is
+        what ``osmm_jax.stats()['rma_bytes']`` measures per product. Item sizes as in
+        :meth:`bytes_sent`, whose totals over all ranks are the same.
+        """
+        return per_rank_totals(
+            self.transfers, self.nranks, "origin", _nbytes(input_itemsize, accum_itemsize)
+        )
 
     # -- per-rank views used by the executors -------------------------------
 
@@ -301,14 +314,13 @@ class Plan:
     @functools.cached_property
     def expose_elements(self) -> tuple[int, int]:
         """Largest A block and largest B block any rank exposes (sizes every rank's window to fit)."""
-        a_max = b_max = 0
-        for r in range(self.nranks):
-            ea, eb = self.exposes(r)
-            if ea:
-                a_max = max(a_max, _area(self.a, r))
-            if eb:
-                b_max = max(b_max, _area(self.b, r))
-        return (a_max, b_max)
+        largest = []
+        for matrix, layout in (("A", self.a), ("B", self.b)):
+            gets = (t for t in self.transfers if t.op == "get" and t.matrix == matrix)
+            served = per_rank_totals(gets, self.nranks, "target", lambda t: 1)
+            exposed = [_area(layout, r) for r in range(self.nranks) if served[r]]
+            largest.append(max(exposed, default=0))
+        return (largest[0], largest[1])
 
     @functools.cached_property
     def receive_elements(self) -> int:
@@ -329,16 +341,15 @@ class Plan:
         lines = [
             f"C[{M}x{N}] = A[{M}x{K}] @ B[{K}x{N}] over {self.nranks} ranks",
             f"  A: {self.a.kind}   B: {self.b.kind}   C: {self.c.kind}",
-            f"  total {sum(self.flops) / 1e9:.3f} GFLOP, {sum(self.comm_bytes) / 2**20:.2f} MiB sent (float32)",
+            f"  total {sum(self.flops) / 1e9:.3f} GFLOP, {sum(self.bytes_sent()) / 2**20:.2f} MiB sent (float32)",
         ]
-        reason = _CHOICE_REASONS.get((self.a, self.b, self.c))
-        if reason:
-            lines.append(f"  {reason}")
+        reasons = {self.a.reason, self.b.reason, self.c.reason}
+        if len(reasons) == 1 and reasons != {""}:  # chosen together, e.g. by auto_layouts
+            lines.append(f"  {reasons.pop()}")
         pair_bytes: dict[tuple[int, int, str], int] = defaultdict(int)
         for t in self.transfers:
-            pair_bytes[(t.sender, t.target if t.op != "get" else t.origin, t.op)] += (
-                t.elements * FLOAT32_BYTES
-            )
+            pair_bytes[(t.sender, t.receiver, t.op)] += t.nbytes(FLOAT32_BYTES, FLOAT32_BYTES)
+        sent = self.bytes_sent()
         for r in range(self.nranks):
             sends = ", ".join(
                 f"{op} -> {dst}: {nbytes / 2**20:.2f} MiB"
@@ -347,7 +358,7 @@ class Plan:
             )
             lines.append(
                 f"  rank {r}: {len(self.multiplies_on(r))} multiplies, {self.flops[r] / 1e9:.3f} GFLOP, "
-                f"sends {self.comm_bytes[r] / 2**20:.2f} MiB" + (f" ({sends})" if sends else "")
+                f"sends {sent[r] / 2**20:.2f} MiB" + (f" ({sends})" if sends else "")
             )
         detail = ["  multiplies:"] + [
             f"    rank {m.rank}: A[{_fmt(m.rows)}, {_fmt(m.inner)}]{_src(m.a_source, m.rank)} @ "
@@ -374,18 +385,32 @@ def _area(layout: Layout, rank: int) -> int:
     return rows * cols
 
 
-def _flops(multiplies, nranks: int) -> list[int]:
-    flops = [0] * nranks
-    for m in multiplies:
-        flops[m.rank] += m.flops
-    return flops
+def per_rank_totals(
+    items: Iterable, nranks: int, by: str | tuple[str, ...], amount: str | Callable[[Any], int]
+) -> tuple:
+    """Sum a per-item quantity into one bucket per rank.
+
+    ``by`` names the item attribute that holds the bucket's rank: ``"rank"`` of a
+    :class:`LocalMultiply`; ``"sender"``, ``"receiver"``, ``"origin"`` (the issuer) or
+    ``"target"`` of a :class:`Transfer`. ``amount`` is an attribute name (``"flops"``,
+    ``"elements"``) or a function of the item. Returns ``nranks`` totals; with two names, e.g.
+    ``("sender", "receiver")``, an ``nranks x nranks`` table as a tuple of rows.
+    """
+    names = (by,) if isinstance(by, str) else tuple(by)
+    value = operator.attrgetter(amount) if isinstance(amount, str) else amount
+    totals = [0] * nranks ** len(names)
+    for item in items:
+        index = 0
+        for name in names:
+            index = index * nranks + getattr(item, name)
+        totals[index] += value(item)
+    for _ in names[1:]:
+        totals = [tuple(totals[i : i + nranks]) for i in range(0, len(totals), nranks)]
+    return tuple(totals)
 
 
-def _elements_sent(transfers, nranks: int) -> list[int]:
-    sent = [0] * nranks
-    for t in transfers:
-        sent[t.sender] += t.elements
-    return sent
+def _nbytes(input_itemsize: int, accum_itemsize: int) -> Callable[[Transfer], int]:
+    return lambda t: t.nbytes(input_itemsize, accum_itemsize)
 
 
 def _gather_stage(a: Layout, b: Layout, c: Layout, comm_key: int) -> Plan | None:
@@ -446,8 +471,212 @@ def _cuts(extent: int, *bounds_lists) -> tuple[Interval, ...]:
     return tuple((lo, hi) for lo, hi in zip(points, points[1:]) if hi > lo)
 
 
-def _owner_table(layout: Layout, row_cells, col_cells) -> list[list[tuple[int, ...]]]:
-    return [[layout.owners(r, c) for c in col_cells] for r in row_cells]
+def _owner_table(layout: Layout, row_cells, col_cells) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    return tuple(tuple(layout.owners(r, c) for c in col_cells) for r in row_cells)
+
+
+# The schedule is built in four passes, each a function of the previous ones' results:
+# cut_cells (the cells and who owns each operand piece), serve_self (cells whose C owner holds
+# both inputs), choose_servers (one server for each cell some C owner cannot compute) and
+# emit_schedule (the multiplies, transfers and local updates, in executor order).
+
+
+@dataclass(frozen=True)
+class Cells:
+    """The cells of ``C = A @ B``: each dimension cut at every block boundary of the layouts that
+    share it, and the ranks holding each operand piece.
+
+    ``m``, ``k``, ``n`` are the cut intervals of M, K and N; cell ``(mi, ki, ni)`` is the
+    sub-product ``A[m[mi], k[ki]] @ B[k[ki], n[ni]]``. ``a_owners[mi][ki]`` are the ranks whose
+    A block holds ``A[m[mi], k[ki]]``, ``b_owners[ki][ni]`` likewise for B, and
+    ``c_owners[mi][ni]`` the ranks that must end up with ``C[m[mi], n[ni]]``.
+    """
+
+    m: tuple[Interval, ...]
+    k: tuple[Interval, ...]
+    n: tuple[Interval, ...]
+    a_owners: tuple[tuple[tuple[int, ...], ...], ...]
+    b_owners: tuple[tuple[tuple[int, ...], ...], ...]
+    c_owners: tuple[tuple[tuple[int, ...], ...], ...]
+    nranks: int
+
+    def flops(self, mi: int, ki: int, ni: int) -> int:
+        return 2 * _size(self.m[mi]) * _size(self.k[ki]) * _size(self.n[ni])
+
+
+@dataclass
+class Assignment:
+    """Who computes which cell and where its partial goes, as the passes decide it.
+
+    Attributes:
+        products: ``(rank, mi, ki, ni) -> primary``: ``rank`` computes the cell; ``primary``
+            marks the one copy of each cell the all-reduce path counts.
+        deliveries: ``(origin, target, mi, ni) -> [ki, ...]``: the K cells whose products
+            ``origin`` sums into ``target``'s ``C[m[mi], n[ni]]`` (``origin == target``: a
+            local update), in the order they were assigned.
+        load: the flops each rank has been given so far.
+    """
+
+    products: dict[tuple[int, int, int, int], bool]
+    deliveries: defaultdict[tuple[int, int, int, int], list[int]]
+    load: list[int]
+
+
+class Unserved(NamedTuple):
+    """A cell that some of its C owners cannot compute themselves (they lack an input).
+
+    ``self_serving``: the C owners that hold both inputs and compute it for themselves;
+    ``remaining``: the C owners the chosen server must deliver it to.
+    """
+
+    mi: int
+    ki: int
+    ni: int
+    self_serving: tuple[int, ...]
+    remaining: tuple[int, ...]
+
+
+def cut_cells(a: Layout, b: Layout, c: Layout) -> Cells:
+    """Pass 1: the cells of the product and the owner tables of its three operands."""
+    M, K = a.shape
+    N = b.shape[1]
+    m = _cuts(M, [blk[0] for blk in a.blocks], [blk[0] for blk in c.blocks])
+    k = _cuts(K, [blk[1] for blk in a.blocks], [blk[0] for blk in b.blocks])
+    n = _cuts(N, [blk[1] for blk in b.blocks], [blk[1] for blk in c.blocks])
+    return Cells(
+        m, k, n, _owner_table(a, m, k), _owner_table(b, k, n), _owner_table(c, m, n), a.nranks
+    )
+
+
+def serve_self(cells: Cells) -> tuple[Assignment, list[Unserved]]:
+    """Pass 2: every C owner that holds both inputs of a cell computes it for itself.
+
+    Returns the assignment so far and the cells left to :func:`choose_servers`, in
+    ``(mi, ni, ki)`` order. A cell every C owner computes itself is primary on the lowest of
+    them. Counting all of this load first lets the next pass break cost ties by the work ranks
+    really end up with.
+    """
+    assignment = Assignment({}, defaultdict(list), [0] * cells.nranks)
+    unserved = []
+    for mi, ni in itertools.product(range(len(cells.m)), range(len(cells.n))):
+        owners_c = cells.c_owners[mi][ni]
+        for ki in range(len(cells.k)):
+            owners_a, owners_b = cells.a_owners[mi][ki], cells.b_owners[ki][ni]
+            self_serving = tuple(r for r in owners_c if r in owners_a and r in owners_b)
+            for r in self_serving:
+                assignment.products[(r, mi, ki, ni)] = False
+                assignment.deliveries[(r, r, mi, ni)].append(ki)
+                assignment.load[r] += cells.flops(mi, ki, ni)
+            remaining = tuple(r for r in owners_c if r not in self_serving)
+            if remaining:
+                unserved.append(Unserved(mi, ki, ni, self_serving, remaining))
+            else:
+                assignment.products[(min(self_serving), mi, ki, ni)] = True
+    return assignment, unserved
+
+
+def moved(cells: Cells, cell: Unserved, server: int) -> int:
+    """Elements ``server`` moves to serve ``cell``: the inputs it lacks (fetched by ``get``)
+    plus one result per remaining C owner other than itself."""
+    m, k, n = cells.m[cell.mi], cells.k[cell.ki], cells.n[cell.ni]
+    fetch = (0 if server in cells.a_owners[cell.mi][cell.ki] else _size(m) * _size(k)) + (
+        0 if server in cells.b_owners[cell.ki][cell.ni] else _size(k) * _size(n)
+    )
+    return fetch + _size(m) * _size(n) * sum(1 for r in cell.remaining if r != server)
+
+
+def server_candidates(cells: Cells, cell: Unserved, compute_at_inputs: bool = False):
+    """The ranks that may serve ``cell``.
+
+    Its self-serving owners if there are any (the cell is computed there anyway: fetching its
+    inputs elsewhere would compute it twice); with ``compute_at_inputs`` the ranks holding both
+    inputs, if any; otherwise every owner of its A, B or C piece.
+    """
+    if cell.self_serving:
+        return cell.self_serving
+    holders_a = cells.a_owners[cell.mi][cell.ki]
+    holders_b = cells.b_owners[cell.ki][cell.ni]
+    if compute_at_inputs:
+        holders = set(holders_a) & set(holders_b)
+        if holders:
+            return holders
+    return set(holders_a) | set(holders_b) | set(cells.c_owners[cell.mi][cell.ni])
+
+
+def choose_servers(
+    cells: Cells, assignment: Assignment, unserved: list[Unserved], compute_at_inputs: bool = False
+) -> None:
+    """Pass 3: one server per unserved cell, added to ``assignment`` (in place).
+
+    The server is the candidate (:func:`server_candidates`) that moves the fewest elements
+    (:func:`moved`), ties going to the least-loaded rank, then the lowest. Cells with a single
+    cheapest candidate are placed first, so that ties are broken knowing the work nobody can
+    avoid (on a 2x2 grid this balances flops 2:2:2:2 instead of 1:3:2:2 at the same bytes).
+    """
+
+    def tied(cell: Unserved) -> bool:
+        costs = [moved(cells, cell, p) for p in server_candidates(cells, cell, compute_at_inputs)]
+        return costs.count(min(costs)) > 1
+
+    load = assignment.load
+    for cell in sorted(unserved, key=tied):  # stable: unique cheapest first, then ties
+        server = min(
+            server_candidates(cells, cell, compute_at_inputs),
+            key=lambda p: (moved(cells, cell, p), load[p], p),
+        )
+        key = (server, cell.mi, cell.ki, cell.ni)
+        if key not in assignment.products:
+            load[server] += cells.flops(cell.mi, cell.ki, cell.ni)
+        assignment.products[key] = True
+        for r in cell.remaining:
+            assignment.deliveries[(server, r, cell.mi, cell.ni)].append(cell.ki)
+
+
+def emit_schedule(
+    cells: Cells, assignment: Assignment
+) -> tuple[tuple[LocalMultiply, ...], tuple[Transfer, ...], tuple[LocalUpdate, ...]]:
+    """Pass 4: the multiplies, transfers and local updates of a finished assignment.
+
+    Multiplies are ordered by ``(rank, mi, ki, ni)``; each takes an input piece from its own
+    block when it has it, else from the piece's first owner by a ``get``. Transfers are the
+    gets, then the C deliveries, each ordered by origin and, within an origin, by target
+    starting at the next rank (see :class:`Plan`); a delivery is a ``put`` when it is the only
+    contribution its rectangle receives, else an ``accumulate``. Local updates are ordered by
+    ``(rank, rows, cols)``.
+    """
+    multiplies = []
+    gets = {}
+    for (rank, mi, ki, ni), primary in sorted(assignment.products.items()):
+        m, k, n = cells.m[mi], cells.k[ki], cells.n[ni]
+        owners_a, owners_b = cells.a_owners[mi][ki], cells.b_owners[ki][ni]
+        a_src = rank if rank in owners_a else owners_a[0]
+        b_src = rank if rank in owners_b else owners_b[0]
+        if a_src != rank:
+            gets[(rank, "A", m, k)] = Transfer("get", "A", rank, a_src, m, k)
+        if b_src != rank:
+            gets[(rank, "B", k, n)] = Transfer("get", "B", rank, b_src, k, n)
+        multiplies.append(LocalMultiply(rank, m, k, n, a_src, b_src, primary))
+
+    senders_per_cell: dict[tuple[int, int, int], int] = defaultdict(int)
+    for _origin, target, mi, ni in assignment.deliveries:
+        senders_per_cell[(target, mi, ni)] += 1
+
+    c_transfers, local_updates = [], []
+    for (origin, target, mi, ni), kis in assignment.deliveries.items():
+        inner = tuple(cells.k[ki] for ki in sorted(kis))
+        if origin == target:
+            local_updates.append(LocalUpdate(origin, cells.m[mi], cells.n[ni], inner))
+        else:
+            op = "put" if senders_per_cell[(target, mi, ni)] == 1 else "accumulate"
+            c_transfers.append(Transfer(op, "C", origin, target, cells.m[mi], cells.n[ni], inner))
+
+    def rotated(t: Transfer):
+        return (t.origin, (t.target - t.origin) % cells.nranks, t.rows, t.cols)
+
+    get_list = sorted(gets.values(), key=rotated)
+    c_transfers.sort(key=rotated)
+    local_updates.sort(key=lambda u: (u.rank, u.rows, u.cols))
+    return tuple(multiplies), tuple(get_list) + tuple(c_transfers), tuple(local_updates)
 
 
 def _schedule(a: Layout, b: Layout, c: Layout, compute_at_inputs: bool = False):
@@ -456,122 +685,22 @@ def _schedule(a: Layout, b: Layout, c: Layout, compute_at_inputs: bool = False):
     ``compute_at_inputs``: a cell's product is computed by a rank that holds both of its
     inputs whenever there is one (partials move, inputs do not), whatever the bytes.
     """
-    M, K = a.shape
-    N = b.shape[1]
-    m_cells = _cuts(M, [blk[0] for blk in a.blocks], [blk[0] for blk in c.blocks])
-    k_cells = _cuts(K, [blk[1] for blk in a.blocks], [blk[0] for blk in b.blocks])
-    n_cells = _cuts(N, [blk[1] for blk in b.blocks], [blk[1] for blk in c.blocks])
-    a_owners = _owner_table(a, m_cells, k_cells)
-    b_owners = _owner_table(b, k_cells, n_cells)
-    c_owners = _owner_table(c, m_cells, n_cells)
-
-    load = [0] * a.nranks
-    products: dict[tuple[int, int, int, int], bool] = {}  # (rank, mi, ki, ni) -> primary
-    # (origin, target, mi, ni) -> [ki]
-    deliveries: dict[tuple[int, int, int, int], list[int]] = defaultdict(list)
-
-    # Pass 1: every C owner that holds both inputs computes the cell for itself. Counting all
-    # of this load first lets pass 2 break cost ties by the work ranks really end up with.
-    unserved = []
-    for mi, ni in itertools.product(range(len(m_cells)), range(len(n_cells))):
-        owners_c = c_owners[mi][ni]
-        for ki, k in enumerate(k_cells):
-            owners_a, owners_b = a_owners[mi][ki], b_owners[ki][ni]
-            self_serving = [r for r in owners_c if r in owners_a and r in owners_b]
-            for r in self_serving:
-                products[(r, mi, ki, ni)] = False
-                deliveries[(r, r, mi, ni)].append(ki)
-                load[r] += 2 * _size(m_cells[mi]) * _size(k) * _size(n_cells[ni])
-            remaining = [r for r in owners_c if r not in self_serving]
-            if remaining:
-                unserved.append((mi, ki, ni, self_serving, remaining))
-            else:
-                products[(min(self_serving), mi, ki, ni)] = True
-
-    # Pass 2: one server per cell for the C owners that lack an input: the candidate that moves
-    # the fewest elements, ties going to the least-loaded rank. Cells with a single cheapest
-    # candidate are placed first, so that ties are broken knowing the work nobody can avoid
-    # (on a 2x2 grid this balances flops 2:2:2:2 instead of 1:3:2:2 at the same bytes).
-    def moved(entry, p):
-        mi, ki, ni, _, remaining = entry
-        m, k, n = m_cells[mi], k_cells[ki], n_cells[ni]
-        fetch = (0 if p in a_owners[mi][ki] else _size(m) * _size(k)) + (
-            0 if p in b_owners[ki][ni] else _size(k) * _size(n)
-        )
-        return fetch + _size(m) * _size(n) * sum(1 for r in remaining if r != p)
-
-    def candidates(entry):
-        mi, ki, ni, self_serving, _ = entry
-        # A cell already computed by a self-serving owner is sent from there: fetching its
-        # inputs elsewhere would compute it twice.
-        if self_serving:
-            return self_serving
-        if compute_at_inputs:
-            holders = set(a_owners[mi][ki]) & set(b_owners[ki][ni])
-            if holders:
-                return holders
-        return set(a_owners[mi][ki]) | set(b_owners[ki][ni]) | set(c_owners[mi][ni])
-
-    def tied(entry):
-        costs = [moved(entry, p) for p in candidates(entry)]
-        return costs.count(min(costs)) > 1
-
-    for entry in sorted(unserved, key=tied):  # stable: unique cheapest first, then ties
-        mi, ki, ni, _, remaining = entry
-        m, k, n = m_cells[mi], k_cells[ki], n_cells[ni]
-        server = min(candidates(entry), key=lambda p: (moved(entry, p), load[p], p))
-        if (server, mi, ki, ni) not in products:
-            load[server] += 2 * _size(m) * _size(k) * _size(n)
-        products[(server, mi, ki, ni)] = True
-        for r in remaining:
-            deliveries[(server, r, mi, ni)].append(ki)
-
-    multiplies = []
-    gets = {}
-    for (rank, mi, ki, ni), primary in sorted(products.items()):
-        m, k, n = m_cells[mi], k_cells[ki], n_cells[ni]
-        a_src = rank if rank in a_owners[mi][ki] else a_owners[mi][ki][0]
-        b_src = rank if rank in b_owners[ki][ni] else b_owners[ki][ni][0]
-        if a_src != rank:
-            gets[(rank, "A", m, k)] = Transfer("get", "A", rank, a_src, m, k)
-        if b_src != rank:
-            gets[(rank, "B", k, n)] = Transfer("get", "B", rank, b_src, k, n)
-        multiplies.append(LocalMultiply(rank, m, k, n, a_src, b_src, primary))
-
-    senders_per_cell: dict[tuple[int, int, int], int] = defaultdict(int)
-    for _origin, target, mi, ni in deliveries:
-        senders_per_cell[(target, mi, ni)] += 1
-
-    nranks = a.nranks
-    c_transfers, local_updates = [], []
-    for (origin, target, mi, ni), kis in deliveries.items():
-        inner = tuple(k_cells[ki] for ki in sorted(kis))
-        if origin == target:
-            local_updates.append(LocalUpdate(origin, m_cells[mi], n_cells[ni], inner))
-        else:
-            op = "put" if senders_per_cell[(target, mi, ni)] == 1 else "accumulate"
-            c_transfers.append(Transfer(op, "C", origin, target, m_cells[mi], n_cells[ni], inner))
-
-    def rotated(t: Transfer):
-        return (t.origin, (t.target - t.origin) % nranks, t.rows, t.cols)
-
-    get_list = sorted(gets.values(), key=rotated)
-    c_transfers.sort(key=rotated)
-    local_updates.sort(key=lambda u: (u.rank, u.rows, u.cols))
-    return tuple(multiplies), tuple(get_list) + tuple(c_transfers), tuple(local_updates)
+    cells = cut_cells(a, b, c)
+    assignment, unserved = serve_self(cells)
+    choose_servers(cells, assignment, unserved, compute_at_inputs)
+    return emit_schedule(cells, assignment)
 
 
-_CHOICE_REASONS: dict[tuple[Layout, Layout, Layout], str] = {}
-
-
-def record_choice(a: Layout, b: Layout, c: Layout, reason: str) -> None:
-    """Remember why these layouts were chosen; :meth:`Plan.describe` of their plans says so."""
-    _CHOICE_REASONS[(a, b, c)] = reason
+def make_plan(a: Layout, b: Layout, c: Layout, comm_key: int = 0) -> Plan:
+    """The (cached) plan of ``C = A @ B`` for the given layouts."""
+    # Layouts that differ only in their reasons are equal, so the reasons join the cache key:
+    # the plan returned holds the very layouts asked for, and describe() tells their reason.
+    reasons = tuple(getattr(layout, "reason", "") for layout in (a, b, c))
+    return _cached_plan(a, b, c, comm_key, reasons)
 
 
 @functools.lru_cache(maxsize=256)
-def make_plan(a: Layout, b: Layout, c: Layout, comm_key: int = 0) -> Plan:
-    """The (cached) plan of ``C = A @ B`` for the given layouts."""
+def _cached_plan(a: Layout, b: Layout, c: Layout, comm_key: int, _reasons) -> Plan:
     return Plan(a, b, c, comm_key)
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from osmm_jax._src.layout import Layout
-from osmm_jax._src.planner import FLOAT32_BYTES, Plan
+from osmm_jax._src.planner import FLOAT32_BYTES, Plan, per_rank_totals
 from osmm_jax._src.units import format_bytes
 
 REPLICATED_HATCH = "//"
@@ -45,12 +45,13 @@ def transfer_matrix(
     bfloat16 and float16, 8 for float64). The diagonal is zero; row sums equal
     :meth:`Plan.bytes_sent`.
     """
-    sent = np.zeros((plan.nranks, plan.nranks), dtype=np.int64)
-    for t in plan.transfers:
-        receiver = t.origin if t.op == "get" else t.target
-        itemsize = input_itemsize if t.op == "get" else accum_itemsize
-        sent[t.sender, receiver] += t.elements * itemsize
-    return sent
+    table = per_rank_totals(
+        plan.transfers,
+        plan.nranks,
+        ("sender", "receiver"),
+        lambda t: t.nbytes(input_itemsize, accum_itemsize),
+    )
+    return np.array(table, dtype=np.int64).reshape(plan.nranks, plan.nranks)
 
 
 def rank_colors(nranks: int) -> list:
