@@ -77,6 +77,7 @@ format: $(DEPS_STAMP)
 lint: $(DEPS_STAMP)
 	$(RUFF) check .
 	$(RUFF) format --check .
+	$(VENV)/bin/lint-imports
 	$(CLANG_FORMAT) --dry-run -Werror $(CXX_SOURCES)
 
 clean:
