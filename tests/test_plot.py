@@ -231,3 +231,38 @@ def test_importing_the_module_loads_no_matplotlib_jax_or_mpi():
         "assert not loaded, loaded\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- the pure steps, one at a time ------------------------------------------------------------
+
+
+def test_block_bounds_and_empty_ranks():
+    from osmm_jax._src.plot import _block_bounds, _empty_note
+
+    layout = Layout.rows((12, 10), weights=[2.0, 0.0, 1.0])
+    x_bounds, y_bounds, empty = _block_bounds(layout)
+    assert (x_bounds, y_bounds, empty) == ({0, 10}, {0, 8, 12}, [1])
+    assert _empty_note(empty) == "\nempty: rank 1"
+    assert _empty_note([0, 2]) == "\nempty: ranks 0, 2"
+    assert _empty_note([]) == ""
+
+
+def test_plan_title_and_legend_labels():
+    from osmm_jax._src.plot import _flops_label, _plan_title
+
+    plan = make_plan(("rows", "replicated", "rows"), 2)
+    title = _plan_title(plan, 3 * 2**20)
+    assert title.startswith(f"C[{M}×{N}] = A[{M}×{K}] @ B[{K}×{N}] over 2 ranks: ")
+    assert title.endswith(f"{2 * M * K * N / 1e9:.3g} GFLOP, 3 MiB sent")
+    assert _flops_label(1, 3_000_000_000, 4_000_000_000) == "rank 1: 3 GFLOP (75%)"
+    assert _flops_label(0, 0, 0) == "rank 0: 0 GFLOP"
+
+
+def test_plan_figure_is_the_given_one_or_new():
+    from osmm_jax._src.plot import _plan_figure
+
+    fig = Figure()
+    assert _plan_figure(fig, None) is fig
+    assert tuple(_plan_figure(None, (6.0, 2.0)).get_size_inches()) == (6.0, 2.0)
+    with pytest.raises(ValueError, match="not both"):
+        _plan_figure(fig, (6.0, 2.0))

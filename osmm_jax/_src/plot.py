@@ -125,22 +125,41 @@ def plot_plan(
     """
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be an osmm_jax.Plan, got {type(plan).__name__}")
+    fig = _plan_figure(fig, figsize)
+    colors = rank_colors(plan.nranks)
+    sent = transfer_matrix(plan, input_itemsize, accum_itemsize)
+    fig.suptitle(_plan_title(plan, int(sent.sum())))
+    axes = fig.subplots(1, 4, width_ratios=[1, 1, 1, 1.1])
+    _draw_tilings(axes[:3], plan, colors)
+    axes[3].set_label("transfers")
+    _draw_transfers(axes[3], sent, input_itemsize == accum_itemsize == FLOAT32_BYTES)
+    handles = _legend_handles(plan, colors)
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 6))
+    return fig
+
+
+def _plan_figure(fig, figsize):
+    """``fig``, or a new constrained-layout Figure of ``figsize`` inches (default 17 x 4.8)."""
     if fig is None:
         from matplotlib.figure import Figure
 
-        fig = Figure(figsize=figsize or (17.0, 4.8), layout="constrained")
-    elif figsize is not None:
+        return Figure(figsize=figsize or (17.0, 4.8), layout="constrained")
+    if figsize is not None:
         raise ValueError("give either fig or figsize, not both")
+    return fig
 
-    colors = rank_colors(plan.nranks)
-    sent = transfer_matrix(plan, input_itemsize, accum_itemsize)
+
+def _plan_title(plan: Plan, sent_bytes: int) -> str:
+    """The product's shape, ranks, total GFLOP and total bytes sent, in one line."""
     M, K, N = plan.dims
-    total_flops = sum(plan.flops)
-    fig.suptitle(
+    return (
         f"C[{M}×{N}] = A[{M}×{K}] @ B[{K}×{N}] over {plan.nranks} ranks: "
-        f"{total_flops / 1e9:.3g} GFLOP, {format_bytes(int(sent.sum()))} sent"
+        f"{sum(plan.flops) / 1e9:.3g} GFLOP, {format_bytes(sent_bytes)} sent"
     )
-    axes = fig.subplots(1, 4, width_ratios=[1, 1, 1, 1.1])
+
+
+def _draw_tilings(axes, plan: Plan, colors) -> None:
+    """Draw A, B and C on the three ``axes``, labelled ``"A"``, ``"B"``, ``"C"``."""
     for ax, name, layout, dims in (
         (axes[0], "A", plan.a, "M×K"),
         (axes[1], "B", plan.b, "K×N"),
@@ -149,25 +168,28 @@ def plot_plan(
         rows, cols = layout.shape
         ax.set_label(name)
         _draw_layout(ax, layout, f"{name} ({dims} = {rows}×{cols}), {layout.kind}", colors)
-    axes[3].set_label("transfers")
-    _draw_transfers(axes[3], sent, input_itemsize == accum_itemsize == FLOAT32_BYTES)
 
+
+def _flops_label(rank: int, flops: int, total_flops: int) -> str:
+    """A rank's legend entry: its GFLOP and, when there is work, its share of the total."""
+    share = f" ({flops / total_flops:.0%})" if total_flops else ""
+    return f"rank {rank}: {flops / 1e9:.3g} GFLOP{share}"
+
+
+def _legend_handles(plan: Plan, colors) -> list:
+    """One patch per rank (colour, GFLOP, share), and the replicated hatch when one is drawn."""
     from matplotlib.patches import Patch
 
+    total_flops = sum(plan.flops)
     handles = [
-        Patch(
-            facecolor=colors[r],
-            label=f"rank {r}: {plan.flops[r] / 1e9:.3g} GFLOP"
-            + (f" ({plan.flops[r] / total_flops:.0%})" if total_flops else ""),
-        )
+        Patch(facecolor=colors[r], label=_flops_label(r, plan.flops[r], total_flops))
         for r in range(plan.nranks)
     ]
     if any(lay.is_replicated for lay in (plan.a, plan.b, plan.c)):
         handles.append(
             Patch(facecolor="0.9", edgecolor="0.3", hatch=REPLICATED_HATCH, label="replicated")
         )
-    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 6))
-    return fig
+    return handles
 
 
 def _root_figure(ax):
@@ -179,78 +201,118 @@ def _root_figure(ax):
 
 
 def _draw_layout(ax, layout: Layout, title: str | None, colors) -> None:
-    from matplotlib.patches import Rectangle
+    """Draw ``layout``'s tiling on ``ax`` (see :func:`plot_layout`), titled ``title``.
 
+    ``title`` None: the shape, kind and rank count. Ranks with empty blocks are
+    listed under the title.
+    """
     rows, cols = layout.shape
     if title is None:
         title = f"{rows}×{cols}, {layout.kind}, {layout.nranks} ranks"
-    # Axes need a positive extent even for a matrix with no rows or no columns.
+    width, height = _frame(ax, rows, cols)
+    if layout.is_replicated:
+        _draw_replicated(ax, layout, width, height)
+        x_bounds, y_bounds, empty = {0, cols}, {0, rows}, []
+    else:
+        x_bounds, y_bounds, empty = _block_bounds(layout)
+        for r, block in enumerate(layout.blocks):
+            if r not in empty:
+                _draw_block(ax, r, block, colors[r], width, height)
+    _boundary_ticks(ax, x_bounds, y_bounds)
+    ax.set_title(title + _empty_note(empty), fontsize=10)
+
+
+def _frame(ax, rows: int, cols: int) -> tuple[int, int]:
+    """Set ``ax`` up for a ``rows`` x ``cols`` matrix, row 0 on top; returns (width, height).
+
+    Width and height are in elements, at least 1, since Axes need a positive
+    extent even for a matrix with no rows or no columns. The aspect is equal
+    unless the matrix is more than 4 times longer one way than the other.
+    """
     width, height = max(cols, 1), max(rows, 1)
     ax.set_xlim(0, width)
     ax.set_ylim(height, 0)
     ratio = max(width, height) / min(width, height)
     ax.set_aspect("equal" if ratio <= 4 else "auto")
     ax.tick_params(labelsize=8)
+    return width, height
 
-    if layout.is_replicated:
-        ax.add_patch(
-            Rectangle(
-                (0, 0),
-                cols,
-                rows,
-                facecolor="0.9",
-                edgecolor="0.3",
-                hatch=REPLICATED_HATCH,
-                linewidth=1.0,
-            )
-        )
-        ax.text(
-            width / 2,
-            height / 2,
-            f"replicated\non all {layout.nranks} ranks",
-            ha="center",
-            va="center",
-            fontsize=9,
-            bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8},
-        )
-        _boundary_ticks(ax, {0, cols}, {0, rows})
-        ax.set_title(title, fontsize=10)
-        return
 
-    empty = []
-    x_bounds, y_bounds = {0, cols}, {0, rows}
+def _draw_replicated(ax, layout: Layout, width: int, height: int) -> None:
+    """A replicated matrix: one hatched rectangle, labelled with the number of ranks."""
+    from matplotlib.patches import Rectangle
+
+    rows, cols = layout.shape
+    ax.add_patch(
+        Rectangle(
+            (0, 0),
+            cols,
+            rows,
+            facecolor="0.9",
+            edgecolor="0.3",
+            hatch=REPLICATED_HATCH,
+            linewidth=1.0,
+        )
+    )
+    ax.text(
+        width / 2,
+        height / 2,
+        f"replicated\non all {layout.nranks} ranks",
+        ha="center",
+        va="center",
+        fontsize=9,
+        bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8},
+    )
+
+
+def _block_bounds(layout: Layout) -> tuple[set, set, list[int]]:
+    """The block edges along columns and along rows (global indices), and the empty ranks.
+
+    The edges include the matrix's own (0 and its size); ranks whose blocks hold
+    no element add no edges.
+    """
+    rows, cols = layout.shape
+    x_bounds, y_bounds, empty = {0, cols}, {0, rows}, []
     for r, ((r0, r1), (c0, c1)) in enumerate(layout.blocks):
         if r1 == r0 or c1 == c0:
             empty.append(r)
-            continue
-        x_bounds.update((c0, c1))
-        y_bounds.update((r0, r1))
-        ax.add_patch(
-            Rectangle(
-                (c0, r0),
-                c1 - c0,
-                r1 - r0,
-                facecolor=colors[r],
-                edgecolor="white",
-                linewidth=1.5,
-            )
+        else:
+            x_bounds.update((c0, c1))
+            y_bounds.update((r0, r1))
+    return x_bounds, y_bounds, empty
+
+
+def _draw_block(ax, rank: int, block, color, width: int, height: int) -> None:
+    """One rank's block as a rectangle in its colour, labelled with the rank when large enough.
+
+    ``block`` is ``((r0, r1), (c0, c1))`` in global indices; the label needs both
+    sides to be at least ``_LABEL_MIN_FRACTION`` of the matrix (``width`` x ``height``).
+    """
+    from matplotlib.patches import Rectangle
+
+    (r0, r1), (c0, c1) = block
+    ax.add_patch(
+        Rectangle((c0, r0), c1 - c0, r1 - r0, facecolor=color, edgecolor="white", linewidth=1.5)
+    )
+    if (c1 - c0) >= _LABEL_MIN_FRACTION * width and (r1 - r0) >= _LABEL_MIN_FRACTION * height:
+        ax.text(
+            (c0 + c1) / 2,
+            (r0 + r1) / 2,
+            str(rank),
+            ha="center",
+            va="center",
+            fontsize=10,
+            color="white",
+            fontweight="bold",
         )
-        if (c1 - c0) >= _LABEL_MIN_FRACTION * width and (r1 - r0) >= _LABEL_MIN_FRACTION * height:
-            ax.text(
-                (c0 + c1) / 2,
-                (r0 + r1) / 2,
-                str(r),
-                ha="center",
-                va="center",
-                fontsize=10,
-                color="white",
-                fontweight="bold",
-            )
-    _boundary_ticks(ax, x_bounds, y_bounds)
-    if empty:
-        which = "rank" if len(empty) == 1 else "ranks"
-        title += f"\nempty: {which} {', '.join(map(str, empty))}"
-    ax.set_title(title, fontsize=10)
+
+
+def _empty_note(empty: list[int]) -> str:
+    """The line listing ranks with empty blocks, to go under a title; empty when none."""
+    if not empty:
+        return ""
+    which = "rank" if len(empty) == 1 else "ranks"
+    return f"\nempty: {which} {', '.join(map(str, empty))}"
 
 
 def _boundary_ticks(ax, x_bounds, y_bounds, most: int = 9) -> None:
