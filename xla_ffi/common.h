@@ -60,6 +60,22 @@ inline ffi::Error RequireMpiReady() {
   return ffi::Error::Success();
 }
 
+// A collective handler's communicator (from mpi4py's handle) and its size.
+struct CallComm {
+  MPI_Comm comm = MPI_COMM_NULL;
+  int size = 0;
+};
+
+// The prologue of every collective handler: MPI must be ready; resolves the `comm` attribute.
+inline ffi::Error OpenCall(const char* op, int64_t comm_handle, CallComm* out) {
+  if (ffi::Error err = RequireMpiReady(); err.failure()) return err;
+  out->comm = CommFromHandle(comm_handle);
+  if (int rc = MPI_Comm_size(out->comm, &out->size); rc != MPI_SUCCESS) {
+    return MpiError(rc, std::string(op) + ": MPI_Comm_size");
+  }
+  return ffi::Error::Success();
+}
+
 // Checked int64 arithmetic: false on overflow.
 inline bool MulOk(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
 inline bool AddOk(int64_t a, int64_t b, int64_t* out) { return !__builtin_add_overflow(a, b, out); }

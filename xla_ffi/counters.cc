@@ -10,21 +10,6 @@ Counters& GlobalCounters() {
   return *counters;
 }
 
-void ResetCounters() {
-  Counters& c = GlobalCounters();
-  c.rma_ops.store(0);
-  c.rma_bytes.store(0);
-  c.sent_bytes.store(0);
-  c.accumulates.store(0);
-  c.puts.store(0);
-  c.gets.store(0);
-  c.fences.store(0);
-  c.calls.store(0);
-  c.agreements.store(0);
-  for (auto& bucket : c.latency_buckets) bucket.store(0);
-  c.latency_sum_ns.store(0);
-}
-
 void RecordEpochLatency(double seconds) {
   Counters& c = GlobalCounters();
   std::size_t i = 0;

@@ -9,15 +9,17 @@
 namespace osmm {
 
 struct Counters {
-  std::atomic<int64_t> rma_ops{0};      // accumulates + puts + gets issued
-  std::atomic<int64_t> rma_bytes{0};    // payload bytes of those operations
-  std::atomic<int64_t> sent_bytes{0};   // payload bytes of accumulates + puts (pushed out)
-  std::atomic<int64_t> accumulates{0};  // MPI_Accumulate (MPI_SUM) records
-  std::atomic<int64_t> puts{0};         // MPI_Put records
-  std::atomic<int64_t> gets{0};         // MPI_Get records
-  std::atomic<int64_t> fences{0};       // MPI_Win_fence calls
-  std::atomic<int64_t> calls{0};        // fetch and reduce epochs run
-  std::atomic<int64_t> agreements{0};   // agreement collectives run (first call of a signature)
+  std::atomic<int64_t> rma_ops{0};       // accumulates + puts + gets issued
+  std::atomic<int64_t> rma_bytes{0};     // payload bytes of those operations
+  std::atomic<int64_t> sent_bytes{0};    // payload bytes of accumulates + puts (pushed out)
+  std::atomic<int64_t> accumulates{0};   // MPI_Accumulate (MPI_SUM) records
+  std::atomic<int64_t> puts{0};          // MPI_Put records
+  std::atomic<int64_t> gets{0};          // MPI_Get records
+  std::atomic<int64_t> fences{0};        // MPI_Win_fence calls
+  std::atomic<int64_t> calls{0};         // fetch and reduce epochs run
+  std::atomic<int64_t> agreements{0};    // agreement collectives run (first call of a signature)
+  std::atomic<int64_t> staged_bytes{0};  // bytes copied between device buffers and host memory
+  std::atomic<int64_t> staging_ns{0};    // wall time of those copies, synchronisation included
 
   // Histogram of RMA epoch latencies (opening fence to closing fence, seconds): counts per
   // bucket, not cumulative; the last bucket is +Inf. Lock-free, so recording never blocks.
@@ -32,9 +34,6 @@ void RecordEpochLatency(double seconds);
 
 // The single instance shared by all handlers.
 Counters& GlobalCounters();
-
-// Sets every counter to zero (live window figures live in the window cache).
-void ResetCounters();
 
 }  // namespace osmm
 

@@ -1,5 +1,7 @@
-// The nanobind module osmm_jax._src._osmm_ffi: hands the FFI handlers to JAX and exposes the
-// native layer's counters and window cache to Python.
+// The nanobind module osmm_jax._src._osmm_ffi: hands the CPU FFI handlers to JAX and exposes
+// the native layer's counters, window cache and transfer-record format to Python. (The CUDA
+// handlers live in the sibling module _osmm_ffi_cuda; both share one native core, so counters,
+// windows and communicators are the same whichever platform a call runs on.)
 #include <mpi.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
@@ -12,6 +14,7 @@
 #include "counters.h"
 #include "handlers.h"
 #include "issuer.h"
+#include "records.h"
 #include "windows.h"
 
 namespace nb = nanobind;
@@ -46,6 +49,8 @@ nb::dict Stats() {
   d["fences"] = c.fences.load();
   d["calls"] = c.calls.load();
   d["agreements"] = c.agreements.load();
+  d["staged_bytes"] = c.staged_bytes.load();
+  d["staging_seconds"] = static_cast<double>(c.staging_ns.load()) * 1e-9;
   d["windows"] = osmm::LiveWindowCount();
   d["window_bytes"] = osmm::LiveWindowBytes();
   return d;
@@ -101,12 +106,11 @@ NB_MODULE(_osmm_ffi, m) {
   m.def("registrations", &Registrations,
         "Dict of FFI target name -> capsule, for jax.ffi.register_ffi_target (cpu, api 1).");
   m.def("stats", &Stats,
-        "Counters: rma_ops, rma_bytes, accumulates, puts, gets, fences; live windows and "
-        "window_bytes.");
+        "This process's counters since start: rma_ops, rma_bytes, sent_bytes, accumulates, "
+        "puts, gets, fences, calls (RMA epochs), agreements; staged_bytes and staging_seconds "
+        "(device <-> host copies of the GPU handlers); the live windows and their window_bytes.");
   m.def("latency_histogram", &LatencyHistogram,
         "RMA epoch latencies: (bucket upper bounds in s, per-bucket counts, +Inf last; sum in s).");
-  m.def("reset_stats", &osmm::ResetCounters,
-        "Zero the event counters (live window figures are unaffected).");
   m.def("free_windows", &FreeWindows,
         "Free all cached MPI windows in creation order. Collective: call on every rank, after "
         "jax.effects_barrier() and before MPI_Finalize. Idempotent.");
@@ -117,7 +121,12 @@ NB_MODULE(_osmm_ffi, m) {
         "that owns the communicator keeps every collective on it on that thread.");
   m.def("mpi_library_version", &MpiLibraryVersion,
         "MPI_Get_library_version() of the MPI this module was linked against.");
-  m.def(
-      "mpi_comm_handle_size", [] { return static_cast<int>(sizeof(MPI_Comm)); },
-      "sizeof(MPI_Comm) in this module's MPI (4 for MPICH, 8 for OpenMPI).");
+  // The transfer-record format (records.h), for the lowering that writes the records.
+  nb::list fields;
+  for (const char* name : osmm::kRecordFieldNames) fields.append(name);
+  m.attr("RECORD_FIELDS") = nb::steal<nb::tuple>(PyList_AsTuple(fields.ptr()));
+  m.attr("OP_ACCUMULATE") = static_cast<int64_t>(osmm::kOpAccumulate);
+  m.attr("OP_PUT") = static_cast<int64_t>(osmm::kOpPut);
+  m.attr("REGION_A") = static_cast<int64_t>(osmm::kRegionA);
+  m.attr("REGION_B") = static_cast<int64_t>(osmm::kRegionB);
 }

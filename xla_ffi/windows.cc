@@ -13,6 +13,7 @@ namespace osmm {
 struct WindowEntry {
   uint64_t comm_key = 0;
   WindowSlot slot = WindowSlot::kReduce;
+  WindowMemory* memory = nullptr;  // nullptr: MPI_Win_allocate
   std::mutex mu;
   MPI_Win win = MPI_WIN_NULL;
   std::byte* base = nullptr;
@@ -27,7 +28,8 @@ struct CommEntry {
 };
 
 struct Cache {
-  std::mutex mu;                                      // guards `entries` and `comms`
+  std::mutex mu;  // guards everything below
+  std::vector<void (*)(std::byte*, int64_t)> release_hooks;
   std::vector<std::unique_ptr<WindowEntry>> entries;  // creation order
   std::vector<CommEntry> comms;                       // creation order
   std::atomic<int64_t> live_count{0};                 // readable without mu
@@ -50,7 +52,11 @@ int64_t AllocationSize(int64_t bytes) {
 // Frees entry->win (collective). Caller holds entry->mu and cache.mu.
 ffi::Error FreeEntryLocked(Cache& cache, WindowEntry* entry) {
   if (entry->win == MPI_WIN_NULL) return ffi::Error::Success();
+  if (entry->memory == nullptr) {
+    for (auto hook : cache.release_hooks) hook(entry->base, entry->bytes);
+  }
   int rc = MPI_Win_free(&entry->win);
+  if (entry->memory != nullptr) entry->memory->Free(entry->base);
   cache.live_count -= 1;
   cache.live_bytes -= entry->bytes;
   entry->win = MPI_WIN_NULL;
@@ -72,17 +78,48 @@ ffi::Error AllocateEntryLocked(Cache& cache, WindowEntry* entry, MPI_Comm comm, 
     MPI_Info_set(info, "same_size", "true");
     MPI_Info_set(info, "same_disp_unit", "true");
   }
-  void* base = nullptr;
+  std::byte* base = nullptr;
   MPI_Win win = MPI_WIN_NULL;
-  int rc = MPI_Win_allocate(static_cast<MPI_Aint>(bytes), /*disp_unit=*/1, info, comm, &base, &win);
+  int rc = MPI_SUCCESS;
+  std::string what;
+  if (entry->memory == nullptr) {
+    void* allocated = nullptr;
+    rc = MPI_Win_allocate(static_cast<MPI_Aint>(bytes), /*disp_unit=*/1, info, comm, &allocated,
+                          &win);
+    base = static_cast<std::byte*>(allocated);
+    what = "MPI_Win_allocate";
+  } else {
+    // A rank that cannot allocate still joins the collective create (with no memory), and
+    // then every rank learns of it and frees the window again: no rank is left waiting.
+    ffi::Error err = entry->memory->Allocate(bytes, &base);
+    if (err.failure()) base = nullptr;
+    rc = MPI_Win_create(base, static_cast<MPI_Aint>(base != nullptr ? bytes : 0),
+                        /*disp_unit=*/1, info, comm, &win);
+    what = "MPI_Win_create";
+    int all_allocated = base != nullptr ? 1 : 0;
+    if (rc == MPI_SUCCESS) {
+      rc = MPI_Allreduce(MPI_IN_PLACE, &all_allocated, 1, MPI_INT, MPI_MIN, comm);
+      if (rc == MPI_SUCCESS && !all_allocated) MPI_Win_free(&win);
+    }
+    if (rc != MPI_SUCCESS || !all_allocated) {
+      if (base != nullptr) entry->memory->Free(base);
+      if (info != MPI_INFO_NULL) MPI_Info_free(&info);
+      if (err.failure()) return err;
+      if (rc == MPI_SUCCESS) {
+        return ffi::Error::Internal("another rank could not allocate its window memory (" +
+                                    std::to_string(bytes) + " bytes); its error says why");
+      }
+      return MpiError(rc, what + "(" + std::to_string(bytes) + " bytes)");
+    }
+  }
   if (info != MPI_INFO_NULL) MPI_Info_free(&info);
   if (rc != MPI_SUCCESS) {
-    return MpiError(rc, "MPI_Win_allocate(" + std::to_string(bytes) + " bytes)");
+    return MpiError(rc, what + "(" + std::to_string(bytes) + " bytes)");
   }
   rc = MPI_Win_set_errhandler(win, MPI_ERRORS_RETURN);
-  std::memset(base, 0, static_cast<size_t>(bytes));
+  if (entry->memory == nullptr) std::memset(base, 0, static_cast<size_t>(bytes));
   entry->win = win;
-  entry->base = static_cast<std::byte*>(base);
+  entry->base = base;
   entry->bytes = bytes;
   cache.live_count += 1;
   cache.live_bytes += bytes;
@@ -96,7 +133,8 @@ MPI_Win WindowLease::win() const { return entry_->win; }
 std::byte* WindowLease::base() const { return entry_->base; }
 int64_t WindowLease::bytes() const { return entry_->bytes; }
 
-ffi::Error AcquireWindow(MPI_Comm comm, WindowSlot slot, int64_t bytes, WindowLease* lease) {
+ffi::Error AcquireWindow(MPI_Comm comm, WindowSlot slot, int64_t bytes, WindowLease* lease,
+                         WindowMemory* memory) {
   if (bytes < 0) {
     return ffi::Error::InvalidArgument("window size must be >= 0, got " + std::to_string(bytes));
   }
@@ -105,7 +143,9 @@ ffi::Error AcquireWindow(MPI_Comm comm, WindowSlot slot, int64_t bytes, WindowLe
   const uint64_t key = CommKey(comm);
   WindowEntry* entry = nullptr;
   for (auto& e : cache.entries) {
-    if (e->comm_key == key && e->slot == slot) {
+    if (e->comm_key == key && e->slot == slot &&
+        (e->memory == nullptr ? 0 : e->memory->kind()) ==
+            (memory == nullptr ? 0 : memory->kind())) {
       entry = e.get();
       break;
     }
@@ -115,6 +155,7 @@ ffi::Error AcquireWindow(MPI_Comm comm, WindowSlot slot, int64_t bytes, WindowLe
     entry = cache.entries.back().get();
     entry->comm_key = key;
     entry->slot = slot;
+    entry->memory = memory;
   }
   std::unique_lock<std::mutex> entry_lock(entry->mu);
   if (entry->win == MPI_WIN_NULL || entry->bytes < bytes) {
@@ -129,6 +170,12 @@ ffi::Error AcquireWindow(MPI_Comm comm, WindowSlot slot, int64_t bytes, WindowLe
   lease->entry_ = entry;
   lease->lock_ = std::move(entry_lock);
   return ffi::Error::Success();
+}
+
+void AddWindowReleaseHook(void (*hook)(std::byte* base, int64_t bytes)) {
+  Cache& cache = GlobalCache();
+  std::lock_guard<std::mutex> lock(cache.mu);
+  cache.release_hooks.push_back(hook);
 }
 
 ffi::Error PrivateComm(MPI_Comm comm, MPI_Comm* out) {
@@ -173,7 +220,8 @@ ffi::Error FreeWindows() {
       ffi::Error err = FreeEntryLocked(cache, e.get());
       if (err.failure() && first_error.success()) first_error = std::move(err);
     } else {
-      // MPI is gone, and its windows with it: just forget them.
+      // MPI is gone, and its windows with it: just forget them (memory of our own included:
+      // the device memory of a CUDA-aware window may be unreachable by now).
       cache.live_count -= 1;
       cache.live_bytes -= e->bytes;
       e->win = MPI_WIN_NULL;

@@ -10,7 +10,7 @@
 // same create/grow decisions at the same point.
 //
 // Windows use byte displacements (disp_unit 1) and MPI_ERRORS_RETURN. The memory of a
-// freshly (re)allocated window is zeroed; the reduce handler keeps its window all-zero
+// freshly (re)allocated window is zeroed; the reduce handlers keep their window all-zero
 // between calls.
 #ifndef OSMM_JAX_XLA_FFI_WINDOWS_H_
 #define OSMM_JAX_XLA_FFI_WINDOWS_H_
@@ -30,9 +30,27 @@ enum class WindowSlot : int {
   kExpose = 1,  // holds this rank's A and B blocks for remote gets
 };
 
+// Memory for windows that MPI_Win_allocate does not provide: device memory for CUDA-aware MPI.
+// Windows over such memory are made with MPI_Win_create and cached apart from host windows.
+class WindowMemory {
+ public:
+  virtual ~WindowMemory() = default;
+  // Nonzero, and distinct per kind of memory (0 stands for MPI_Win_allocate host memory).
+  virtual int64_t kind() const = 0;
+  // `bytes` bytes of zeroed memory, or an error.
+  virtual ffi::Error Allocate(int64_t bytes, std::byte** base) = 0;
+  // Frees what Allocate returned, after its window is freed.
+  virtual void Free(std::byte* base) = 0;
+};
+
 struct WindowEntry;  // defined in windows.cc
 
-// Exclusive use of one cached window for the duration of a handler call.
+// A cached window, held: while a lease is alive, no other lease on the same window can be
+// taken, so the window cannot be grown or freed under it. A lease does not outlive one handler
+// call. The reduce epoch keeps using its window (from later calls and from the issuer thread)
+// after its start call has dropped the lease; that is safe because the ordered-effect token
+// runs no other call on the same communicator until the epoch's finish, and free_windows stops
+// the issuer thread before it frees any window.
 class WindowLease {
  public:
   WindowLease() = default;
@@ -44,15 +62,23 @@ class WindowLease {
   int64_t bytes() const;
 
  private:
-  friend ffi::Error AcquireWindow(MPI_Comm, WindowSlot, int64_t, WindowLease*);
+  friend ffi::Error AcquireWindow(MPI_Comm, WindowSlot, int64_t, WindowLease*, WindowMemory*);
   WindowEntry* entry_ = nullptr;
   std::unique_lock<std::mutex> lock_;
 };
 
-// Returns (in *lease) the window of (comm, slot) with at least `bytes` bytes, creating or
-// growing it first if needed. Collective over `comm` whenever it creates or grows; `bytes`
-// must be identical on every rank. The handlers pass their private duplicate as `comm`.
-ffi::Error AcquireWindow(MPI_Comm comm, WindowSlot slot, int64_t bytes, WindowLease* lease);
+// Returns (in *lease) the window of (comm, slot, memory kind) with at least `bytes` bytes,
+// creating or growing it first if needed. Collective over `comm` whenever it creates or grows;
+// `bytes` and `memory`'s kind must be identical on every rank. The handlers pass their private
+// duplicate as `comm`. `memory` (kept for the window's lifetime) provides the window's memory;
+// nullptr means MPI_Win_allocate host memory.
+ffi::Error AcquireWindow(MPI_Comm comm, WindowSlot slot, int64_t bytes, WindowLease* lease,
+                         WindowMemory* memory = nullptr);
+
+// Registers `hook`, called (local, under the cache lock) with the base and size of every
+// MPI_Win_allocate window just before it is freed: a platform that pinned that memory
+// (cudaHostRegister) unpins it there.
+void AddWindowReleaseHook(void (*hook)(std::byte* base, int64_t bytes));
 
 // Returns (in *out) this layer's private duplicate of `comm`, creating it (MPI_Comm_dup,
 // collective over `comm`) on first use. The handlers' own collectives (agreement, window

@@ -1,21 +1,30 @@
-"""Bridge to the native extension ``osmm_jax._src._osmm_ffi`` (C++, built from ``xla_ffi/``).
+"""Bridge to the native extensions (C++, built from ``xla_ffi/``).
 
-The extension holds the XLA FFI handlers that move matrix blocks between ranks with one-sided
-MPI (``osmm_fetch``: MPI_Get of remote A/B pieces; ``osmm_reduce_start``/``_issue``/``_finish``:
-MPI_Accumulate/MPI_Put of C partials, chunk by chunk, into their owners' windows, from a
-background thread when overlapping), a cache of persistent MPI windows, and counters. This
-module registers the handlers with XLA for the CPU platform (once, on first use) and exposes
-the counters and the window cache to the rest of the package.
+``osmm_jax._src._osmm_ffi`` holds the CPU handlers, the transfer-record format, the counters
+and the window cache; ``osmm_jax._src._osmm_ffi_cuda``, built when CUDA is available at build
+time, holds the same handlers for XLA's GPU buffers. Both sit on one native core
+(``libosmm_core``: windows, agreement, RMA, the issuer thread), so windows, private
+communicators and counters are shared whichever platform a call runs on.
 
-It deliberately does not import mpi4py: the extension links the same ``libmpi`` that mpi4py
-loads (through its RPATH), and MPI initialisation stays mpi4py's job.
+The handlers move matrix blocks between ranks with one-sided MPI (``osmm_fetch``: MPI_Get of
+remote A/B pieces; ``osmm_reduce_start``/``_issue``/``_finish``: MPI_Accumulate/MPI_Put of C
+partials, chunk by chunk, into their owners' windows, from a background thread when
+overlapping). This module registers them with XLA, per platform, at import: the CPU ones
+always, the CUDA ones when their module loads (if it does not, the reason is logged and kept
+in :data:`UNAVAILABLE`; everything on the CPU works as before).
+
+It deliberately does not import mpi4py: the extensions link the same ``libmpi`` that mpi4py
+loads (through their RPATH), and MPI initialisation stays mpi4py's job.
 """
 
 from __future__ import annotations
 
-import threading
+import importlib
+from types import ModuleType
 
 import jax
+
+from osmm_jax._src.log import get_logger
 
 try:
     from osmm_jax._src import _osmm_ffi
@@ -27,21 +36,64 @@ except ImportError as err:  # pragma: no cover - depends on the build
         "mpi4py and an MPI)."
     ) from err
 
-_lock = threading.Lock()
-_registered = False
+_log = get_logger(__name__)
+
+# -- the transfer-record format (defined once, in xla_ffi/records.h) ------------------------
+
+RECORD_FIELDS: tuple[str, ...] = tuple(_osmm_ffi.RECORD_FIELDS)
+"""The fields of one transfer record, in order: ``kind, target, offset, rows, cols, row0,
+col0, ld`` (see xla_ffi/records.h)."""
+RECORD_LENGTH = len(RECORD_FIELDS)
+OP_ACCUMULATE: int = _osmm_ffi.OP_ACCUMULATE
+"""``kind`` of a reduce record that adds into the target (MPI_Accumulate, MPI_SUM)."""
+OP_PUT: int = _osmm_ffi.OP_PUT
+"""``kind`` of a reduce record that writes the target (MPI_Put)."""
+REGION_A: int = _osmm_ffi.REGION_A
+"""``kind`` of a fetch record that reads the A region of the target's expose window."""
+REGION_B: int = _osmm_ffi.REGION_B
+"""``kind`` of a fetch record that reads the B region of the target's expose window."""
+
+# -- per-platform registration ------------------------------------------------------------------
+
+# JAX lowering platform -> (extension module, XLA platform name for register_ffi_target).
+_PLATFORMS = {"cpu": ("_osmm_ffi", "cpu"), "cuda": ("_osmm_ffi_cuda", "CUDA")}
+XLA_PLATFORMS = {platform: xla for platform, (_, xla) in _PLATFORMS.items()}
+"""The XLA platform name each lowering platform's targets are registered under."""
+
+MODULES: dict[str, ModuleType] = {}
+"""The extension module of every platform whose targets are registered, by lowering platform."""
+UNAVAILABLE: dict[str, str] = {}
+"""Why a platform's handlers are not available, by lowering platform."""
 
 
-def ensure_registered() -> None:
-    """Register the FFI targets with XLA (CPU, FFI api_version 1); a no-op after the first call."""
-    global _registered
-    if _registered:
-        return
-    with _lock:
-        if _registered:
-            return
-        for name, capsule in _osmm_ffi.registrations().items():
-            jax.ffi.register_ffi_target(name, capsule, platform="cpu", api_version=1)
-        _registered = True
+def _register(platform: str) -> None:
+    """Import the extension of ``platform`` and register its targets with XLA (FFI api 1)."""
+    module_name, xla_platform = _PLATFORMS[platform]
+    module = importlib.import_module(f"osmm_jax._src.{module_name}")
+    for name, capsule in module.registrations().items():
+        jax.ffi.register_ffi_target(name, capsule, platform=xla_platform, api_version=1)
+    MODULES[platform] = module
+
+
+_register("cpu")
+try:
+    _register("cuda")
+except ImportError as err:
+    UNAVAILABLE["cuda"] = (
+        "osmm_jax was built without its CUDA handlers (no CUDA compiler and toolkit at build "
+        "time, or OSMM_ENABLE_CUDA=OFF)"
+        if "_osmm_ffi_cuda" in str(err) and "No module named" in str(err)
+        else f"osmm_jax's CUDA extension failed to load: {err}"
+    )
+    _log.debug("CUDA handlers unavailable: %s", UNAVAILABLE["cuda"])
+
+
+def platforms() -> tuple[str, ...]:
+    """The lowering platforms with registered handlers (``"cpu"``, and ``"cuda"`` if built)."""
+    return tuple(MODULES)
+
+
+# -- communicators, counters, windows -------------------------------------------------------
 
 
 def comm_attribute(handle: int) -> int:
@@ -65,12 +117,14 @@ def prepare_comm(handle: int) -> None:
     _osmm_ffi.prepare_comm(comm_attribute(handle))
 
 
-def stats() -> dict[str, int]:
-    """This process's native counters.
+def stats() -> dict[str, int | float]:
+    """This process's native counters, since it started.
 
     ``rma_ops``/``rma_bytes`` (all RMA operations and their payload), ``sent_bytes``,
-    ``accumulates``, ``puts``, ``gets``, ``fences``, ``calls``, ``agreements`` (since the last
-    :func:`reset_stats`), and the live ``windows`` and their total ``window_bytes``.
+    ``accumulates``, ``puts``, ``gets``, ``fences``, ``calls``, ``agreements``;
+    ``staged_bytes`` and ``staging_seconds`` (copies between GPU buffers and host memory by
+    the CUDA handlers); and the live ``windows`` and their total ``window_bytes``. Take
+    differences of two calls to measure a stretch of a program.
     """
     return dict(_osmm_ffi.stats())
 
@@ -84,29 +138,18 @@ def latency_histogram() -> tuple[list[float], list[int], float]:
     return list(bounds), list(counts), float(total)
 
 
-def reset_stats() -> None:
-    """Zero the event counters; the live window figures are unaffected."""
-    _osmm_ffi.reset_stats()
-
-
 def free_windows() -> None:
-    """Free every cached MPI window, in creation order.
+    """Free every cached MPI window, in creation order, and the GPU handlers' host staging.
 
     Collective over every communicator that owns a window: call it on all ranks, after
     ``jax.effects_barrier()`` and before MPI is finalised. Safe to call repeatedly; windows
     are created again on demand.
     """
     _osmm_ffi.free_windows()
+    if "cuda" in MODULES:
+        MODULES["cuda"].free_staging()
 
 
 def mpi_library_version() -> str:
     """``MPI_Get_library_version()`` of the MPI the extension was linked against."""
     return _osmm_ffi.mpi_library_version()
-
-
-def mpi_comm_handle_size() -> int:
-    """``sizeof(MPI_Comm)`` in the extension's MPI (4 for MPICH, 8 for Open MPI)."""
-    return _osmm_ffi.mpi_comm_handle_size()
-
-
-ensure_registered()

@@ -35,13 +35,17 @@ import hashlib
 
 import jax
 import numpy as np
-from jax._src import dispatch
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
-from mpi4jax._src.jax_compat import abstract_token, get_token_effect, set_token_effect
-from mpi4jax._src.utils import ordered_effect
 
 from osmm_jax._src import native
+from osmm_jax._src.compat import (
+    abstract_token,
+    apply_primitive,
+    get_token_effect,
+    ordered_effect,
+    set_token_effect,
+)
 
 # -- primitives -----------------------------------------------------------------
 
@@ -50,7 +54,7 @@ osmm_reduce_start_p = Primitive("osmm_reduce_start")
 osmm_reduce_issue_p = Primitive("osmm_reduce_issue")
 osmm_reduce_finish_p = Primitive("osmm_reduce_finish")
 for _p in (osmm_fetch_p, osmm_reduce_start_p, osmm_reduce_issue_p, osmm_reduce_finish_p):
-    _p.def_impl(functools.partial(dispatch.apply_primitive, _p))
+    _p.def_impl(functools.partial(apply_primitive, _p))
 
 
 def fetch(
@@ -58,12 +62,12 @@ def fetch(
 ):
     """Bind ``osmm_fetch``: returns a 1-D array of ``fetched_elements`` elements of a's dtype.
 
-    ``gets`` is a tuple of int records ``(matrix, target, offset, rows, cols,
-    row0, col0, ld)``; ``window_bytes`` and ``b_offset`` are identical on every rank.
+    ``gets`` is a tuple of int records ``(region, target, offset, rows, cols,
+    row0, col0, ld)`` (fields: :data:`native.RECORD_FIELDS`; region
+    :data:`native.REGION_A` or :data:`native.REGION_B`); ``window_bytes`` and ``b_offset`` are identical on every rank.
     ``call_id`` (see :func:`call_id`) is identical on every rank and determines every
     rank's attributes: the native layer agrees across ranks once per id.
     """
-    native.ensure_registered()
     return osmm_fetch_p.bind(
         a,
         b,
@@ -84,13 +88,15 @@ def reduce_start(
     """Bind ``osmm_reduce_start``: open the reduce epoch, send chunk 0; returns a ticket.
 
     ``transfers`` is one list of int records ``(op, target, offset, rows, cols,
-    row0, col0, ld)`` per chunk, ``offset`` relative to that chunk;
+    row0, col0, ld)`` per chunk (op :data:`native.OP_ACCUMULATE` or
+    :data:`native.OP_PUT`), ``offset`` relative to that chunk;
     ``chunk_sizes`` the element count of every chunk's buffer. ``window_bytes``
     is identical on every rank. ``overlap``: send from the background thread.
     ``call_id``: as for :func:`fetch`.
     """
-    native.ensure_registered()
-    chunk_ends = tuple(int(x) for x in np.cumsum([len(r) // 8 for r in transfers]))
+    chunk_ends = tuple(
+        int(x) for x in np.cumsum([len(r) // native.RECORD_LENGTH for r in transfers])
+    )
     return osmm_reduce_start_p.bind(
         chunk,
         comm=int(comm),
@@ -106,13 +112,11 @@ def reduce_start(
 
 def reduce_issue(chunk, *, comm, index):
     """Bind ``osmm_reduce_issue``: send chunk ``index`` (1, 2, ...); returns a ticket."""
-    native.ensure_registered()
     return osmm_reduce_issue_p.bind(chunk, comm=int(comm), index=int(index))
 
 
 def reduce_finish(local, chunks, *, comm):
     """Bind ``osmm_reduce_finish``: ``local`` plus everything other ranks delivered to this rank."""
-    native.ensure_registered()
     return osmm_reduce_finish_p.bind(local, *chunks, comm=int(comm))
 
 
@@ -235,7 +239,30 @@ def _reduce_finish_lowering(ctx, local, *chunks, comm):
     )
 
 
-mlir.register_lowering(osmm_fetch_p, _fetch_lowering, platform="cpu")
-mlir.register_lowering(osmm_reduce_start_p, _reduce_start_lowering, platform="cpu")
-mlir.register_lowering(osmm_reduce_issue_p, _reduce_issue_lowering, platform="cpu")
-mlir.register_lowering(osmm_reduce_finish_p, _reduce_finish_lowering, platform="cpu")
+_LOWERINGS = {
+    osmm_fetch_p: _fetch_lowering,
+    osmm_reduce_start_p: _reduce_start_lowering,
+    osmm_reduce_issue_p: _reduce_issue_lowering,
+    osmm_reduce_finish_p: _reduce_finish_lowering,
+}
+
+
+def _unavailable_lowering(platform: str):
+    def lowering(ctx, *args, **kwargs):
+        raise NotImplementedError(
+            f"osmm_jax cannot run one-sided products on {platform}: "
+            f"{native.UNAVAILABLE[platform]}. Use method='allreduce', or rebuild osmm_jax "
+            "(BUILD.md, 'GPUs')."
+        )
+
+    return lowering
+
+
+# Every platform whose handlers are registered lowers to them; the GPU without them lowers to
+# a clear error instead of XLA's "no registered implementation".
+for _platform in native.platforms():
+    for _p, _rule in _LOWERINGS.items():
+        mlir.register_lowering(_p, _rule, platform=_platform)
+for _platform in native.UNAVAILABLE:
+    for _p in _LOWERINGS:
+        mlir.register_lowering(_p, _unavailable_lowering(_platform), platform=_platform)

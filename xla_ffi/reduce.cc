@@ -1,0 +1,353 @@
+#include "reduce.h"
+
+#include <mpi.h>
+
+#include <algorithm>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "agreement.h"
+#include "counters.h"
+#include "issuer.h"
+#include "records.h"
+#include "rma.h"
+#include "windows.h"
+
+namespace osmm {
+namespace {
+
+// One open reduce epoch per private communicator, from its start to its finish. The ordered
+// token chain runs a communicator's start, issues and finish strictly in program order, so an
+// epoch is never touched by two calls at once; `mu` only guards the table itself.
+struct ReduceEpoch {
+  uint64_t key = 0;  // CommKey of the user's communicator
+  MPI_Comm private_comm = MPI_COMM_NULL;
+  MPI_Win win = MPI_WIN_NULL;
+  std::byte* window_base = nullptr;
+  int64_t window_bytes = 0;
+  ffi::DataType dtype = ffi::DataType::F32;
+  MPI_Datatype mpi_type = MPI_DATATYPE_NULL;
+  int64_t itemsize = 0;
+  int64_t local_elements = 0;
+  bool async = false;
+  std::vector<Record> records;        // every chunk's records, chunk by chunk
+  std::vector<int64_t> chunk_ends;    // records of chunk i: [chunk_ends[i-1], chunk_ends[i])
+  std::vector<int64_t> chunk_sizes;   // elements of each chunk's buffer
+  std::vector<int64_t> chunk_starts;  // byte offset of each chunk in the chunk staging
+  int64_t next_chunk = 0;
+  std::string problem;  // a local inconsistency found after the epoch opened
+  double start_time = 0.0;
+};
+
+struct EpochTable {
+  std::mutex mu;
+  // Keyed by CommKey(user comm). Epochs are heap-allocated: the issuer thread holds pointers.
+  std::vector<std::pair<uint64_t, std::unique_ptr<ReduceEpoch>>> open;
+};
+
+EpochTable& Epochs() {
+  static EpochTable* table = new EpochTable();  // never destroyed, like the window cache
+  return *table;
+}
+
+ReduceEpoch* FindEpoch(uint64_t key) {
+  EpochTable& t = Epochs();
+  std::lock_guard<std::mutex> lock(t.mu);
+  for (auto& entry : t.open) {
+    if (entry.first == key) return entry.second.get();
+  }
+  return nullptr;
+}
+
+// The prologue of the calls that continue an epoch: the epoch open on `comm_handle`'s
+// communicator and a one-element ticket.
+ffi::Error OpenEpochCall(const char* op, int64_t comm_handle, const ffi::AnyBuffer* ticket,
+                         ReduceEpoch** epoch) {
+  *epoch = FindEpoch(CommKey(CommFromHandle(comm_handle)));
+  if (*epoch == nullptr) {
+    return ffi::Error::Internal(std::string(op) + ": no reduce epoch is open on this communicator");
+  }
+  if (ticket != nullptr && ticket->element_count() != 1) {
+    return ffi::Error::InvalidArgument(std::string(op) + ": expected a one-element ticket");
+  }
+  return ffi::Error::Success();
+}
+
+// Issues one chunk's accumulates and puts from `chunk` (RMA memory holding its contents).
+// Returns an empty string, or which MPI call failed.
+std::string IssueChunk(const ReduceEpoch& epoch, int64_t index, const std::byte* chunk) {
+  const int64_t first = index == 0 ? 0 : epoch.chunk_ends[index - 1];
+  const int64_t last = epoch.chunk_ends[index];
+  Counters& counters = GlobalCounters();
+  const int64_t itemsize = epoch.itemsize;
+  for (int64_t i = first; i < last; ++i) {
+    const Record& r = epoch.records[i];
+    if (r.rows == 0 || r.cols == 0) continue;
+    const bool accumulate = r.kind == kOpAccumulate;
+    const std::byte* origin = chunk + r.offset * itemsize;
+    const MPI_Aint disp = static_cast<MPI_Aint>((r.row0 * r.ld + r.col0) * itemsize);
+    const int rc = IssueRect(
+        r.rows, r.cols, r.ld, itemsize, disp, epoch.mpi_type,
+        [&](int64_t origin_units, int64_t count, MPI_Aint target_disp, MPI_Datatype target_type,
+            int64_t target_count) {
+          const void* src = origin + origin_units * itemsize;
+          if (accumulate) {
+            return MPI_Accumulate(src, static_cast<int>(count), epoch.mpi_type,
+                                  static_cast<int>(r.target), target_disp,
+                                  static_cast<int>(target_count), target_type, MPI_SUM, epoch.win);
+          }
+          return MPI_Put(src, static_cast<int>(count), epoch.mpi_type, static_cast<int>(r.target),
+                         target_disp, static_cast<int>(target_count), target_type, epoch.win);
+        });
+    if (rc != MPI_SUCCESS) {
+      return MpiError(rc,
+                      std::string("osmm_reduce: ") + (accumulate ? "MPI_Accumulate" : "MPI_Put"))
+          .message();
+    }
+    const int64_t bytes = r.rows * r.cols * itemsize;
+    counters.rma_ops.fetch_add(1, std::memory_order_relaxed);
+    counters.rma_bytes.fetch_add(bytes, std::memory_order_relaxed);
+    counters.sent_bytes.fetch_add(bytes, std::memory_order_relaxed);
+    (accumulate ? counters.accumulates : counters.puts).fetch_add(1, std::memory_order_relaxed);
+  }
+  return std::string();
+}
+
+// Hands chunk `index` to the issuer thread (async epochs) or issues it now. Returns an empty
+// string, or what failed (synchronous issue only; the issuer reports at Drain).
+std::string SubmitChunk(BufferOps& ops, ReduceEpoch* epoch, int64_t index,
+                        const ffi::AnyBuffer& chunk) {
+  const std::byte* data = nullptr;
+  if (ffi::Error err =
+          ops.RmaSource(epoch->key, chunk.untyped_data(), static_cast<int64_t>(chunk.size_bytes()),
+                        epoch->chunk_starts[index], &data);
+      err.failure()) {
+    return err.message();
+  }
+  if (!epoch->async) return IssueChunk(*epoch, index, data);
+  // The chunk buffer stays alive until osmm_reduce_finish, which takes it as an operand (and
+  // the staging copy until the next start on this communicator, after this epoch's finish).
+  GlobalIssuer().Submit([epoch, index, data] { return IssueChunk(*epoch, index, data); });
+  return std::string();
+}
+
+bool SameDims(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y) {
+  auto dx = x.dimensions();
+  auto dy = y.dimensions();
+  return dx.size() == dy.size() && std::equal(dx.begin(), dx.end(), dy.begin());
+}
+
+}  // namespace
+
+ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::AnyBuffer> ticket,
+                       int64_t comm_handle, int64_t call_id, int64_t window_bytes,
+                       int64_t local_elements, int64_t overlap, ffi::Span<const int64_t> transfers,
+                       ffi::Span<const int64_t> chunk_ends, ffi::Span<const int64_t> chunk_sizes) {
+  CallComm call;
+  if (ffi::Error err = OpenCall("osmm_reduce_start", comm_handle, &call); err.failure()) {
+    return err;
+  }
+
+  // Local checks of every chunk's records, before anything moves.
+  const ffi::DataType dtype = chunk.element_type();
+  ReduceEpoch epoch;
+  std::string problem;
+  if (dtype == ffi::DataType::F32) {
+    epoch.mpi_type = MPI_FLOAT;
+  } else if (dtype == ffi::DataType::F64) {
+    epoch.mpi_type = MPI_DOUBLE;
+  } else {
+    problem = "unsupported dtype (osmm_reduce handles float32 and float64)";
+  }
+  const int64_t itemsize = static_cast<int64_t>(ffi::ByteWidth(dtype));
+  if (problem.empty() && (chunk.dimensions().size() != 1 || ticket->element_count() != 1)) {
+    problem = "expected a 1-D chunk and a one-element ticket";
+  } else if (problem.empty() && (window_bytes < 0 || local_elements < 0 ||
+                                 local_elements > window_bytes / std::max<int64_t>(1, itemsize))) {
+    problem = "the local C block (" + std::to_string(local_elements) +
+              " elements) does not fit the " + std::to_string(window_bytes) + "-byte window";
+  } else if (problem.empty() &&
+             (chunk_ends.size() == 0 || chunk_ends.size() != chunk_sizes.size() ||
+              chunk_sizes[0] != static_cast<int64_t>(chunk.element_count()))) {
+    problem = "chunk_ends and chunk_sizes must describe the chunks, the first being this one";
+  }
+  int64_t previous_end = 0;
+  int64_t staging_bytes = 0;
+  for (size_t c = 0; c < chunk_ends.size() && problem.empty(); ++c) {
+    const int64_t end = chunk_ends[c];
+    if (end < previous_end ||
+        end * static_cast<int64_t>(kRecordLength) > static_cast<int64_t>(transfers.size()) ||
+        chunk_sizes[c] < 0) {
+      problem = "chunk " + std::to_string(c) + " has a bad record range or size";
+      break;
+    }
+    ffi::Span<const int64_t> part(transfers.begin() + previous_end * kRecordLength,
+                                  static_cast<size_t>((end - previous_end) * kRecordLength));
+    problem = ValidateRecords(part, "transfers", kOpCount, call.size, chunk_sizes[c], itemsize,
+                              window_bytes, [](int64_t) { return int64_t{0}; });
+    previous_end = end;
+    epoch.chunk_starts.push_back(staging_bytes);
+    int64_t chunk_bytes = 0;
+    if (problem.empty() && (!MulOk(chunk_sizes[c], itemsize, &chunk_bytes) ||
+                            !AddOk(staging_bytes, chunk_bytes, &staging_bytes))) {
+      problem = "chunk " + std::to_string(c) + " is too large";
+    }
+  }
+  if (problem.empty() && previous_end * static_cast<int64_t>(kRecordLength) !=
+                             static_cast<int64_t>(transfers.size())) {
+    problem = "records after the last chunk";
+  }
+  if (problem.empty()) problem = ops.Unusable();
+  const uint64_t key = CommKey(call.comm);
+  if (problem.empty()) {
+    if (ffi::Error err = ops.ReserveStaging(key, Staging::kChunks, staging_bytes); err.failure()) {
+      problem = err.message();
+    }
+  }
+  WindowMemory* memory = ops.window_memory();
+  const int64_t memory_kind = memory == nullptr ? 0 : memory->kind();
+  MPI_Comm private_comm = MPI_COMM_NULL;
+  const uint64_t signature = Signature()
+                                 .Add(call_id)
+                                 .Add(chunk)
+                                 .Add(window_bytes)
+                                 .Add(local_elements)
+                                 .Add(transfers)
+                                 .Add(chunk_ends)
+                                 .Add(chunk_sizes)
+                                 .Add(memory_kind)
+                                 .value();
+  if (ffi::Error err = Agree(call.comm, "osmm_reduce_start", problem,
+                             {{"window_bytes", window_bytes}, {"window memory kind", memory_kind}},
+                             signature, &private_comm);
+      err.failure()) {
+    return err;
+  }
+
+  // Every rank accepted its records: open one fence epoch on the reduce window.
+  if (FindEpoch(key) != nullptr) {
+    return ffi::Error::Internal("osmm_reduce_start: an epoch is already open on this communicator");
+  }
+  ffi::Error local = ffi::Error::Success();
+  {
+    WindowLease lease;
+    if (ffi::Error err =
+            AcquireWindow(private_comm, WindowSlot::kReduce, window_bytes, &lease, memory);
+        err.failure()) {
+      return err;
+    }
+    local = ops.UseWindow(lease);
+    epoch.win = lease.win();
+    epoch.window_base = lease.base();
+    epoch.window_bytes = lease.bytes();
+  }
+  epoch.key = key;
+  epoch.private_comm = private_comm;
+  epoch.dtype = dtype;
+  epoch.itemsize = itemsize;
+  epoch.local_elements = local_elements;
+  epoch.async = overlap != 0;
+  for (size_t i = 0; i < RecordCount(transfers); ++i)
+    epoch.records.push_back(RecordAt(transfers, i));
+  epoch.chunk_ends.assign(chunk_ends.begin(), chunk_ends.end());
+  epoch.chunk_sizes.assign(chunk_sizes.begin(), chunk_sizes.end());
+  // NOPRECEDE: the previous epoch on this window ended with a NOSUCCEED fence, and the
+  // agreement above has just synchronised the ranks, so MPI may skip another barrier.
+  if (ffi::Error err =
+          Fence(epoch.win, MPI_MODE_NOPRECEDE, "osmm_reduce_start: opening MPI_Win_fence");
+      err.failure()) {
+    return err;
+  }
+  epoch.start_time = MPI_Wtime();
+  epoch.next_chunk = 1;
+  ReduceEpoch* open = nullptr;
+  {
+    EpochTable& t = Epochs();
+    std::lock_guard<std::mutex> lock(t.mu);
+    t.open.emplace_back(key, std::make_unique<ReduceEpoch>(std::move(epoch)));
+    open = t.open.back().second.get();
+  }
+  // Kept even if issuing fails: the finish must still close the epoch on every rank.
+  open->problem = local.success() ? SubmitChunk(ops, open, 0, chunk) : local.message();
+  if (open->problem.empty()) {
+    if (ffi::Error err = ops.WriteTicket(ticket->untyped_data(), 0); err.failure()) {
+      open->problem = err.message();
+    }
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error ReduceIssue(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::AnyBuffer> ticket,
+                       int64_t comm_handle, int64_t index) {
+  ReduceEpoch* epoch = nullptr;
+  if (ffi::Error err = OpenEpochCall("osmm_reduce_issue", comm_handle, &*ticket, &epoch);
+      err.failure()) {
+    return err;
+  }
+  // Inconsistencies are reported by the finish, which every rank reaches: an early return
+  // here would leave the other ranks waiting in the closing fence.
+  if (!epoch->problem.empty()) return ffi::Error::Success();
+  if (ffi::Error err = ops.WriteTicket(ticket->untyped_data(), static_cast<int32_t>(index));
+      err.failure()) {
+    epoch->problem = err.message();
+    return ffi::Error::Success();
+  }
+  if (index != epoch->next_chunk || index >= static_cast<int64_t>(epoch->chunk_sizes.size()) ||
+      chunk.element_type() != epoch->dtype ||
+      static_cast<int64_t>(chunk.element_count()) != epoch->chunk_sizes[index]) {
+    epoch->problem = "osmm_reduce_issue: chunk " + std::to_string(index) +
+                     " does not match the chunks osmm_reduce_start validated; nothing more sent";
+    return ffi::Error::Success();
+  }
+  epoch->next_chunk = index + 1;
+  epoch->problem = SubmitChunk(ops, epoch, index, chunk);
+  return ffi::Error::Success();
+}
+
+ffi::Error ReduceFinish(BufferOps& ops, ffi::AnyBuffer local, ffi::Result<ffi::AnyBuffer> out,
+                        int64_t comm_handle) {
+  ReduceEpoch* epoch = nullptr;
+  if (ffi::Error err = OpenEpochCall("osmm_reduce_finish", comm_handle, nullptr, &epoch);
+      err.failure()) {
+    return err;
+  }
+  std::string problem = epoch->async ? GlobalIssuer().Drain() : std::string();
+  if (problem.empty()) problem = epoch->problem;
+  if (problem.empty() && epoch->next_chunk != static_cast<int64_t>(epoch->chunk_sizes.size())) {
+    problem = "osmm_reduce_finish: " + std::to_string(epoch->next_chunk) + " of " +
+              std::to_string(epoch->chunk_sizes.size()) + " chunks were issued";
+  }
+  const int64_t n = static_cast<int64_t>(local.element_count());
+  if (problem.empty() &&
+      (local.element_type() != epoch->dtype || out->element_type() != epoch->dtype ||
+       n != epoch->local_elements || !SameDims(local, *out))) {
+    problem = "osmm_reduce_finish: local and out must match the epoch's dtype and C block";
+  }
+  ffi::Error closing =
+      Fence(epoch->win, MPI_MODE_NOSUCCEED, "osmm_reduce_finish: closing MPI_Win_fence");
+  RecordEpochLatency(MPI_Wtime() - epoch->start_time);
+  std::byte* received = epoch->window_base;
+  const int64_t window_bytes = epoch->window_bytes;
+  const ffi::DataType dtype = epoch->dtype;
+  {
+    EpochTable& t = Epochs();
+    std::lock_guard<std::mutex> lock(t.mu);
+    const uint64_t key = epoch->key;
+    t.open.erase(std::find_if(t.open.begin(), t.open.end(),
+                              [key](const auto& entry) { return entry.first == key; }));
+  }
+  if (!problem.empty()) {
+    // Restore the all-zero invariant whatever arrived.
+    if (ffi::Error err = ops.ZeroWindow(received, window_bytes); err.failure()) {
+      problem += "; clearing the window failed too: " + err.message();
+    }
+    return ffi::Error::Internal(problem);
+  }
+  if (closing.failure()) return closing;
+  return ops.AddWindowInto(dtype, local.untyped_data(), received, out->untyped_data(), n);
+}
+
+}  // namespace osmm
