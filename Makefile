@@ -2,6 +2,8 @@
 # run with nothing changed does nothing and returns at once).
 #
 #   make install   venv + dependencies (pyproject.toml) + mpi4jax + editable osmm_jax build
+#                  (with the CUDA handlers when nvcc and the CUDA headers are found; see
+#                  OSMM_ENABLE_CUDA below and BUILD.md)
 #   make format    ruff format + clang-format -i
 #   make lint      ruff check + ruff format --check + clang-format --dry-run -Werror
 #   make clean     remove build outputs (keeps .venv)
@@ -22,7 +24,7 @@ ABS_VENV := $(CURDIR)/$(VENV)
 # (keyed on the C++ sources and CMake files).
 DEPS_STAMP := $(VENV)/.osmm-deps.stamp
 BUILD_STAMP := $(VENV)/.osmm-build.stamp
-NATIVE_SOURCES := $(wildcard xla_ffi/*.cc xla_ffi/*.h) CMakeLists.txt pyproject.toml
+NATIVE_SOURCES := $(wildcard xla_ffi/*.cc xla_ffi/*.cu xla_ffi/*.h) CMakeLists.txt pyproject.toml
 
 # Needed before building anything (the editable build runs without build isolation).
 BOOTSTRAP_DEPS := scikit-build-core nanobind 'jax>=0.10,<0.11' 'jaxlib>=0.10,<0.11' mpi4py mpich numpy
@@ -37,7 +39,7 @@ MPI4JAX_ENV = PATH="$(ABS_VENV)/bin:$$PATH" MPI4JAX_BUILD_MPICC="$(ABS_VENV)/bin
 	     else echo "CUDA_ROOT=$$(dirname "$$(dirname "$$(readlink -f "$$(command -v nvcc)")")")"; fi; \
 	   fi)
 
-CXX_SOURCES := $(wildcard xla_ffi/*.cc xla_ffi/*.h)
+CXX_SOURCES := $(wildcard xla_ffi/*.cc xla_ffi/*.cu xla_ffi/*.h)
 RUFF := $(VENV)/bin/ruff
 CLANG_FORMAT := $(VENV)/bin/clang-format
 
@@ -62,11 +64,18 @@ $(DEPS_STAMP): pyproject.toml | $(PY)
 	cmake --version 2>/dev/null | awk 'NR == 1 { split($$3, v, "."); ok = v[1] > 3 || (v[1] == 3 && v[2] >= 18) } END { exit !ok }' \
 		|| $(PIP) install "cmake>=3.18"
 	$(PIP) show -q mpi4jax 2>/dev/null || env $(MPI4JAX_ENV) $(PIP) install 'mpi4jax>=0.9,<0.10'
-	$(PIP) install --no-build-isolation -e ".[test,dev]"
+	$(PIP) install --no-build-isolation -e ".[test,dev]" $(NATIVE_CMAKE_ARGS)
 	touch $@ $(BUILD_STAMP)
 
+# The native build's CUDA part: AUTO (built when nvcc and the CUDA headers are found), ON or
+# OFF. CUDA_ROOT (as for mpi4jax above) tells CMake where the toolkit is when nvcc is not
+# inside it.
+OSMM_ENABLE_CUDA ?= AUTO
+NATIVE_CMAKE_ARGS = -Ccmake.define.OSMM_ENABLE_CUDA=$(OSMM_ENABLE_CUDA) \
+	$$(if [ -n "$${CUDA_ROOT:-}" ]; then echo "-Ccmake.define.CUDAToolkit_ROOT=$$CUDA_ROOT"; fi)
+
 $(BUILD_STAMP): $(DEPS_STAMP) $(NATIVE_SOURCES)
-	$(PIP) install --no-build-isolation --no-deps -e .
+	$(PIP) install --no-build-isolation --no-deps -e . $(NATIVE_CMAKE_ARGS)
 	touch $@
 
 format: $(DEPS_STAMP)
@@ -158,3 +167,42 @@ notebooks: install
 .PHONY: example
 example: install
 	$(MPIEXEC) -n 3 $(PY) examples/train_mlp.py
+
+# ---------------------------------------------------------------------------------------------
+# On a machine with an NVIDIA GPU (see BUILD.md, "GPUs"). MPI comes from the venv's mpich wheel
+# as everywhere else. GPU_TEST_RANKS ranks share the one GPU, each with its own slice of its memory.
+#
+#   make gpu-test    the MPI matmul tests on 2 and 3 ranks with JAX_PLATFORMS=cuda (every
+#                    layout combination, forward and backward, against numpy; one_sided and
+#                    allreduce; float32 and bfloat16: tests/mpi/test_gpu.py, plus test_native
+#                    and test_matmul on the GPU), then the Flax example
+#   make gpu-bench   the FFN case of compare_methods on the GPU (one_sided, allreduce, one GPU
+#                    alone), then benchmarks/gpu_staging.py: the FFN's forward and gradient
+#                    products in TFLOP/s with the share of time spent staging
+
+GPU_TEST_RANKS ?= 2 3
+GPU_MEM_FRACTION ?= 0.3
+GPU_ENV = JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
+	XLA_PYTHON_CLIENT_MEM_FRACTION=$(GPU_MEM_FRACTION)
+GPU_BENCH_RANKS ?= 2
+
+.PHONY: gpu-check gpu-test gpu-bench
+gpu-check: install
+	@env $(GPU_ENV) $(PY) -c "import jax; from osmm_jax._src import native; \
+	  assert 'cuda' in native.platforms(), native.UNAVAILABLE.get('cuda'); \
+	  print('GPU:', jax.devices()[0].device_kind, '| osmm_jax CUDA handlers registered')"
+
+gpu-test: gpu-check
+	@set -e; for n in $(GPU_TEST_RANKS); do \
+	  env $(GPU_ENV) timeout --kill-after=30 $(MPI_RUN_TIMEOUT) $(MPIEXEC) -n $$n $(PY) tests/mpi/run.py \
+	    tests/mpi/test_gpu.py tests/mpi/test_native.py tests/mpi/test_matmul.py -q \
+	    --timeout=$(TEST_TIMEOUT) --timeout-method=thread \
+	    || { echo "GPU MPI tests FAILED on $$n rank(s)"; exit 1; }; \
+	done
+	env $(GPU_ENV) $(MPIEXEC) -n 2 $(PY) examples/train_mlp.py
+
+gpu-bench: gpu-check
+	env $(GPU_ENV) $(MPIEXEC) -n $(GPU_BENCH_RANKS) $(PY) -m benchmarks.compare_methods --case rows \
+	  --m 2046 --k 2048 --n 5504 --label gpu_ffn
+	env $(GPU_ENV) $(MPIEXEC) -n $(GPU_BENCH_RANKS) $(PY) -m benchmarks.gpu_staging \
+	  --m 8190 --k 8192 --n 22016 --dtype bfloat16
