@@ -21,6 +21,10 @@ ranks may have different numbers of chunks). Each carries mpi4jax's ordered
 effect, so one token chain orders them against each other AND against mpi4jax
 calls in the same program; XLA never reorders them.
 
+They lower, on every platform whose handlers :mod:`osmm_jax._src.native` registered
+(``native.platforms()``: the CPU, and CUDA when built), to the FFI targets of the same
+names.
+
 Section order as in mpi4jax: primitive, abstract evaluation, lowering.
 Batching and differentiation are handled above, in :mod:`osmm_jax._src.matmul`
 (``jax.custom_batching.custom_vmap`` and ``jax.custom_vjp``), for the whole
