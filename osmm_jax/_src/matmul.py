@@ -1,28 +1,23 @@
 """``osmm_jax.matmul``: a distributed product as a differentiable JAX operation.
 
-Section order: public function, input checks, executors (one_sided,
-allreduce), differentiation.
+Section order: public function, input checks, batching, differentiation.
 
 Every rank calls :func:`matmul` with the same plan and its own local blocks
-(SPMD). The executors turn the rank's share of the plan into static slices and
-XLA dots (the GEMMs run in XLA, which is much faster than hand-written loops and
-fuses the slicing), plus the native data movement:
+(SPMD). After every rank has checked its inputs and all have agreed on the plan
+and options, the product runs in one of two executors, each in its own module
+(which states what it computes, what it sends and in which dtype):
 
-* ``one_sided``: ``osmm_fetch`` (MPI_Get of remote input pieces, only if the
-  plan needs any), local dots, and the reduce (MPI_Accumulate / MPI_Put of
-  partials straight into their owners' windows, only if the plan delivers any).
-  The partials other ranks need are computed first, in chunks, and each chunk
-  leaves (from a background thread) as soon as it is ready, while the next
-  chunk and then this rank's own part are computed: communication overlaps
-  computation. Chunking splits GEMMs by rows, never changes what is summed
-  (a split GEMM may round differently in the last bits).
-* ``allreduce``: the baseline. Each rank places its products into a zero
-  full-size C, ``mpi4jax.allreduce`` sums it, and each rank slices its block.
-  A plan that needs no communication at all is computed locally, as a
-  data-parallel code would.
+* ``one_sided`` (:mod:`osmm_jax._src.one_sided`): XLA dots on static slices
+  plus the native one-sided transfers (MPI_Get of remote input pieces,
+  MPI_Accumulate / MPI_Put of partials straight into their owners' windows,
+  overlapped with the GEMMs in chunks).
+* ``allreduce`` (:mod:`osmm_jax._src.allreduce`): the mpi4jax baseline, which
+  sums full-size products with ``mpi4jax.allreduce``.
 
-Under ``jax.vmap`` a batch of products runs one after another (see
-:func:`_batchable_forward`).
+This module adds what both share: the optional checksum verification and
+metrics, a vmap rule that runs a batch of products one after another (see
+:func:`_batchable_forward`), and the custom_vjp whose backward products are
+distributed products with transposed layouts (first order only).
 
 Accumulation precision: products and sums are formed in float32 for float32,
 bfloat16 and float16 inputs, and in float64 for float64; the result is cast
@@ -32,7 +27,6 @@ float32.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import NamedTuple
 
@@ -40,14 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from osmm_jax._src import checksum, communicators, config, dtypes, metrics, primitives
+from osmm_jax._src import allreduce, checksum, communicators, config, dtypes, metrics, one_sided
 from osmm_jax._src.planner import Plan, backward_plans
-
-_ALIGN = 64  # bytes; the B region of the expose window starts on this boundary
-
-_OPS = {"accumulate": 0, "put": 1}
-_MATRICES = {"A": 0, "B": 1}
-
 
 # -- public function ------------------------------------------------------------------
 
@@ -160,7 +148,7 @@ def _check_inputs(a_local, b_local, plan: Plan, rank: int):
     return a_local, b_local, None
 
 
-# -- executors ----------------------------------------------------------------------------
+# -- batching -----------------------------------------------------------------------------
 
 
 def _forward(plan: Plan, options: _Options, a, b):
@@ -180,9 +168,9 @@ def _batchable_forward(plan: Plan, options: _Options):
     rank = communicators.comm_for_key(plan.comm_key).Get_rank()
     comm = communicators.in_graph_comm(plan.comm_key)
     if options.method == "allreduce":
-        execute = _allreduce_forward
+        execute = allreduce.forward
     else:
-        execute = functools.partial(_one_sided_forward, chunk_bytes=options.chunk_bytes)
+        execute = functools.partial(one_sided.forward, chunk_bytes=options.chunk_bytes)
 
     @jax.custom_batching.custom_vmap
     def forward(a, b):
@@ -205,298 +193,6 @@ def _batchable_forward(plan: Plan, options: _Options):
         return jnp.stack(outs), True
 
     return forward
-
-
-def _local_piece(x, layout, rank, rows, cols):
-    """The global rectangle ``rows x cols`` of a matrix, cut from ``rank``'s local block ``x``."""
-    (r0, _), (c0, _) = layout.blocks[rank]
-    return x[rows[0] - r0 : rows[1] - r0, cols[0] - c0 : cols[1] - c0]
-
-
-def _record(kind: int, t, target_block, offset: int) -> list[int]:
-    """The 8 ints the native handlers take for one transfer: ``[kind, target, offset, rows,
-    cols, row0, col0, ld]``, the rectangle relative to the target's block (row stride ``ld``)."""
-    (r0, _), (c0, c1) = target_block
-    rows, cols = t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]
-    return [kind, t.target, offset, rows, cols, t.rows[0] - r0, t.cols[0] - c0, c1 - c0]
-
-
-def _fetch_remote_pieces(plan: Plan, rank: int, a, b) -> dict:
-    """Get every remote A/B piece this rank's multiplies need; ``{(matrix, rows, cols): array}``."""
-    itemsize = np.dtype(a.dtype).itemsize
-    a_elems, b_elems = plan.expose_elements
-    b_offset = -(-a_elems * itemsize // _ALIGN) * _ALIGN
-    records, shapes, offset = [], {}, 0
-    for t in plan.gets_by(rank):
-        layout = plan.a if t.matrix == "A" else plan.b
-        rows, cols = t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]
-        records += _record(_MATRICES[t.matrix], t, layout.blocks[t.target], offset)
-        shapes[(t.matrix, t.rows, t.cols)] = (offset, rows, cols)
-        offset += rows * cols
-    expose_a, expose_b = plan.exposes(rank)
-    fetched = primitives.fetch(
-        a,
-        b,
-        comm=plan.comm_key,
-        call_id=primitives.call_id(plan.fingerprint, "fetch", str(a.dtype)),
-        window_bytes=b_offset + b_elems * itemsize,
-        b_offset=b_offset,
-        expose_a=expose_a,
-        expose_b=expose_b,
-        gets=records,
-        fetched_elements=offset,
-    )
-    return {key: fetched[off : off + r * c].reshape(r, c) for key, (off, r, c) in shapes.items()}
-
-
-def _products(plan: Plan, rank: int, a, b, multiplies, remote: dict) -> dict:
-    """The GEMMs of ``multiplies``: ``{(rows, inner, cols): A[rows, inner] @ B[inner, cols]}``.
-
-    Local pieces are cut from ``a``/``b``; others come from ``remote``, keyed
-    ``(matrix, rows, cols)``. Products are in the accumulation dtype.
-    """
-    return {
-        (m.rows, m.inner, m.cols): _product(plan, rank, a, b, m, m.rows, remote) for m in multiplies
-    }
-
-
-def _product(plan: Plan, rank: int, a, b, m, rows, remote: dict, after=None):
-    """``A[rows, m.inner] @ B[m.inner, m.cols]`` for a range ``rows`` within ``m.rows``.
-
-    ``after``: a value the GEMM must wait for (a chunk's ticket), or None.
-    """
-    if m.a_source == rank:
-        a_piece = _local_piece(a, plan.a, rank, rows, m.inner)
-    else:
-        a_piece = remote[("A", m.rows, m.inner)][rows[0] - m.rows[0] : rows[1] - m.rows[0]]
-    if m.b_source == rank:
-        b_piece = _local_piece(b, plan.b, rank, m.inner, m.cols)
-    else:
-        b_piece = remote[("B", m.inner, m.cols)]
-    if after is not None:
-        _, a_piece = jax.lax.optimization_barrier((after, a_piece))
-    return jnp.dot(a_piece, b_piece, preferred_element_type=dtypes.accumulation_dtype(a.dtype))
-
-
-class _Cell(NamedTuple):
-    """One C rectangle this rank sums a partial for, and where that partial goes."""
-
-    rows: tuple[int, int]
-    cols: tuple[int, int]
-    inner: tuple  # the inner ranges summed
-    deliveries: tuple  # Transfers to other ranks
-    local: bool  # also added to this rank's own C block
-
-
-def _cells(plan: Plan, rank: int) -> list[_Cell]:
-    """The partials this rank forms: delivered ones first (in the plan's rotated order), then
-    the purely local ones. A partial of a replicated C goes to several places at once."""
-    order, deliveries, local = [], {}, set()
-    for t in plan.deliveries_from(rank):
-        key = (t.rows, t.cols, t.inner)
-        if key not in deliveries:
-            order.append(key)
-            deliveries[key] = []
-        deliveries[key].append(t)
-    for u in plan.local_updates_on(rank):
-        key = (u.rows, u.cols, u.inner)
-        local.add(key)
-        if key not in deliveries:
-            order.append(key)
-    return [_Cell(*key, tuple(deliveries.get(key, ())), key in local) for key in order]
-
-
-def _chunks(cells: list[_Cell], itemsize: int, chunk_bytes: int) -> list[list]:
-    """Group the delivered cells' rows into chunks of about ``chunk_bytes`` of partials.
-
-    Returns a list of chunks, each a list of ``(cell, rows)`` pieces. A cell's rows are cut
-    into pieces of at least ``chunk_bytes``; small cells share a chunk until it holds
-    ``chunk_bytes``. ``chunk_bytes == 0``: one chunk with every delivered cell, uncut.
-    """
-    delivered = [c for c in cells if c.deliveries]
-    if chunk_bytes == 0:
-        return [[(c, c.rows) for c in delivered]]
-    chunks, current, current_bytes = [], [], 0
-    for cell in delivered:
-        row_bytes = (cell.cols[1] - cell.cols[0]) * itemsize
-        step = max(1, -(-chunk_bytes // max(1, row_bytes)))
-        for r0 in range(cell.rows[0], cell.rows[1], step):
-            rows = (r0, min(r0 + step, cell.rows[1]))
-            current.append((cell, rows))
-            current_bytes += (rows[1] - rows[0]) * row_bytes
-            if current_bytes >= chunk_bytes:
-                chunks.append(current)
-                current, current_bytes = [], 0
-    if current or not chunks:
-        chunks.append(current)
-    return chunks
-
-
-def _one_sided_forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0):
-    """This rank's C block by one-sided transfers.
-
-    With ``chunk_bytes > 0`` the delivered partials are computed chunk by chunk and, when
-    there is more than one chunk, each is handed to the background issuer as soon as its GEMMs
-    are done (the next chunk's GEMMs, then the purely local ones, wait for its ticket), so
-    sending overlaps computing. Otherwise every GEMM runs first and all partials go out at
-    the end, from the calling thread.
-    """
-    if plan.gather_stage is not None:
-        block = _one_sided_forward(plan.gather_stage, rank, a, b, chunk_bytes)
-        return _gather_blocks(plan, rank, block)
-    acc = dtypes.accumulation_dtype(a.dtype)
-    remote = _fetch_remote_pieces(plan, rank, a, b) if plan.has_gets else {}
-    multiplies = {(m.rows, m.inner, m.cols): m for m in plan.multiplies_on(rank)}
-    c_shape = plan.c.local_shape(rank)
-    (cr0, _), (cc0, _) = plan.c.blocks[rank]
-    local = jnp.zeros(c_shape, acc)
-
-    def add_local(local, rows, cols, part):
-        if (rows[1] - rows[0], cols[1] - cols[0]) == c_shape:
-            return local + part
-        return local.at[rows[0] - cr0 : rows[1] - cr0, cols[0] - cc0 : cols[1] - cc0].add(part)
-
-    def partial(cell, rows, after=None):
-        return functools.reduce(
-            jnp.add,
-            [
-                _product(
-                    plan, rank, a, b, multiplies[(cell.rows, k, cell.cols)], rows, remote, after
-                )
-                for k in cell.inner
-            ],
-        )
-
-    cells = _cells(plan, rank)
-    ticket, buffers = None, []
-    if plan.has_deliveries:
-        chunks = _chunks(cells, acc.itemsize, chunk_bytes)
-        # A single chunk has nothing to overlap with but the local GEMMs, which costs more in
-        # handing work to the issuer thread than it saves: send it from this thread.
-        overlap = len(chunks) > 1
-        transfers, sizes = _chunk_records(plan, chunks)
-        for index, pieces in enumerate(chunks):
-            flat = []
-            for cell, rows in pieces:
-                part = partial(cell, rows, ticket)
-                if cell.local:
-                    local = add_local(local, rows, cell.cols, part)
-                flat.append(part.reshape(-1))
-            buffer = jnp.concatenate(flat) if len(flat) > 1 else flat[0] if flat else None
-            buffers.append(jnp.zeros((0,), acc) if buffer is None else buffer)
-            if index == 0:
-                ticket = primitives.reduce_start(
-                    buffers[0],
-                    comm=plan.comm_key,
-                    call_id=primitives.call_id(plan.fingerprint, "reduce", str(acc), chunk_bytes),
-                    window_bytes=plan.receive_elements * acc.itemsize,
-                    local_elements=int(np.prod(c_shape)),
-                    overlap=overlap,
-                    transfers=transfers,
-                    chunk_sizes=sizes,
-                )
-            else:
-                ticket = primitives.reduce_issue(buffers[-1], comm=plan.comm_key, index=index)
-        if not overlap:
-            ticket = None  # the GEMMs need not wait for the sends
-    for cell in cells:
-        if cell.local and not cell.deliveries:
-            local = add_local(local, cell.rows, cell.cols, partial(cell, cell.rows, ticket))
-    if not plan.has_deliveries:
-        return local.astype(a.dtype)
-    return primitives.reduce_finish(local, buffers, comm=plan.comm_key).astype(a.dtype)
-
-
-def _gather_blocks(plan: Plan, rank: int, block):
-    """The whole (replicated) C of a staged plan from this rank's ``block`` of its even split:
-    get every other block from its owner (MPI_Get) and put them in place."""
-    split = plan.gather_stage.c
-    itemsize = np.dtype(block.dtype).itemsize
-    largest = max(split.local_shape(r)[0] * split.local_shape(r)[1] for r in range(plan.nranks))
-    window_bytes = -(-largest * itemsize // _ALIGN) * _ALIGN
-    records, where, offset = [], {}, 0
-    for t in plan.gathers_by(rank):
-        records += _record(_MATRICES["A"], t, split.blocks[t.target], offset)
-        where[t.target] = offset
-        offset += t.elements
-    fetched = primitives.fetch(
-        block,
-        jnp.zeros((0, 0), block.dtype),
-        comm=plan.comm_key,
-        call_id=primitives.call_id(plan.fingerprint, "gather", str(block.dtype)),
-        window_bytes=window_bytes,
-        b_offset=window_bytes,
-        expose_a=block.size > 0,
-        expose_b=False,
-        gets=records,
-        fetched_elements=offset,
-    )
-    pieces = []
-    for owner in range(plan.nranks):
-        shape = split.local_shape(owner)
-        if owner == rank:
-            pieces.append(block)
-        elif shape[0] and shape[1]:
-            start = where[owner]
-            pieces.append(fetched[start : start + shape[0] * shape[1]].reshape(shape))
-    return jnp.concatenate(pieces, axis=0 if split.kind == "rows" else 1)
-
-
-def _chunk_records(plan: Plan, chunks: list[list]) -> tuple[list[list[int]], list[int]]:
-    """Each chunk's transfer records (offsets within the chunk) and its size in elements."""
-    transfers, sizes = [], []
-    for pieces in chunks:
-        records, offset = [], 0
-        for cell, rows in pieces:
-            for t in cell.deliveries:
-                records += _record(
-                    _OPS[t.op], dataclasses.replace(t, rows=rows), plan.c.blocks[t.target], offset
-                )
-            offset += (rows[1] - rows[0]) * (cell.cols[1] - cell.cols[0])
-        transfers.append(records)
-        sizes.append(offset)
-    return transfers, sizes
-
-
-def _allreduce_forward(plan: Plan, rank: int, a, b):
-    if not (plan.has_gets or plan.has_deliveries):
-        # Every rank holds all it needs for its own block (e.g. a data-parallel forward
-        # product): a data-parallel code would not communicate here, so neither does the
-        # baseline.
-        return _one_sided_forward(plan, rank, a, b)
-    import mpi4jax
-    from mpi4py import MPI
-
-    comm = communicators.in_graph_comm(plan.comm_key)
-    acc = dtypes.accumulation_dtype(a.dtype)
-    multiplies = [m for m in plan.multiplies_on(rank) if m.primary]
-    remote = {}
-    if plan.has_gets:
-        # Inputs a rank lacks are assembled the baseline way too: zero-padded blocks, summed.
-        a_full = _allreduce_assemble(a, plan.a, rank, comm)
-        b_full = _allreduce_assemble(b, plan.b, rank, comm)
-        for m in multiplies:
-            remote[("A", m.rows, m.inner)] = a_full[m.rows[0] : m.rows[1], m.inner[0] : m.inner[1]]
-            remote[("B", m.inner, m.cols)] = b_full[m.inner[0] : m.inner[1], m.cols[0] : m.cols[1]]
-    M, _, N = plan.dims
-    total = jnp.zeros((M, N), acc)
-    for (rows, _, cols), product in _products(plan, rank, a, b, multiplies, remote).items():
-        total = total.at[rows[0] : rows[1], cols[0] : cols[1]].add(product)
-    total = mpi4jax.allreduce(total, op=MPI.SUM, comm=comm)
-    row_slice, col_slice = plan.c.local_slices(rank)
-    return total[row_slice, col_slice].astype(a.dtype)
-
-
-def _allreduce_assemble(x, layout, rank, comm):
-    """The whole matrix on every rank, summed from zero-padded blocks (replicated layouts pass through)."""
-    import mpi4jax
-    from mpi4py import MPI
-
-    if layout.is_replicated:
-        return x
-    rows, cols = layout.local_slices(rank)
-    padded = jnp.zeros(layout.shape, dtypes.accumulation_dtype(x.dtype)).at[rows, cols].set(x)
-    return mpi4jax.allreduce(padded, op=MPI.SUM, comm=comm).astype(x.dtype)
 
 
 # -- differentiation ------------------------------------------------------------------------

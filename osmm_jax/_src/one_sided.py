@@ -1,0 +1,337 @@
+"""The one-sided executor: this rank's block of a distributed product by MPI RMA.
+
+:func:`forward` is called by every rank of the plan's communicator at the same
+point of the program, with the same plan and its own blocks ``a`` (shape
+``plan.a.local_shape(rank)``) and ``b`` (``plan.b.local_shape(rank)``) of one
+supported dtype. It returns this rank's C block, shape
+``plan.c.local_shape(rank)``, in the input dtype. The GEMMs are XLA dots on
+static slices of the blocks; the data moves in the native custom calls of
+:mod:`osmm_jax._src.primitives`:
+
+1. ``osmm_fetch`` (only if the plan gets any input): MPI_Get of the remote A
+   and B pieces this rank's multiplies need, from windows exposing the owners'
+   blocks (B starts on a 64-byte boundary after A).
+2. The partials other ranks own, summed per C rectangle over the inner ranges
+   and delivered by ``osmm_reduce_start`` / ``_issue`` / ``_finish`` (only if
+   the plan delivers any): MPI_Accumulate (or MPI_Put, for a rectangle's only
+   contribution) straight into the owners' reduce windows. They are computed
+   first, in chunks of about ``chunk_bytes``; with more than one chunk each one
+   is handed to the background issuer as soon as its GEMMs finish, and the next
+   chunk's GEMMs, then this rank's purely local ones, wait for its ticket, so
+   sending overlaps computing. With one chunk (or ``chunk_bytes == 0``) every
+   GEMM runs first and the partials leave from the calling thread. Chunking
+   splits GEMMs by rows and never changes what is summed (a split GEMM may
+   round differently in the last bits).
+3. A staged plan (``plan.gather_stage``, a replicated C) runs steps 1-2 into an
+   even split of C, then gets every block this rank lacks from its owner
+   (MPI_Get) and returns the whole C.
+
+Precision: products and sums are formed in the accumulation dtype (float32 for
+float32, bfloat16 and float16; float64 for float64), so partials travel in it;
+the result is cast to the input dtype once, at the end.
+
+:func:`product` is shared with the all-reduce baseline (:mod:`osmm_jax._src.allreduce`),
+so both executors form their GEMMs the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from osmm_jax._src import dtypes, primitives
+from osmm_jax._src.planner import Plan
+
+_ALIGN = 64  # bytes; the B region of the expose window starts on this boundary
+
+_OPS = {"accumulate": 0, "put": 1}
+_MATRICES = {"A": 0, "B": 1}
+
+
+def forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0):
+    """This rank's C block by one-sided transfers (see the module docstring)."""
+    if plan.gather_stage is not None:
+        block = forward(plan.gather_stage, rank, a, b, chunk_bytes)
+        return _gather_blocks(plan, rank, block)
+    operands = _operands(plan, rank, a, b)
+    local = jnp.zeros(plan.c.local_shape(rank), operands.acc)
+    cells = _cells(plan, rank)
+    ticket, buffers = None, []
+    if plan.has_deliveries:
+        local, buffers, ticket = _deliver(operands, cells, local, chunk_bytes)
+    for cell in cells:
+        if cell.local and not cell.deliveries:
+            part = _partial(operands, cell, cell.rows, ticket)
+            local = _add_local(operands, local, cell.rows, cell.cols, part)
+    if not plan.has_deliveries:
+        return local.astype(a.dtype)
+    return primitives.reduce_finish(local, buffers, comm=plan.comm_key).astype(a.dtype)
+
+
+def product(plan: Plan, rank: int, a, b, m, rows, remote: dict, after=None):
+    """``A[rows, m.inner] @ B[m.inner, m.cols]`` for a range ``rows`` within ``m.rows``.
+
+    Local pieces are cut from ``a``/``b``; others come from ``remote``, keyed
+    ``(matrix, rows, cols)``. The product is in the accumulation dtype.
+    ``after``: a value the GEMM must wait for (a chunk's ticket), or None.
+    """
+    if m.a_source == rank:
+        a_piece = _local_piece(a, plan.a, rank, rows, m.inner)
+    else:
+        a_piece = remote[("A", m.rows, m.inner)][rows[0] - m.rows[0] : rows[1] - m.rows[0]]
+    if m.b_source == rank:
+        b_piece = _local_piece(b, plan.b, rank, m.inner, m.cols)
+    else:
+        b_piece = remote[("B", m.inner, m.cols)]
+    if after is not None:
+        _, a_piece = jax.lax.optimization_barrier((after, a_piece))
+    return jnp.dot(a_piece, b_piece, preferred_element_type=dtypes.accumulation_dtype(a.dtype))
+
+
+# -- this rank's GEMMs ---------------------------------------------------------------------
+
+
+class _Operands(NamedTuple):
+    """What this rank's GEMMs read: the plan, the rank, its blocks, the fetched pieces."""
+
+    plan: Plan
+    rank: int
+    a: jax.Array
+    b: jax.Array
+    remote: dict  # the fetched pieces, {(matrix, rows, cols): array}
+    multiplies: dict  # this rank's LocalMultiply by (rows, inner, cols)
+    acc: np.dtype  # the accumulation dtype
+
+
+def _operands(plan: Plan, rank: int, a, b) -> _Operands:
+    """This rank's operands, after getting the remote pieces (if the plan has any)."""
+    acc = dtypes.accumulation_dtype(a.dtype)
+    remote = _fetch_remote_pieces(plan, rank, a, b) if plan.has_gets else {}
+    multiplies = {(m.rows, m.inner, m.cols): m for m in plan.multiplies_on(rank)}
+    return _Operands(plan, rank, a, b, remote, multiplies, acc)
+
+
+def _partial(operands: _Operands, cell: _Cell, rows, after=None):
+    """The partial of ``cell`` over the rows ``rows``: its GEMMs over every inner range, summed."""
+    plan, rank, a, b, remote, multiplies, _ = operands
+    gemms = []
+    for inner in cell.inner:
+        m = multiplies[(cell.rows, inner, cell.cols)]
+        gemms.append(product(plan, rank, a, b, m, rows, remote, after))
+    return functools.reduce(jnp.add, gemms)
+
+
+def _add_local(operands: _Operands, local, rows, cols, part):
+    """``local`` (this rank's C block) with ``part``, the global rectangle ``rows x cols``, added."""
+    c_shape = operands.plan.c.local_shape(operands.rank)
+    (cr0, _), (cc0, _) = operands.plan.c.blocks[operands.rank]
+    if (rows[1] - rows[0], cols[1] - cols[0]) == c_shape:
+        return local + part
+    return local.at[rows[0] - cr0 : rows[1] - cr0, cols[0] - cc0 : cols[1] - cc0].add(part)
+
+
+def _local_piece(x, layout, rank, rows, cols):
+    """The global rectangle ``rows x cols`` of a matrix, cut from ``rank``'s local block ``x``."""
+    (r0, _), (c0, _) = layout.blocks[rank]
+    return x[rows[0] - r0 : rows[1] - r0, cols[0] - c0 : cols[1] - c0]
+
+
+# -- cells and chunks ------------------------------------------------------------------------
+
+
+class _Cell(NamedTuple):
+    """One C rectangle this rank sums a partial for, and where that partial goes."""
+
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    inner: tuple  # the inner ranges summed
+    deliveries: tuple  # Transfers to other ranks
+    local: bool  # also added to this rank's own C block
+
+
+def _cells(plan: Plan, rank: int) -> list[_Cell]:
+    """The partials this rank forms: delivered ones first (in the plan's rotated order), then
+    the purely local ones. A partial of a replicated C goes to several places at once."""
+    order, deliveries, local = [], {}, set()
+    for t in plan.deliveries_from(rank):
+        key = (t.rows, t.cols, t.inner)
+        if key not in deliveries:
+            order.append(key)
+            deliveries[key] = []
+        deliveries[key].append(t)
+    for u in plan.local_updates_on(rank):
+        key = (u.rows, u.cols, u.inner)
+        local.add(key)
+        if key not in deliveries:
+            order.append(key)
+    return [_Cell(*key, tuple(deliveries.get(key, ())), key in local) for key in order]
+
+
+def _chunks(cells: list[_Cell], itemsize: int, chunk_bytes: int) -> list[list]:
+    """Group the delivered cells' rows into chunks of about ``chunk_bytes`` of partials.
+
+    Returns a list of chunks, each a list of ``(cell, rows)`` pieces. A cell's rows are cut
+    into pieces of at least ``chunk_bytes``; small cells share a chunk until it holds
+    ``chunk_bytes``. ``chunk_bytes == 0``: one chunk with every delivered cell, uncut.
+    """
+    delivered = [c for c in cells if c.deliveries]
+    if chunk_bytes == 0:
+        return [[(c, c.rows) for c in delivered]]
+    chunks, current, current_bytes = [], [], 0
+    for cell in delivered:
+        row_bytes = (cell.cols[1] - cell.cols[0]) * itemsize
+        step = max(1, -(-chunk_bytes // max(1, row_bytes)))
+        for r0 in range(cell.rows[0], cell.rows[1], step):
+            rows = (r0, min(r0 + step, cell.rows[1]))
+            current.append((cell, rows))
+            current_bytes += (rows[1] - rows[0]) * row_bytes
+            if current_bytes >= chunk_bytes:
+                chunks.append(current)
+                current, current_bytes = [], 0
+    if current or not chunks:
+        chunks.append(current)
+    return chunks
+
+
+# -- data movement ---------------------------------------------------------------------------
+
+
+def _deliver(operands: _Operands, cells: list[_Cell], local, chunk_bytes: int):
+    """Compute the delivered partials chunk by chunk and start sending each chunk.
+
+    Returns ``(local, buffers, ticket)``: this rank's C block with the delivered partials it
+    also keeps added, every chunk's buffer (for ``reduce_finish``), and the ticket the
+    remaining GEMMs must wait for (None when there is a single chunk: nothing to overlap).
+    """
+    plan, acc = operands.plan, operands.acc
+    chunks = _chunks(cells, acc.itemsize, chunk_bytes)
+    # A single chunk has nothing to overlap with but the local GEMMs, which costs more in
+    # handing work to the issuer thread than it saves: send it from this thread.
+    overlap = len(chunks) > 1
+    transfers, sizes = _chunk_records(plan, chunks)
+    ticket, buffers = None, []
+    for index, pieces in enumerate(chunks):
+        local, buffer = _chunk_partials(operands, pieces, local, ticket)
+        buffers.append(buffer)
+        if index == 0:
+            ticket = primitives.reduce_start(
+                buffer,
+                comm=plan.comm_key,
+                call_id=primitives.call_id(plan.fingerprint, "reduce", str(acc), chunk_bytes),
+                window_bytes=plan.receive_elements * acc.itemsize,
+                local_elements=int(np.prod(plan.c.local_shape(operands.rank))),
+                overlap=overlap,
+                transfers=transfers,
+                chunk_sizes=sizes,
+            )
+        else:
+            ticket = primitives.reduce_issue(buffer, comm=plan.comm_key, index=index)
+    return local, buffers, ticket if overlap else None
+
+
+def _chunk_partials(operands: _Operands, pieces: list, local, after):
+    """One chunk's partials, flattened into one buffer (empty if none), after ``after``.
+
+    Returns ``(local, buffer)``: pieces of cells this rank also keeps are added to ``local``.
+    """
+    flat = []
+    for cell, rows in pieces:
+        part = _partial(operands, cell, rows, after)
+        if cell.local:
+            local = _add_local(operands, local, rows, cell.cols, part)
+        flat.append(part.reshape(-1))
+    if not flat:
+        return local, jnp.zeros((0,), operands.acc)
+    return local, jnp.concatenate(flat) if len(flat) > 1 else flat[0]
+
+
+def _chunk_records(plan: Plan, chunks: list[list]) -> tuple[list[list[int]], list[int]]:
+    """Each chunk's transfer records (offsets within the chunk) and its size in elements."""
+    transfers, sizes = [], []
+    for pieces in chunks:
+        records, offset = [], 0
+        for cell, rows in pieces:
+            for t in cell.deliveries:
+                records += _record(
+                    _OPS[t.op], dataclasses.replace(t, rows=rows), plan.c.blocks[t.target], offset
+                )
+            offset += (rows[1] - rows[0]) * (cell.cols[1] - cell.cols[0])
+        transfers.append(records)
+        sizes.append(offset)
+    return transfers, sizes
+
+
+def _fetch_remote_pieces(plan: Plan, rank: int, a, b) -> dict:
+    """Get every remote A/B piece this rank's multiplies need; ``{(matrix, rows, cols): array}``."""
+    itemsize = np.dtype(a.dtype).itemsize
+    a_elems, b_elems = plan.expose_elements
+    b_offset = -(-a_elems * itemsize // _ALIGN) * _ALIGN
+    records, shapes, offset = [], {}, 0
+    for t in plan.gets_by(rank):
+        layout = plan.a if t.matrix == "A" else plan.b
+        rows, cols = t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]
+        records += _record(_MATRICES[t.matrix], t, layout.blocks[t.target], offset)
+        shapes[(t.matrix, t.rows, t.cols)] = (offset, rows, cols)
+        offset += rows * cols
+    expose_a, expose_b = plan.exposes(rank)
+    fetched = primitives.fetch(
+        a,
+        b,
+        comm=plan.comm_key,
+        call_id=primitives.call_id(plan.fingerprint, "fetch", str(a.dtype)),
+        window_bytes=b_offset + b_elems * itemsize,
+        b_offset=b_offset,
+        expose_a=expose_a,
+        expose_b=expose_b,
+        gets=records,
+        fetched_elements=offset,
+    )
+    return {key: fetched[off : off + r * c].reshape(r, c) for key, (off, r, c) in shapes.items()}
+
+
+def _gather_blocks(plan: Plan, rank: int, block):
+    """The whole (replicated) C of a staged plan from this rank's ``block`` of its even split:
+    get every other block from its owner (MPI_Get) and put them in place."""
+    split = plan.gather_stage.c
+    itemsize = np.dtype(block.dtype).itemsize
+    largest = max(split.local_shape(r)[0] * split.local_shape(r)[1] for r in range(plan.nranks))
+    window_bytes = -(-largest * itemsize // _ALIGN) * _ALIGN
+    records, where, offset = [], {}, 0
+    for t in plan.gathers_by(rank):
+        records += _record(_MATRICES["A"], t, split.blocks[t.target], offset)
+        where[t.target] = offset
+        offset += t.elements
+    fetched = primitives.fetch(
+        block,
+        jnp.zeros((0, 0), block.dtype),
+        comm=plan.comm_key,
+        call_id=primitives.call_id(plan.fingerprint, "gather", str(block.dtype)),
+        window_bytes=window_bytes,
+        b_offset=window_bytes,
+        expose_a=block.size > 0,
+        expose_b=False,
+        gets=records,
+        fetched_elements=offset,
+    )
+    pieces = []
+    for owner in range(plan.nranks):
+        shape = split.local_shape(owner)
+        if owner == rank:
+            pieces.append(block)
+        elif shape[0] and shape[1]:
+            start = where[owner]
+            pieces.append(fetched[start : start + shape[0] * shape[1]].reshape(shape))
+    return jnp.concatenate(pieces, axis=0 if split.kind == "rows" else 1)
+
+
+def _record(kind: int, t, target_block, offset: int) -> list[int]:
+    """The 8 ints the native handlers take for one transfer: ``[kind, target, offset, rows,
+    cols, row0, col0, ld]``, the rectangle relative to the target's block (row stride ``ld``)."""
+    (r0, _), (c0, c1) = target_block
+    rows, cols = t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]
+    return [kind, t.target, offset, rows, cols, t.rows[0] - r0, t.cols[0] - c0, c1 - c0]
