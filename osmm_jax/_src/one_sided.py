@@ -44,13 +44,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from osmm_jax._src import dtypes, primitives
+from osmm_jax._src import dtypes, native, primitives
 from osmm_jax._src.planner import Plan
 
 _ALIGN = 64  # bytes; the B region of the expose window starts on this boundary
 
-_OPS = {"accumulate": 0, "put": 1}
-_MATRICES = {"A": 0, "B": 1}
+_OPS = {"accumulate": native.OP_ACCUMULATE, "put": native.OP_PUT}
+_REGIONS = {"A": native.REGION_A, "B": native.REGION_B}  # which region of the window a get reads
 
 
 def forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0):
@@ -270,12 +270,12 @@ def _fetch_remote_pieces(plan: Plan, rank: int, a, b) -> dict:
     """Get every remote A/B piece this rank's multiplies need; ``{(matrix, rows, cols): array}``."""
     itemsize = np.dtype(a.dtype).itemsize
     a_elems, b_elems = plan.expose_elements
-    b_offset = -(-a_elems * itemsize // _ALIGN) * _ALIGN
+    b_offset = _aligned(a_elems * itemsize)
     records, shapes, offset = [], {}, 0
     for t in plan.gets_by(rank):
         layout = plan.a if t.matrix == "A" else plan.b
         rows, cols = t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]
-        records += _record(_MATRICES[t.matrix], t, layout.blocks[t.target], offset)
+        records += _record(_REGIONS[t.matrix], t, layout.blocks[t.target], offset)
         shapes[(t.matrix, t.rows, t.cols)] = (offset, rows, cols)
         offset += rows * cols
     expose_a, expose_b = plan.exposes(rank)
@@ -300,10 +300,10 @@ def _gather_blocks(plan: Plan, rank: int, block):
     split = plan.gather_stage.c
     itemsize = np.dtype(block.dtype).itemsize
     largest = max(split.local_shape(r)[0] * split.local_shape(r)[1] for r in range(plan.nranks))
-    window_bytes = -(-largest * itemsize // _ALIGN) * _ALIGN
+    window_bytes = _aligned(largest * itemsize)
     records, where, offset = [], {}, 0
     for t in plan.gathers_by(rank):
-        records += _record(_MATRICES["A"], t, split.blocks[t.target], offset)
+        records += _record(_REGIONS["A"], t, split.blocks[t.target], offset)
         where[t.target] = offset
         offset += t.elements
     fetched = primitives.fetch(
@@ -329,9 +329,15 @@ def _gather_blocks(plan: Plan, rank: int, block):
     return jnp.concatenate(pieces, axis=0 if split.kind == "rows" else 1)
 
 
+def _aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to the window's :data:`_ALIGN`-byte boundary."""
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
 def _record(kind: int, t, target_block, offset: int) -> list[int]:
-    """The 8 ints the native handlers take for one transfer: ``[kind, target, offset, rows,
-    cols, row0, col0, ld]``, the rectangle relative to the target's block (row stride ``ld``)."""
+    """One transfer as the native handlers' record (fields :data:`native.RECORD_FIELDS`:
+    ``kind, target, offset, rows, cols, row0, col0, ld``), the rectangle relative to the
+    target's block (row stride ``ld``)."""
     (r0, _), (c0, c1) = target_block
     rows, cols = t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]
     return [kind, t.target, offset, rows, cols, t.rows[0] - r0, t.cols[0] - c0, c1 - c0]

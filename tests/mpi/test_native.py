@@ -15,7 +15,7 @@ import pytest
 from mpi4py import MPI
 
 import osmm_jax as om
-from osmm_jax._src import communicators, primitives
+from osmm_jax._src import communicators, native, primitives
 
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 ROWS, COLS = 3, 4
@@ -27,7 +27,8 @@ def _reduce_to_next(key: int, target_on_rank0: int):
     Rank 0 addresses ``target_on_rank0`` instead of the next rank.
     """
     target = (RANK + 1) % SIZE if RANK else target_on_rank0
-    record = [0, target, 0, ROWS, COLS, 0, 0, COLS]  # accumulate the whole block
+    record = [native.OP_ACCUMULATE, target, 0, ROWS, COLS, 0, 0, COLS]  # the whole block
+    assert len(record) == native.RECORD_LENGTH
 
     @jax.jit
     def run(local):
