@@ -15,27 +15,19 @@ from ``osmm_jax.stats()`` (``staging_seconds`` of the slowest rank over the wall
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from mpi4py import MPI
 
 import osmm_jax as om
-
-COMM = MPI.COMM_WORLD
-RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+from benchmarks.common import COMM, RANK, SIZE, interleaved_times
 
 
 def _time(fn, args, repeats):
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        COMM.Barrier()
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(COMM.allreduce(time.perf_counter() - start, op=MPI.MAX))
-    return sorted(times)[len(times) // 2]
+    """Median seconds of ``fn(*args)`` (each time the slowest rank's), after one warm-up."""
+    return float(np.median(interleaved_times({"fn": (fn, args)}, repeats, warmup=1)["fn"]))
 
 
 def main(argv=None) -> None:

@@ -154,3 +154,15 @@ def test_report_writes_results_with_targets_and_plots(records, tmp_path):
         assert label in text
     for png in ("time.png", "bytes.png", "small.png"):
         assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_the_gpu_staging_benchmark_runs_on_any_platform():
+    """gpu_staging times both products and both methods (on the CPU, staging is 0%)."""
+    out = _mpirun(
+        2,
+        "benchmarks.gpu_staging",
+        *("--m", "64", "--k", "32", "--n", "48", "--dtype", "float32", "--repeats", "2"),
+    )
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "ms" not in line]
+    methods = [line.split("|")[2].strip() for line in rows if "---" not in line]
+    assert methods == ["one_sided", "allreduce", "one GPU alone"] * 2, out

@@ -73,6 +73,24 @@ class BufferOps {
 
   // Sets `bytes` bytes of window memory to zero.
   virtual ffi::Error ZeroWindow(std::byte* window, int64_t bytes) = 0;
+
+  // The last local checks of a call before the agreement: the platform can run it, and
+  // staging `what` of communicator `comm_key` holds `bytes` bytes. The first problem, or "".
+  std::string PrepareCall(uint64_t comm_key, Staging what, int64_t bytes) {
+    std::string problem = Unusable();
+    if (problem.empty()) {
+      if (ffi::Error err = ReserveStaging(comm_key, what, bytes); err.failure()) {
+        problem = err.message();
+      }
+    }
+    return problem;
+  }
+
+  // The kind of window_memory() that every rank must agree on (0: MPI_Win_allocate memory).
+  int64_t WindowMemoryKind() {
+    WindowMemory* memory = window_memory();
+    return memory == nullptr ? 0 : memory->kind();
+  }
 };
 
 }  // namespace osmm

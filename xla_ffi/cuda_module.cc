@@ -11,11 +11,11 @@
 #include <nanobind/nanobind.h>
 
 #include <string>
-#include <type_traits>
 
 #include "cuda_ops.h"
 #include "fetch.h"
 #include "reduce.h"
+#include "registrations.h"
 #include "signatures.h"
 
 namespace nb = nanobind;
@@ -80,20 +80,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
 
 namespace {
 
-template <typename Fn>
-nb::capsule EncapsulateHandler(Fn* fn) {
-  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Fn, XLA_FFI_CallFrame*>,
-                "an XLA FFI handler must take XLA_FFI_CallFrame* and return XLA_FFI_Error*");
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
-
 nb::dict Registrations() {
-  nb::dict d;
-  d["osmm_fetch"] = EncapsulateHandler(OsmmFetchCuda);
-  d["osmm_reduce_start"] = EncapsulateHandler(OsmmReduceStartCuda);
-  d["osmm_reduce_issue"] = EncapsulateHandler(OsmmReduceIssueCuda);
-  d["osmm_reduce_finish"] = EncapsulateHandler(OsmmReduceFinishCuda);
-  return d;
+  return osmm::HandlerRegistrations(OsmmFetchCuda, OsmmReduceStartCuda, OsmmReduceIssueCuda,
+                                    OsmmReduceFinishCuda);
 }
 
 }  // namespace

@@ -66,15 +66,9 @@ ffi::Error Fetch(BufferOps& ops, ffi::AnyBuffer a, ffi::AnyBuffer b,
         itemsize, window_bytes,
         [b_offset](int64_t region) { return region == kRegionA ? int64_t{0} : b_offset; });
   }
-  if (problem.empty()) problem = ops.Unusable();
   const uint64_t key = CommKey(call.comm);
-  if (problem.empty()) {
-    if (ffi::Error err = ops.ReserveStaging(key, Staging::kFetched, fetched_bytes); err.failure()) {
-      problem = err.message();
-    }
-  }
-  WindowMemory* memory = ops.window_memory();
-  const int64_t memory_kind = memory == nullptr ? 0 : memory->kind();
+  if (problem.empty()) problem = ops.PrepareCall(key, Staging::kFetched, fetched_bytes);
+  const int64_t memory_kind = ops.WindowMemoryKind();
   MPI_Comm private_comm = MPI_COMM_NULL;
   const uint64_t signature = Signature()
                                  .Add(call_id)
@@ -99,8 +93,8 @@ ffi::Error Fetch(BufferOps& ops, ffi::AnyBuffer a, ffi::AnyBuffer b,
 
   // Every rank accepted its inputs: expose, then one fence epoch of gets.
   WindowLease lease;
-  if (ffi::Error err =
-          AcquireWindow(private_comm, WindowSlot::kExpose, window_bytes, &lease, memory);
+  if (ffi::Error err = AcquireWindow(private_comm, WindowSlot::kExpose, window_bytes, &lease,
+                                     ops.window_memory());
       err.failure()) {
     return err;
   }

@@ -8,33 +8,21 @@
 
 #include <stdexcept>
 #include <string>
-#include <type_traits>
 
 #include "common.h"
 #include "counters.h"
 #include "handlers.h"
 #include "issuer.h"
 #include "records.h"
+#include "registrations.h"
 #include "windows.h"
 
 namespace nb = nanobind;
 
 namespace {
 
-template <typename Fn>
-nb::capsule EncapsulateHandler(Fn* fn) {
-  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, Fn, XLA_FFI_CallFrame*>,
-                "an XLA FFI handler must take XLA_FFI_CallFrame* and return XLA_FFI_Error*");
-  return nb::capsule(reinterpret_cast<void*>(fn));
-}
-
 nb::dict Registrations() {
-  nb::dict d;
-  d["osmm_fetch"] = EncapsulateHandler(OsmmFetch);
-  d["osmm_reduce_start"] = EncapsulateHandler(OsmmReduceStart);
-  d["osmm_reduce_issue"] = EncapsulateHandler(OsmmReduceIssue);
-  d["osmm_reduce_finish"] = EncapsulateHandler(OsmmReduceFinish);
-  return d;
+  return osmm::HandlerRegistrations(OsmmFetch, OsmmReduceStart, OsmmReduceIssue, OsmmReduceFinish);
 }
 
 nb::dict Stats() {

@@ -200,15 +200,9 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
                              static_cast<int64_t>(transfers.size())) {
     problem = "records after the last chunk";
   }
-  if (problem.empty()) problem = ops.Unusable();
   const uint64_t key = CommKey(call.comm);
-  if (problem.empty()) {
-    if (ffi::Error err = ops.ReserveStaging(key, Staging::kChunks, staging_bytes); err.failure()) {
-      problem = err.message();
-    }
-  }
-  WindowMemory* memory = ops.window_memory();
-  const int64_t memory_kind = memory == nullptr ? 0 : memory->kind();
+  if (problem.empty()) problem = ops.PrepareCall(key, Staging::kChunks, staging_bytes);
+  const int64_t memory_kind = ops.WindowMemoryKind();
   MPI_Comm private_comm = MPI_COMM_NULL;
   const uint64_t signature = Signature()
                                  .Add(call_id)
@@ -234,8 +228,8 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
   ffi::Error local = ffi::Error::Success();
   {
     WindowLease lease;
-    if (ffi::Error err =
-            AcquireWindow(private_comm, WindowSlot::kReduce, window_bytes, &lease, memory);
+    if (ffi::Error err = AcquireWindow(private_comm, WindowSlot::kReduce, window_bytes, &lease,
+                                       ops.window_memory());
         err.failure()) {
       return err;
     }
