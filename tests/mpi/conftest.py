@@ -25,8 +25,13 @@ the timeout around mpiexec, so a run always ends.
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 from mpi4py import MPI
+
+sys.path.insert(0, os.path.dirname(__file__))  # helper modules shared by the tests (layout_cases)
 
 _OUTCOMES = MPI.COMM_WORLD.Dup()
 _SIZE = MPI.COMM_WORLD.Get_size()

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from layout_cases import KINDS, make_layout
 from mpi4py import MPI
 
 import osmm_jax as om
@@ -24,26 +25,9 @@ pytestmark = pytest.mark.skipif(
 
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 M, K, N = 33, 64, 17
-KINDS = ("rows", "cols", "grid", "replicated")
 COMBOS = list(itertools.product(KINDS, KINDS, KINDS))
 METHODS = ("one_sided", "allreduce")
 DTYPES = {"float32": (jnp.float32, 1e-5), "bfloat16": (jnp.bfloat16, 3e-2)}
-
-
-def _weights(n: int, shift: int = 0):
-    base = [1.0, 2.0, 0.0, 1.5, 3.0] if n >= 3 else [1.0, 2.0]
-    return [base[(i + shift) % len(base)] for i in range(n)] if n > 1 else [1.0]
-
-
-def _layout(kind: str, shape, shift: int = 0):
-    if kind == "rows":
-        return om.Layout.rows(shape, weights=_weights(SIZE, shift))
-    if kind == "cols":
-        return om.Layout.cols(shape, weights=_weights(SIZE, shift + 1))
-    if kind == "grid":
-        pr = max(d for d in range(1, int(SIZE**0.5) + 1) if SIZE % d == 0)
-        return om.Layout.grid(shape, (pr, SIZE // pr), row_weights=_weights(pr, shift))
-    return om.Layout.replicated(shape)
 
 
 def _close(actual, expected, tol):
@@ -57,8 +41,8 @@ def _close(actual, expected, tol):
 @pytest.mark.parametrize("kinds", COMBOS, ids=["-".join(c) for c in COMBOS])
 def test_forward_and_grad_on_the_gpu_match_numpy(kinds, method, dtype_name):
     dtype, tol = DTYPES[dtype_name]
-    a_layout, b_layout = _layout(kinds[0], (M, K)), _layout(kinds[1], (K, N), shift=1)
-    c_layout = _layout(kinds[2], (M, N), shift=2)
+    a_layout, b_layout = make_layout(kinds[0], (M, K)), make_layout(kinds[1], (K, N), shift=1)
+    c_layout = make_layout(kinds[2], (M, N), shift=2)
     plan = om.plan(a_layout, b_layout, c_layout)
     rng = np.random.default_rng(7)
     # Rounded to the dtype first, so numpy multiplies exactly what the GPU multiplies.

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from layout_cases import KINDS, make_layout, uneven_weights
 from mpi4py import MPI
 
 import osmm_jax as om
@@ -21,34 +22,7 @@ jax.config.update("jax_enable_x64", True)
 
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 M, K, N = 7, 9, 5  # divisible by no rank count > 1
-KINDS = ("rows", "cols", "grid", "replicated")
 METHODS = ("one_sided", "allreduce")
-
-
-def uneven_weights(n: int, shift: int = 0):
-    """Unequal weights; with 3+ ranks one rank gets nothing (an empty block)."""
-    base = [1.0, 2.0, 0.0, 1.5, 3.0]
-    if n < 3:
-        base = [1.0, 2.0]
-    return [base[(i + shift) % len(base)] for i in range(n)] if n > 1 else [1.0]
-
-
-def grid_shape(n: int):
-    pr = max(d for d in range(1, int(n**0.5) + 1) if n % d == 0)
-    return (pr, n // pr)
-
-
-def make_layout(kind: str, shape, shift: int = 0):
-    if kind == "rows":
-        return om.Layout.rows(shape, weights=uneven_weights(SIZE, shift))
-    if kind == "cols":
-        return om.Layout.cols(shape, weights=uneven_weights(SIZE, shift + 1))
-    if kind == "grid":
-        pr, pc = grid_shape(SIZE)
-        return om.Layout.grid(
-            shape, (pr, pc), row_weights=uneven_weights(pr, shift), col_weights=uneven_weights(pc)
-        )
-    return om.Layout.replicated(shape)
 
 
 def global_inputs(dtype=np.float64, seed=0, m=M, k=K, n=N):
