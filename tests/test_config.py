@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from osmm_jax._src import config
@@ -46,3 +48,40 @@ def test_method_and_verify_defaults(monkeypatch):
     assert config.resolve_verify(None) is True
     with pytest.raises(ValueError, match="method"):
         config.resolve_method("ring")
+
+
+@pytest.mark.parametrize("text", ["4MiB", "1.5", "-1", "nan", "0x10"])
+def test_garbage_chunk_bytes_names_the_variable_and_the_value(monkeypatch, text):
+    monkeypatch.setenv(config.CHUNK_BYTES, text)
+    with pytest.raises(ValueError, match=rf"{config.CHUNK_BYTES}.*{text}"):
+        config.resolve_chunk_bytes(None)
+
+
+@pytest.mark.parametrize("name", [config.USE_ALLREDUCE, config.VERIFY])
+@pytest.mark.parametrize(
+    ("text", "value"), [("0", False), (" Off ", False), ("", False), ("ON", True)]
+)
+def test_flags_take_yes_and_no_words(monkeypatch, name, text, value):
+    monkeypatch.setenv(name, text)
+    got = config.resolve_verify(None) if name == config.VERIFY else config.default_method()
+    assert got == (value if name == config.VERIFY else ("allreduce" if value else "one_sided"))
+
+
+@pytest.mark.parametrize("name", [config.USE_ALLREDUCE, config.VERIFY])
+@pytest.mark.parametrize("text", ["ture", "2", "allreduce", "y e s"])
+def test_a_garbage_flag_is_an_error_not_a_silent_no(monkeypatch, name, text):
+    """``OSMM_VERIFY=ture`` must not quietly leave verification off."""
+    monkeypatch.setenv(name, text)
+    resolve = config.resolve_verify if name == config.VERIFY else config.resolve_method
+    with pytest.raises(ValueError, match=rf"{name} must be one of .*got '{text}'"):
+        resolve(None)
+    assert resolve(True if name == config.VERIFY else "one_sided")  # an argument wins
+
+
+@pytest.mark.parametrize("text", ["fast,slow", "300;300", "300,,300", "300,-1", "300,nan", "300"])
+def test_garbage_speeds_name_the_variable_and_the_value(monkeypatch, text):
+    from osmm_jax._src import speeds
+
+    monkeypatch.setenv(config.SPEEDS, text)
+    with pytest.raises(ValueError, match=rf"{config.SPEEDS}='{re.escape(text)}'"):
+        speeds.declared_speeds(2)

@@ -8,17 +8,34 @@ import numpy as np
 
 USE_ALLREDUCE = "OSMM_USE_ALLREDUCE"
 """``1``/``true``/``yes``/``on``: the default ``method`` of :func:`osmm_jax.matmul` is ``"allreduce"``
-instead of ``"one_sided"``. Default: unset (one_sided)."""
+instead of ``"one_sided"``; ``0``/``false``/``no``/``off``: it stays ``"one_sided"``; any other
+value is a ValueError. Default: unset (one_sided)."""
 
 VERIFY = "OSMM_VERIFY"
 """``1``/``true``/``yes``/``on``: :func:`osmm_jax.matmul` verifies every product by checksum
-(as with ``verify=True``). Default: unset (no verification)."""
+(as with ``verify=True``); ``0``/``false``/``no``/``off``: it does not; any other value is a
+ValueError. Default: unset (no verification)."""
 
 METHODS = ("one_sided", "allreduce")
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
 def _flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    """A yes/no variable: unset or blank is no. Anything but the words above is an error,
+    not a silent no: ``OSMM_VERIFY=ture`` must not turn verification off unnoticed."""
+    text = os.environ.get(name, "")
+    word = text.strip().lower()
+    if word in _TRUE:
+        return True
+    if word in _FALSE:
+        return False
+    raise ValueError(
+        f"{name} must be one of {'/'.join(_TRUE)} or {'/'.join(_FALSE[1:])} "
+        f"(or unset), got {text!r}"
+    )
 
 
 def default_method() -> str:

@@ -87,25 +87,38 @@ def matmul(
     layouts) and under ``jax.vmap`` (a batch of distributed products, run one
     after another). Every rank must call it at the same point of the program.
     Before any MPI traffic, all ranks check together that they hold the same
-    plan and method and valid blocks; otherwise every rank raises ValueError.
+    plan and method and valid blocks and options (arguments and ``OSMM_*``
+    variables); otherwise every rank raises the same ValueError (TypeError when
+    every failing rank had a wrong type).
     """
     if not isinstance(plan, Plan):
         raise TypeError(
             f"plan must be an osmm_jax Plan (from osmm_jax.plan), got {type(plan).__name__}"
         )
-    options = _Options(
-        config.resolve_method(method),
-        config.resolve_verify(verify),
-        config.resolve_chunk_bytes(chunk_bytes),
-    )
     comm = communicators.comm_for_key(plan.comm_key)
     rank = comm.Get_rank()
-    a_local, b_local, error = _check_inputs(a_local, b_local, plan, rank)
+    # A bad option (an argument, or an OSMM_* variable set on some ranks only) is agreed on
+    # like a bad block, so that every rank raises it instead of the others waiting.
+    try:
+        options, error = _resolve_options(method, verify, chunk_bytes), None
+    except (TypeError, ValueError) as exc:
+        options, error = None, exc
+    if error is None:
+        a_local, b_local, error = _check_inputs(a_local, b_local, plan, rank)
     communicators.agree(comm, "osmm_jax.matmul", f"plan {plan.fingerprint} {options}", error)
     return _matmul(plan, options, a_local, b_local)
 
 
 # -- input checks -----------------------------------------------------------------------
+
+
+def _resolve_options(method, verify, chunk_bytes) -> _Options:
+    """The options of one product: the arguments, or the ``OSMM_*`` defaults (config.py)."""
+    return _Options(
+        config.resolve_method(method),
+        config.resolve_verify(verify),
+        config.resolve_chunk_bytes(chunk_bytes),
+    )
 
 
 def _as_array(x, name):
