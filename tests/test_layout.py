@@ -101,6 +101,34 @@ def test_bad_types_raise_type_errors():
         Layout.rows((4, 4), nranks=2).shard(np.zeros((3, 4)), 0)
 
 
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: Layout.rows((10, 4), sizes=[5.0, 5.0]), r"sizes\[0\] must be an integer, got 5.0"),
+        (lambda: Layout.rows((10, 4), sizes=[4.5, 5.5]), r"sizes\[0\] must be an integer, got 4.5"),
+        (lambda: Layout.cols((4, 10), sizes=[5, np.float64(5)]), r"sizes\[1\] must be an integer"),
+        (lambda: Layout.rows((10, 4), sizes=[True, 9]), r"sizes\[0\] must be an integer"),
+        (lambda: Layout.grid((4, 4), (2, 1), row_sizes=[2.0, 2]), r"row_sizes\[0\]"),
+        (lambda: Layout.grid((4, 4), (1, 2), col_sizes=[2, 2.0]), r"col_sizes\[1\]"),
+        (
+            lambda: Layout((10, 4), (((0, 4.5), (0, 4)), ((4.5, 10), (0, 4)))),
+            r"blocks\[0\]\[0\]\[1\] must be an integer, got 4.5",
+        ),
+    ],
+)
+def test_sizes_and_bounds_must_be_integers_not_floats(make, message):
+    """A float size is refused, integral or not: 4.5 rows cannot be split, and accepting 5.0
+    would hide a size computed in floating point, whose next value may not be integral."""
+    with pytest.raises(TypeError, match=message):
+        make()
+
+
+def test_numpy_integer_sizes_are_integers():
+    assert Layout.rows((10, 4), sizes=[np.int64(4), np.int32(6)]) == Layout.rows(
+        (10, 4), sizes=[4, 6]
+    )
+
+
 def test_nranks_none_asks_the_installed_resolver():
     previous = layout_module.set_default_nranks(lambda: 5)
     try:

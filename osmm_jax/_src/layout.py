@@ -150,8 +150,13 @@ class Layout:
     def __post_init__(self):
         shape = _check_shape(self.shape)
         object.__setattr__(self, "shape", shape)
+        # checks.integer, not int(): a bound of 4.5 must be refused, not cut down to 4.
         blocks = tuple(
-            ((int(r0), int(r1)), (int(c0), int(c1))) for (r0, r1), (c0, c1) in self.blocks
+            tuple(
+                tuple(checks.integer(x, f"blocks[{r}][{d}][{i}]") for i, x in enumerate(iv))
+                for d, iv in enumerate(block)
+            )
+            for r, block in enumerate(self.blocks)
         )
         object.__setattr__(self, "blocks", blocks)
         if not blocks:
