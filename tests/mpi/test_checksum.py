@@ -92,3 +92,23 @@ def test_environment_turns_verification_on(monkeypatch):
     with inject_fault(0, 5.0):
         with pytest.raises(Exception, match="on rank 0"):
             jax.block_until_ready(om.matmul(a, b, plan))
+
+
+@pytest.mark.parametrize("method", ["one_sided", "allreduce"])
+def test_non_finite_inputs_are_not_reported_as_a_faulty_product(method):
+    """A NaN in A is the user's data, not a fault: verification lets it through to exactly the
+    rows of C it touches (a non-finite result from finite inputs still fails)."""
+    for plan in _plans():
+        rng = np.random.default_rng(1)
+        a_full = rng.standard_normal((M, K))
+        a_full[M // 2, K // 3] = np.nan
+        b_full = rng.standard_normal((K, N))
+        a = plan.a.shard(jnp.asarray(a_full, jnp.float32), RANK)
+        b = plan.b.shard(jnp.asarray(b_full, jnp.float32), RANK)
+        got = jax.jit(lambda x, y, p=plan: om.matmul(x, y, p, method=method, verify=True))(a, b)
+        expected = plan.c.shard(jnp.asarray(a_full @ b_full, jnp.float32), RANK)
+        np.testing.assert_array_equal(np.isnan(np.asarray(got)), np.isnan(np.asarray(expected)))
+        finite = ~np.isnan(np.asarray(expected))
+        np.testing.assert_allclose(
+            np.asarray(got)[finite], np.asarray(expected)[finite], 1e-4, 1e-4
+        )
