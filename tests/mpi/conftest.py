@@ -31,7 +31,7 @@ import sys
 import pytest
 from mpi4py import MPI
 
-sys.path.insert(0, os.path.dirname(__file__))  # helper modules shared by the tests (layout_cases)
+sys.path.insert(0, os.path.dirname(__file__))  # helper modules shared by the tests (product_cases)
 
 _OUTCOMES = MPI.COMM_WORLD.Dup()
 _SIZE = MPI.COMM_WORLD.Get_size()

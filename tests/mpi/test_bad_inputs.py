@@ -10,18 +10,16 @@ from __future__ import annotations
 import re
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from layout_cases import uneven_weights
 from mpi4py import MPI
+from product_cases import K, M, N, global_inputs, product_and_grads, uneven_weights
 
 import osmm_jax as om
 
 jax.config.update("jax_enable_x64", True)
 
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-M, K, N = 7, 9, 5
 METHODS = ("one_sided", "allreduce")
 
 
@@ -41,11 +39,6 @@ def _layouts(split: str, m: int, k: int, n: int):
     )
 
 
-def _inputs(m=M, k=K, n=N, seed=0):
-    rng = np.random.default_rng(seed)
-    return rng.standard_normal((m, k)), rng.standard_normal((k, n)), rng.standard_normal((m, n))
-
-
 # -- NaN and Inf --------------------------------------------------------------------------
 
 
@@ -58,18 +51,12 @@ def test_a_non_finite_element_of_a_spoils_exactly_its_row_of_c(method, split, ba
     (= A[:, j].T @ dC) is non-finite, and dA = dC @ B.T stays finite and correct."""
     a_layout, b_layout, c_layout = _layouts(split, M, K, N)
     plan = om.plan(a_layout, b_layout, c_layout)
-    a, b, g = _inputs()
+    a, b, g = global_inputs()
     i, j = 3, 4
     a[i, j] = bad
     a_loc, b_loc, g_loc = a_layout.shard(a, RANK), b_layout.shard(b, RANK), c_layout.shard(g, RANK)
 
-    def loss(x, y):
-        c = om.matmul(x, y, plan, method=method)
-        return jnp.sum(c * g_loc), c
-
-    (_, c_loc), (da, db) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
-        a_loc, b_loc
-    )
+    c_loc, da, db = product_and_grads(plan, method, a_loc, b_loc, g_loc)
     clean = a.copy()
     clean[i, j] = 0.0
     want_c, bad_c = clean @ b, np.zeros((M, N), bool)
@@ -92,7 +79,7 @@ def test_a_non_finite_element_of_a_spoils_exactly_its_row_of_c(method, split, ba
 def test_a_nan_in_b_spoils_exactly_its_column_of_c(method, split):
     a_layout, b_layout, c_layout = _layouts(split, M, K, N)
     plan = om.plan(a_layout, b_layout, c_layout)
-    a, b, _ = _inputs(seed=1)
+    a, b, _ = global_inputs(seed=1)
     j, n = 2, 3
     b[j, n] = np.nan
     c_loc = np.asarray(
@@ -123,19 +110,13 @@ def test_empty_matrices_give_numpys_answer(method, split, dims):
     m, k, n = dims
     a_layout, b_layout, c_layout = _layouts(split, m, k, n)
     plan = om.plan(a_layout, b_layout, c_layout)
-    a, b, g = _inputs(m, k, n, seed=2)
+    a, b, g = global_inputs(m=m, k=k, n=n, seed=2)
     a_loc, b_loc, g_loc = a_layout.shard(a, RANK), b_layout.shard(b, RANK), c_layout.shard(g, RANK)
 
     c_eager = om.matmul(a_loc, b_loc, plan, method=method, verify=True, chunk_bytes=8)
     np.testing.assert_array_equal(c_eager, c_layout.shard(a @ b, RANK))
 
-    def loss(x, y):
-        c = om.matmul(x, y, plan, method=method)
-        return jnp.sum(c * g_loc), c
-
-    (_, c_loc), (da, db) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
-        a_loc, b_loc
-    )
+    c_loc, da, db = product_and_grads(plan, method, a_loc, b_loc, g_loc)
     assert c_loc.shape == c_layout.local_shape(RANK)
     np.testing.assert_allclose(c_loc, c_layout.shard(a @ b, RANK), rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(da, a_layout.shard(g @ b.T, RANK), rtol=1e-12, atol=1e-12)
@@ -152,7 +133,7 @@ def test_a_traced_operand_of_the_wrong_shape_fails_at_trace_time_on_every_rank(m
     rank raises the same ValueError naming the operand and the block it should have."""
     a_layout, b_layout, c_layout = _layouts("rows", M, K, N)
     plan = om.plan(a_layout, b_layout, c_layout)
-    a, b, _ = _inputs()
+    a, b, _ = global_inputs()
     a_loc, b_loc = a_layout.shard(a, RANK), b_layout.shard(b, RANK)
     expected = (a_layout if operand == "a_local" else b_layout).local_shape(0)
     if operand == "a_local":
@@ -182,6 +163,6 @@ def test_a_garbage_variable_on_one_rank_is_an_error_on_every_rank(monkeypatch, n
         monkeypatch.delenv(name, raising=False)
     a_layout, b_layout, c_layout = _layouts("rows", M, K, N)
     plan = om.plan(a_layout, b_layout, c_layout)
-    a, b, _ = _inputs()
+    a, b, _ = global_inputs()
     with pytest.raises(ValueError, match=rf"rank 0: {name}.*{text}"):
         om.matmul(a_layout.shard(a, RANK), b_layout.shard(b, RANK), plan)

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from layout_cases import KINDS, make_layout
 from mpi4py import MPI
+from product_cases import KINDS, make_layout, product_and_grads
 
 import osmm_jax as om
 
@@ -55,13 +55,7 @@ def test_forward_and_grad_on_the_gpu_match_numpy(kinds, method, dtype_name):
     g_loc = jnp.asarray(c_layout.shard(g, RANK), dtype)
     assert a_loc.devices().pop().platform == "gpu"
 
-    def loss(x, y):
-        c = om.matmul(x, y, plan, method=method)
-        return jnp.sum((c * g_loc).astype(jnp.float32)), c
-
-    (_, c_loc), (da, db) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
-        a_loc, b_loc
-    )
+    c_loc, da, db = product_and_grads(plan, method, a_loc, b_loc, g_loc)
     assert c_loc.dtype == dtype and c_loc.devices().pop().platform == "gpu"
     _close(c_loc, c_layout.shard(a @ b, RANK), tol)
     _close(da, a_layout.shard(g @ b.T, RANK), tol)

@@ -13,25 +13,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from layout_cases import KINDS, make_layout, uneven_weights
 from mpi4py import MPI
+from product_cases import (
+    KINDS,
+    K,
+    M,
+    N,
+    global_inputs,
+    make_layout,
+    product_and_grads,
+    uneven_weights,
+)
 
 import osmm_jax as om
 
 jax.config.update("jax_enable_x64", True)
 
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-M, K, N = 7, 9, 5  # divisible by no rank count > 1
 METHODS = ("one_sided", "allreduce")
-
-
-def global_inputs(dtype=np.float64, seed=0, m=M, k=K, n=N):
-    rng = np.random.default_rng(seed)
-    return (
-        rng.standard_normal((m, k)).astype(dtype),
-        rng.standard_normal((k, n)).astype(dtype),
-        rng.standard_normal((m, n)).astype(dtype),
-    )
 
 
 COMBOS = list(itertools.product(KINDS, KINDS, KINDS))
@@ -47,13 +46,7 @@ def test_jit_forward_and_grad_match_numpy(kinds, method):
     a, b, g = global_inputs()
     a_loc, b_loc, g_loc = a_layout.shard(a, RANK), b_layout.shard(b, RANK), c_layout.shard(g, RANK)
 
-    def loss(x, y):
-        c = om.matmul(x, y, plan, method=method)
-        return jnp.sum(c * g_loc), c
-
-    (_, c_loc), (da, db) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
-        a_loc, b_loc
-    )
+    c_loc, da, db = product_and_grads(plan, method, a_loc, b_loc, g_loc)
     np.testing.assert_allclose(c_loc, c_layout.shard(a @ b, RANK), rtol=1e-12, atol=1e-12)
     # The cotangent of C is g (the same global value on every rank that holds a copy).
     np.testing.assert_allclose(da, a_layout.shard(g @ b.T, RANK), rtol=1e-12, atol=1e-12)
