@@ -17,10 +17,16 @@ skipped, with a reason that names the sizes::
 
 Every rank runs the same tests in the same order: the skips depend on the job size alone, and
 after collection the ranks compare their lists of tests and stop with a usage error if they
-differ (e.g. after ``--lf``, whose cache only rank 0 keeps). After each test the ranks exchange
-their outcomes, so a test that fails on one rank fails on all of them, and the report names the
-failing ranks and their errors. A rank stuck in a collective is caught by pytest-timeout and by
-the timeout around mpiexec, so a run always ends.
+differ (e.g. after ``--lf``, whose cache only rank 0 keeps).
+
+After each phase of each test (setup, call, teardown) the ranks exchange their outcomes, so a
+test that fails, or whose fixture fails at setup or at teardown, on one rank fails (or errors)
+on all of them, and the report names the failing ranks and their errors; a test skipped on some
+ranks only (``pytest.skip`` in a fixture) is skipped on all, naming those ranks. The merged
+outcome of setup decides on every rank alike whether the test itself runs, so all ranks make
+the same exchanges in the same order whatever failed where: a fixture error on one rank cannot
+leave the ranks a test apart. A rank stuck in a collective is caught by pytest-timeout and by
+the timeout around mpiexec, so a run always ends (tests/mpi/test_conftest_exchange.py).
 """
 
 from __future__ import annotations
@@ -91,17 +97,55 @@ def pytest_collection_finish(session):
         )
 
 
+def _merge_outcomes(report, everyone: list[tuple[str, object]]) -> None:
+    """Make ``report`` (this rank's report of one phase of one test) tell what happened on every
+    rank, given each rank's ``(outcome, detail)`` for that phase: failed if any rank failed
+    (naming those ranks and their errors), else skipped if any rank skipped (naming them and the
+    first one's reason), else as it is (passed everywhere, or skipped everywhere)."""
+    failed = {r: detail for r, (outcome, detail) in enumerate(everyone) if outcome == "failed"}
+    if failed:
+        report.outcome = "failed"
+        if hasattr(report, "wasxfail"):
+            del report.wasxfail  # a failure is a failure on every rank, not an expected one
+        errors = "\n".join(f"---- rank {r} ----\n{msg}" for r, msg in failed.items())
+        report.longrepr = f"failed on rank(s) {sorted(failed)} of {len(everyone)}:\n{errors}"
+        return
+    skipped = [r for r, (outcome, _) in enumerate(everyone) if outcome == "skipped"]
+    if skipped and len(skipped) < len(everyone):
+        path, lineno, reason = everyone[skipped[0]][1]
+        report.outcome = "skipped"
+        report.longrepr = (
+            path,
+            lineno,
+            f"skipped on rank(s) {skipped} of {len(everyone)}: {reason}",
+        )
+
+
+def _detail(report):
+    """What the other ranks need to know of this rank's report: its error, or where and why it
+    was skipped as ``(path, lineno, reason)``."""
+    if report.failed:
+        return str(report.longrepr)[-3000:]
+    if report.skipped:
+        longrepr = report.longrepr
+        if isinstance(longrepr, tuple) and len(longrepr) == 3:
+            return tuple(longrepr)
+        return (str(report.fspath), report.location[1], str(longrepr))
+    return None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
+    """Exchange the outcome of every phase (setup, call, teardown) of every test between the
+    ranks, and report the merged outcome on each.
+
+    Every rank runs setup and teardown, and runs the call only if its setup report passed, which
+    after the merge is so on every rank or on none: so every rank makes the same exchanges for
+    every test, whatever failed where, and a failure on one rank cannot leave the others a phase
+    ahead (pairing one test's exchange with another's, or waiting for ever)."""
     outcome = yield
-    if call.when != "call":
+    if _SIZE == 1:
         return
     report = outcome.get_result()
-    message = str(report.longrepr)[-3000:] if report.failed else None
-    everyone = _OUTCOMES.allgather(message)
-    failed = {r: msg for r, msg in enumerate(everyone) if msg is not None}
-    if failed and not report.failed:
-        report.outcome = "failed"
-    if failed:
-        detail = "\n".join(f"---- rank {r} ----\n{msg}" for r, msg in failed.items())
-        report.longrepr = f"failed on rank(s) {sorted(failed)} of {len(everyone)}:\n{detail}"
+    everyone = _OUTCOMES.allgather((report.outcome, _detail(report)))
+    _merge_outcomes(report, everyone)
