@@ -46,6 +46,8 @@ _PUBLIC = {
     "gather": "osmm_jax._src.api",
     "stats": "osmm_jax._src.api",
     "ChecksumError": "osmm_jax._src.checksum",
+    "timeout": "osmm_jax._src.watchdog",
+    "WatchdogTimeout": "osmm_jax._src.watchdog",
     "MethodSelector": "osmm_jax._src.fallback",
     "profile_speeds": "osmm_jax._src.speeds",
     "SpeedProfile": "osmm_jax._src.speeds",
@@ -78,6 +80,7 @@ __all__ = [
     "Rebalancer",
     "SpeedProfile",
     "Transfer",
+    "WatchdogTimeout",
     "auto_layouts",
     "balance",
     "declared_speeds",
@@ -92,6 +95,7 @@ __all__ = [
     "split_sizes",
     "start_metrics",
     "stats",
+    "timeout",
     "write_metrics",
 ]
 
@@ -126,3 +130,4 @@ if TYPE_CHECKING:
     from osmm_jax._src.plot import plot_layout, plot_plan
     from osmm_jax._src.rebalance import Rebalancer
     from osmm_jax._src.speeds import SpeedProfile, declared_speeds, profile_speeds
+    from osmm_jax._src.watchdog import WatchdogTimeout, timeout

@@ -4,6 +4,7 @@
 #include <mutex>
 
 #include "counters.h"
+#include "watchdog.h"
 #include "windows.h"
 
 namespace osmm {
@@ -29,8 +30,8 @@ bool AgreedBefore(uint64_t comm_key, uint64_t signature, bool remember) {
 
 }  // namespace
 
-ffi::Error Agree(MPI_Comm comm, const char* op, const std::string& problem, const SameValues& same,
-                 uint64_t signature, MPI_Comm* private_comm_out) {
+ffi::Error Agree(MPI_Comm comm, const char* op, int64_t call_id, const std::string& problem,
+                 const SameValues& same, uint64_t signature, MPI_Comm* private_comm_out) {
   MPI_Comm private_comm = MPI_COMM_NULL;
   if (ffi::Error err = PrivateComm(comm, &private_comm); err.failure()) return err;
   *private_comm_out = private_comm;
@@ -44,24 +45,37 @@ ffi::Error Agree(MPI_Comm comm, const char* op, const std::string& problem, cons
   // MIN over: the first failing rank (size if none), then each value and its complement
   // (~x = -x - 1 reverses the order without overflow), giving the minimum and the maximum.
   std::vector<int64_t> v;
-  v.reserve(1 + 2 * same.size());
+  v.reserve(3 + 2 * same.size());
   v.push_back(problem.empty() ? size : rank);
+  // The call's id (identical on every rank for the same call): differing ids mean the ranks
+  // run different calls.
+  v.push_back(call_id);
+  v.push_back(~call_id);
   for (const auto& entry : same) {
     v.push_back(entry.second);
     v.push_back(~entry.second);
   }
   GlobalCounters().agreements.fetch_add(1, std::memory_order_relaxed);
-  int rc = MPI_Allreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_INT64_T, MPI_MIN,
-                         private_comm);
-  if (rc != MPI_SUCCESS) return MpiError(rc, std::string(op) + ": MPI_Allreduce");
+  MPI_Request request = MPI_REQUEST_NULL;
+  int rc = MPI_Iallreduce(MPI_IN_PLACE, v.data(), static_cast<int>(v.size()), MPI_INT64_T, MPI_MIN,
+                          private_comm, &request);
+  if (rc != MPI_SUCCESS) return MpiError(rc, std::string(op) + ": MPI_Iallreduce");
+  if (ffi::Error err = WaitBounded(&request, private_comm, Step::kAgreement,
+                                   (std::string(op) + ": the all-ranks agreement").c_str());
+      err.failure()) {
+    return err;
+  }
+  if (v[1] != ~v[2]) {
+    return Desynchronised(private_comm, std::string(op) + ": the ranks' call ids differ");
+  }
   if (!problem.empty()) return ffi::Error::InvalidArgument(std::string(op) + ": " + problem);
   if (v[0] < size) {
     return ffi::Error::InvalidArgument(std::string(op) + ": rank " + std::to_string(v[0]) +
                                        " rejected its inputs (its error says why); nothing moved");
   }
   for (size_t i = 0; i < same.size(); ++i) {
-    const int64_t lo = v[1 + 2 * i];
-    const int64_t hi = ~v[2 + 2 * i];
+    const int64_t lo = v[3 + 2 * i];
+    const int64_t hi = ~v[4 + 2 * i];
     if (lo != hi) {
       return ffi::Error::InvalidArgument(std::string(op) + ": " + same[i].first +
                                          " must be identical on every rank, but ranges from " +

@@ -56,12 +56,13 @@ class Signature {
 using SameValues = std::vector<std::pair<const char*, int64_t>>;
 
 // Collective (unless `signature` was agreed before on this communicator): agrees on whether
-// every rank accepted its inputs (`problem` empty) and on the values in `same`. Returns the
-// same verdict everywhere: success, or an InvalidArgument naming this rank's problem or the
-// first rank that had one. On success *private_comm is this layer's duplicate of `comm`, over
-// which windows are made.
-ffi::Error Agree(MPI_Comm comm, const char* op, const std::string& problem, const SameValues& same,
-                 uint64_t signature, MPI_Comm* private_comm);
+// every rank accepted its inputs (`problem` empty), runs the same call (`call_id`) and has the
+// values in `same`. Returns the same verdict everywhere: success, or an InvalidArgument naming
+// this rank's problem or the first rank that had one. Differing call ids mean the ranks are out
+// of step (see Desynchronised in watchdog.h). On success *private_comm is this layer's
+// duplicate of `comm`, over which windows are made. Waited for under the watchdog.
+ffi::Error Agree(MPI_Comm comm, const char* op, int64_t call_id, const std::string& problem,
+                 const SameValues& same, uint64_t signature, MPI_Comm* private_comm);
 
 }  // namespace osmm
 

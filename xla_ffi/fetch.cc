@@ -7,7 +7,9 @@
 #include "agreement.h"
 #include "counters.h"
 #include "records.h"
+#include "reduce.h"
 #include "rma.h"
+#include "watchdog.h"
 #include "windows.h"
 
 namespace osmm {
@@ -30,6 +32,10 @@ ffi::Error Fetch(BufferOps& ops, ffi::AnyBuffer a, ffi::AnyBuffer b,
                  ffi::Span<const int64_t> gets) {
   CallComm call;
   if (ffi::Error err = OpenCall("osmm_fetch", comm_handle, &call); err.failure()) return err;
+  if (ffi::Error err = CheckUsable(call.comm); err.failure()) return err;
+  if (ffi::Error err = CloseAbandonedReduce(ops, CommKey(call.comm)); err.failure()) return err;
+  const int64_t number = BeginCall(CallKind::kFetch, call_id);
+  CallScope call_scope;
 
   // Local checks.
   const ffi::DataType dtype = a.element_type();
@@ -82,7 +88,7 @@ ffi::Error Fetch(BufferOps& ops, ffi::AnyBuffer a, ffi::AnyBuffer b,
                                  .Add(gets)
                                  .Add(memory_kind)
                                  .value();
-  if (ffi::Error err = Agree(call.comm, "osmm_fetch", problem,
+  if (ffi::Error err = Agree(call.comm, "osmm_fetch", call_id, problem,
                              {{"window_bytes", window_bytes},
                               {"b_offset", b_offset},
                               {"window memory kind", memory_kind}},
@@ -110,8 +116,24 @@ ffi::Error Fetch(BufferOps& ops, ffi::AnyBuffer a, ffi::AnyBuffer b,
   if (local.success()) {
     local = ops.RmaDestination(key, fetched->untyped_data(), fetched_bytes, &dest);
   }
-  if (ffi::Error err = Fence(lease.win(), 0, "osmm_fetch: opening MPI_Win_fence"); err.failure()) {
+  int rank = 0;
+  MPI_Comm_rank(private_comm, &rank);
+  int64_t* header = lease.header();
+  if (header != nullptr) {
+    header[WindowHeader::kCallId] = call_id;
+    header[WindowHeader::kCallNumber] = number;
+  }
+  if (ffi::Error err = Fence(lease.win(), private_comm, 0, "osmm_fetch: opening MPI_Win_fence");
+      err.failure()) {
     return err;
+  }
+  // The next rank's header, to check that it runs this call too.
+  int64_t peer[2] = {call_id, 0};
+  const int peer_rank = (rank + 1) % call.size;
+  int peer_rc = MPI_SUCCESS;
+  if (header != nullptr && call.size > 1) {
+    peer_rc = MPI_Get(peer, 2, MPI_INT64_T, peer_rank, static_cast<MPI_Aint>(lease.bytes()), 2,
+                      MPI_INT64_T, lease.win());
   }
   const double epoch_start = MPI_Wtime();
   int rma_rc = MPI_SUCCESS;
@@ -136,8 +158,14 @@ ffi::Error Fetch(BufferOps& ops, ffi::AnyBuffer a, ffi::AnyBuffer b,
       counters.gets.fetch_add(1, std::memory_order_relaxed);
     }
   }
-  ffi::Error closing = Fence(lease.win(), MPI_MODE_NOSUCCEED, "osmm_fetch: closing MPI_Win_fence");
+  ffi::Error closing =
+      Fence(lease.win(), private_comm, MPI_MODE_NOSUCCEED, "osmm_fetch: closing MPI_Win_fence");
   RecordEpochLatency(MPI_Wtime() - epoch_start);
+  if (closing.success() && peer_rc == MPI_SUCCESS && peer[0] != call_id) {
+    return Desynchronised(
+        private_comm, OutOfStep("osmm_fetch", rank, number, call_id, peer_rank, peer[1], peer[0]));
+  }
+  if (peer_rc != MPI_SUCCESS) return MpiError(peer_rc, "osmm_fetch: MPI_Get (peer header)");
   if (local.failure()) return local;
   if (rma_rc != MPI_SUCCESS) return MpiError(rma_rc, "osmm_fetch: MPI_Get");
   if (closing.failure()) return closing;

@@ -15,6 +15,7 @@
 #include "issuer.h"
 #include "records.h"
 #include "registrations.h"
+#include "watchdog.h"
 #include "windows.h"
 
 namespace nb = nanobind;
@@ -77,6 +78,30 @@ void PrepareComm(int64_t handle) {
   if (!message.empty()) throw std::runtime_error(message);
 }
 
+void SetWatchdog(double timeout_seconds, bool raise) {
+  osmm::SetWatchdogSettings(osmm::WatchdogSettings{timeout_seconds, raise});
+}
+
+nb::tuple WatchdogSettings() {
+  const osmm::WatchdogSettings s = osmm::GetWatchdogSettings();
+  return nb::make_tuple(s.timeout_seconds, s.raise);
+}
+
+std::string DescribeRanks(int64_t handle, const std::string& headline) {
+  nb::gil_scoped_release release;  // waits for other ranks' records
+  return osmm::DescribeRanks(osmm::CommFromHandle(handle), headline);
+}
+
+void BeginHostStep(int64_t handle) {
+  osmm::BeginCall(osmm::CallKind::kHost, 0);
+  osmm::EnterStep(osmm::Step::kHostAgreement, osmm::CommFromHandle(handle));
+}
+
+void EndHostStep() {
+  osmm::LeaveStep();
+  osmm::EndCall();
+}
+
 std::string MpiLibraryVersion() {
   char text[MPI_MAX_LIBRARY_VERSION_STRING];
   int length = 0;
@@ -107,6 +132,30 @@ NB_MODULE(_osmm_ffi, m) {
         "(signed int64, as passed to the handlers). Collective over that communicator; "
         "optional (the first handler call does it otherwise), but calling it from the thread "
         "that owns the communicator keeps every collective on it on that thread.");
+  m.def("set_watchdog", &SetWatchdog, nb::arg("timeout_seconds"), nb::arg("raise_error"),
+        "Bound every blocking MPI step of the native layer to `timeout_seconds` (<= 0: no "
+        "bound); `raise_error`: fail the call where the step allows it instead of ending the "
+        "job. Starts the watchdog thread.");
+  m.def("watchdog_settings", &WatchdogSettings, "(timeout_seconds, raise_error) in force.");
+  m.def("describe_ranks", &DescribeRanks, nb::arg("comm"), nb::arg("headline"),
+        "A report of where every rank of the communicator with handle `comm` is (read through "
+        "the watchdog's side channel, waiting at most 2 s for each rank), under `headline`.");
+  m.def("begin_host_step", &BeginHostStep, nb::arg("comm"),
+        "Mark this rank as blocked in matmul's own collective on `comm` (watched).");
+  m.def("end_host_step", &EndHostStep, "End what begin_host_step marked.");
+  m.def(
+      "inject_failure",
+      [](const std::string& op, int64_t count) {
+        if (!osmm::InjectFailure(op, count)) {
+          throw std::invalid_argument("inject_failure supports op='osmm_reduce_finish' only");
+        }
+      },
+      nb::arg("op"), nb::arg("count") = 1,
+      "Test hook: the next `count` calls of osmm_reduce_finish on this process fail at their "
+      "start, as if XLA had failed between the reduce's start and finish.");
+  m.def(
+      "watchdog_exit_code", [] { return osmm::kWatchdogExitCode; },
+      "The exit code of MPI_Abort after a timeout or when the ranks are out of step.");
   m.def("mpi_library_version", &MpiLibraryVersion,
         "MPI_Get_library_version() of the MPI this module was linked against.");
   // The transfer-record format (records.h), for the lowering that writes the records.

@@ -14,6 +14,7 @@
 #include "issuer.h"
 #include "records.h"
 #include "rma.h"
+#include "watchdog.h"
 #include "windows.h"
 
 namespace osmm {
@@ -40,6 +41,13 @@ struct ReduceEpoch {
   int64_t next_chunk = 0;
   std::string problem;  // a local inconsistency found after the epoch opened
   double start_time = 0.0;
+  int rank = 0;
+  int size = 1;
+  int64_t call_id = 0;
+  int64_t number = 0;         // this call's number on this rank (watchdog.h)
+  int64_t* header = nullptr;  // the window's header (WindowHeader), nullptr if it has none
+  int64_t peer[2] = {0, 0};   // the next rank's header: its call id and number
+  int peer_rc = MPI_SUCCESS;  // MPI_Get of `peer`; not issued: peer[0] stays call_id
 };
 
 struct EpochTable {
@@ -150,6 +158,10 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
   if (ffi::Error err = OpenCall("osmm_reduce_start", comm_handle, &call); err.failure()) {
     return err;
   }
+  if (ffi::Error err = CheckUsable(call.comm); err.failure()) return err;
+  if (ffi::Error err = CloseAbandonedReduce(ops, CommKey(call.comm)); err.failure()) return err;
+  const int64_t number = BeginCall(CallKind::kReduce, call_id);
+  CallScope call_scope;  // released once the epoch is open: the finish ends the call
 
   // Local checks of every chunk's records, before anything moves.
   const ffi::DataType dtype = chunk.element_type();
@@ -214,7 +226,7 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
                                  .Add(chunk_sizes)
                                  .Add(memory_kind)
                                  .value();
-  if (ffi::Error err = Agree(call.comm, "osmm_reduce_start", problem,
+  if (ffi::Error err = Agree(call.comm, "osmm_reduce_start", call_id, problem,
                              {{"window_bytes", window_bytes}, {"window memory kind", memory_kind}},
                              signature, &private_comm);
       err.failure()) {
@@ -222,9 +234,6 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
   }
 
   // Every rank accepted its records: open one fence epoch on the reduce window.
-  if (FindEpoch(key) != nullptr) {
-    return ffi::Error::Internal("osmm_reduce_start: an epoch is already open on this communicator");
-  }
   ffi::Error local = ffi::Error::Success();
   {
     WindowLease lease;
@@ -237,6 +246,16 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
     epoch.win = lease.win();
     epoch.window_base = lease.base();
     epoch.window_bytes = lease.bytes();
+    epoch.header = lease.header();
+  }
+  MPI_Comm_rank(private_comm, &epoch.rank);
+  epoch.size = call.size;
+  epoch.call_id = call_id;
+  epoch.number = number;
+  epoch.peer[0] = call_id;
+  if (epoch.header != nullptr) {
+    epoch.header[WindowHeader::kCallId] = call_id;
+    epoch.header[WindowHeader::kCallNumber] = number;
   }
   epoch.key = key;
   epoch.private_comm = private_comm;
@@ -250,8 +269,8 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
   epoch.chunk_sizes.assign(chunk_sizes.begin(), chunk_sizes.end());
   // NOPRECEDE: the previous epoch on this window ended with a NOSUCCEED fence, and the
   // agreement above has just synchronised the ranks, so MPI may skip another barrier.
-  if (ffi::Error err =
-          Fence(epoch.win, MPI_MODE_NOPRECEDE, "osmm_reduce_start: opening MPI_Win_fence");
+  if (ffi::Error err = Fence(epoch.win, private_comm, MPI_MODE_NOPRECEDE,
+                             "osmm_reduce_start: opening MPI_Win_fence");
       err.failure()) {
     return err;
   }
@@ -263,6 +282,12 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
     std::lock_guard<std::mutex> lock(t.mu);
     t.open.emplace_back(key, std::make_unique<ReduceEpoch>(std::move(epoch)));
     open = t.open.back().second.get();
+  }
+  call_scope.Release();
+  if (open->header != nullptr && open->size > 1) {
+    // The next rank's header, to check at the finish that it runs this call too.
+    open->peer_rc = MPI_Get(open->peer, 2, MPI_INT64_T, (open->rank + 1) % open->size,
+                            static_cast<MPI_Aint>(open->window_bytes), 2, MPI_INT64_T, open->win);
   }
   // Kept even if issuing fails: the finish must still close the epoch on every rank.
   open->problem = local.success() ? SubmitChunk(ops, open, 0, chunk) : local.message();
@@ -308,6 +333,10 @@ ffi::Error ReduceFinish(BufferOps& ops, ffi::AnyBuffer local, ffi::Result<ffi::A
       err.failure()) {
     return err;
   }
+  CallScope call_scope;
+  if (TakeInjectedFailure("osmm_reduce_finish")) {
+    return ffi::Error::Internal("osmm_reduce_finish: injected failure (test hook)");
+  }
   std::string problem = epoch->async ? GlobalIssuer().Drain() : std::string();
   if (problem.empty()) problem = epoch->problem;
   if (problem.empty() && epoch->next_chunk != static_cast<int64_t>(epoch->chunk_sizes.size())) {
@@ -320,12 +349,31 @@ ffi::Error ReduceFinish(BufferOps& ops, ffi::AnyBuffer local, ffi::Result<ffi::A
        n != epoch->local_elements || !SameDims(local, *out))) {
     problem = "osmm_reduce_finish: local and out must match the epoch's dtype and C block";
   }
-  ffi::Error closing =
-      Fence(epoch->win, MPI_MODE_NOSUCCEED, "osmm_reduce_finish: closing MPI_Win_fence");
+  ffi::Error closing = Fence(epoch->win, epoch->private_comm, MPI_MODE_NOSUCCEED,
+                             "osmm_reduce_finish: closing MPI_Win_fence");
   RecordEpochLatency(MPI_Wtime() - epoch->start_time);
   std::byte* received = epoch->window_base;
   const int64_t window_bytes = epoch->window_bytes;
   const ffi::DataType dtype = epoch->dtype;
+  const MPI_Comm private_comm = epoch->private_comm;
+  std::string out_of_step;
+  if (closing.success() && epoch->header != nullptr) {
+    const int64_t abandoned = epoch->header[WindowHeader::kAbandoned];
+    epoch->header[WindowHeader::kAbandoned] = 0;
+    if (abandoned != 0 && problem.empty()) {
+      problem = "osmm_reduce_finish: rank " + std::to_string(abandoned - 1) +
+                " abandoned this product (an error stopped its program between the start and "
+                "the finish of the reduce; its own error says which); this rank's result would "
+                "be incomplete and was discarded. The next product runs normally.";
+    } else if (abandoned == 0 && epoch->peer_rc == MPI_SUCCESS &&
+               epoch->peer[0] != epoch->call_id) {
+      out_of_step = OutOfStep("osmm_reduce", epoch->rank, epoch->number, epoch->call_id,
+                              (epoch->rank + 1) % epoch->size, epoch->peer[1], epoch->peer[0]);
+    }
+  }
+  if (problem.empty() && epoch->peer_rc != MPI_SUCCESS) {
+    problem = MpiError(epoch->peer_rc, "osmm_reduce_start: MPI_Get (peer header)").message();
+  }
   {
     EpochTable& t = Epochs();
     std::lock_guard<std::mutex> lock(t.mu);
@@ -333,15 +381,47 @@ ffi::Error ReduceFinish(BufferOps& ops, ffi::AnyBuffer local, ffi::Result<ffi::A
     t.open.erase(std::find_if(t.open.begin(), t.open.end(),
                               [key](const auto& entry) { return entry.first == key; }));
   }
-  if (!problem.empty()) {
+  if (!problem.empty() || !out_of_step.empty()) {
     // Restore the all-zero invariant whatever arrived.
     if (ffi::Error err = ops.ZeroWindow(received, window_bytes); err.failure()) {
       problem += "; clearing the window failed too: " + err.message();
     }
+    if (!out_of_step.empty()) return Desynchronised(private_comm, out_of_step);
     return ffi::Error::Internal(problem);
   }
   if (closing.failure()) return closing;
   return ops.AddWindowInto(dtype, local.untyped_data(), received, out->untyped_data(), n);
+}
+
+ffi::Error CloseAbandonedReduce(BufferOps& ops, uint64_t comm_key) {
+  ReduceEpoch* epoch = FindEpoch(comm_key);
+  if (epoch == nullptr) return ffi::Error::Success();
+  if (epoch->async) GlobalIssuer().Drain();
+  // The marker must stay valid until the closing fence below has completed.
+  const int64_t marker = epoch->rank + 1;
+  int rc = MPI_SUCCESS;
+  if (epoch->header != nullptr) {
+    const MPI_Aint disp = static_cast<MPI_Aint>(epoch->window_bytes + 8 * WindowHeader::kAbandoned);
+    for (int target = 0; target < epoch->size && rc == MPI_SUCCESS; ++target) {
+      if (target == epoch->rank) continue;
+      rc = MPI_Accumulate(&marker, 1, MPI_INT64_T, target, disp, 1, MPI_INT64_T, MPI_REPLACE,
+                          epoch->win);
+    }
+  }
+  ffi::Error closing = Fence(epoch->win, epoch->private_comm, MPI_MODE_NOSUCCEED,
+                             "closing an abandoned reduce epoch: MPI_Win_fence");
+  ffi::Error cleared = ops.ZeroWindow(epoch->window_base, epoch->window_bytes);
+  if (epoch->header != nullptr) epoch->header[WindowHeader::kAbandoned] = 0;
+  {
+    EpochTable& t = Epochs();
+    std::lock_guard<std::mutex> lock(t.mu);
+    t.open.erase(std::find_if(t.open.begin(), t.open.end(),
+                              [comm_key](const auto& entry) { return entry.first == comm_key; }));
+  }
+  EndCall();
+  if (rc != MPI_SUCCESS) return MpiError(rc, "closing an abandoned reduce epoch: MPI_Accumulate");
+  if (closing.failure()) return closing;
+  return cleared;
 }
 
 }  // namespace osmm

@@ -32,6 +32,15 @@ ffi::Error ReduceIssue(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
 ffi::Error ReduceFinish(BufferOps& ops, ffi::AnyBuffer local, ffi::Result<ffi::AnyBuffer> out,
                         int64_t comm_handle);
 
+// Closes a reduce epoch still open on the communicator with key `comm_key` (CommKey of the
+// caller's communicator) because its finish never ran on this rank: an error stopped this
+// rank's program between the start and the finish. The other ranks wait in the closing fence
+// of their finish; this rank marks the epoch abandoned in every rank's window header and
+// closes the fence with them, so their finish fails ("rank r abandoned this product") instead
+// of returning a partial sum, and every rank is in step again. Clears the window. Every
+// collective call on a communicator runs this first; nothing happens when no epoch is open.
+ffi::Error CloseAbandonedReduce(BufferOps& ops, uint64_t comm_key);
+
 }  // namespace osmm
 
 #endif  // OSMM_JAX_XLA_FFI_REDUCE_H_

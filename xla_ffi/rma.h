@@ -10,6 +10,7 @@
 
 #include "common.h"
 #include "counters.h"
+#include "watchdog.h"
 
 namespace osmm {
 
@@ -51,8 +52,16 @@ int IssueRect(int64_t rows, int64_t cols, int64_t ld, int64_t unit_bytes, MPI_Ai
   return MPI_SUCCESS;
 }
 
-inline ffi::Error Fence(MPI_Win win, int assertion, const char* what) {
+// One MPI_Win_fence on `win` (a window over `comm`), watched: an opening fence (no
+// MPI_MODE_NOSUCCEED) or a closing one. A fence that may synchronise (no MPI_MODE_NOPRECEDE)
+// is preceded in raise mode by a bounded barrier (see watchdog.h).
+inline ffi::Error Fence(MPI_Win win, MPI_Comm comm, int assertion, const char* what) {
+  if ((assertion & MPI_MODE_NOPRECEDE) == 0) {
+    if (ffi::Error err = BoundedBarrier(comm, what); err.failure()) return err;
+  }
   GlobalCounters().fences.fetch_add(1, std::memory_order_relaxed);
+  BlockingStep blocking(
+      (assertion & MPI_MODE_NOSUCCEED) != 0 ? Step::kClosingFence : Step::kOpeningFence, comm);
   int rc = MPI_Win_fence(assertion, win);
   if (rc != MPI_SUCCESS) return MpiError(rc, what);
   return ffi::Error::Success();

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "watchdog.h"
+
 namespace osmm {
 
 // One cache slot. Entries are never destroyed (only their MPI window is), so a lease stays
@@ -18,6 +20,7 @@ struct WindowEntry {
   MPI_Win win = MPI_WIN_NULL;
   std::byte* base = nullptr;
   int64_t bytes = 0;
+  MPI_Comm comm = MPI_COMM_NULL;  // the window's communicator
 };
 
 namespace {
@@ -55,7 +58,12 @@ ffi::Error FreeEntryLocked(Cache& cache, WindowEntry* entry) {
   if (entry->memory == nullptr) {
     for (auto hook : cache.release_hooks) hook(entry->base, entry->bytes);
   }
-  int rc = MPI_Win_free(&entry->win);
+  if (ffi::Error err = BoundedBarrier(entry->comm, "MPI_Win_free"); err.failure()) return err;
+  int rc = MPI_SUCCESS;
+  {
+    BlockingStep blocking(Step::kWindowFree, entry->comm);
+    rc = MPI_Win_free(&entry->win);
+  }
   if (entry->memory != nullptr) entry->memory->Free(entry->base);
   cache.live_count -= 1;
   cache.live_bytes -= entry->bytes;
@@ -82,10 +90,15 @@ ffi::Error AllocateEntryLocked(Cache& cache, WindowEntry* entry, MPI_Comm comm, 
   MPI_Win win = MPI_WIN_NULL;
   int rc = MPI_SUCCESS;
   std::string what;
+  if (ffi::Error err = BoundedBarrier(comm, "MPI_Win_allocate"); err.failure()) {
+    if (info != MPI_INFO_NULL) MPI_Info_free(&info);
+    return err;
+  }
+  BlockingStep blocking(Step::kWindowCreate, comm);
   if (entry->memory == nullptr) {
     void* allocated = nullptr;
-    rc = MPI_Win_allocate(static_cast<MPI_Aint>(bytes), /*disp_unit=*/1, info, comm, &allocated,
-                          &win);
+    rc = MPI_Win_allocate(static_cast<MPI_Aint>(bytes + WindowHeader::kBytes), /*disp_unit=*/1,
+                          info, comm, &allocated, &win);
     base = static_cast<std::byte*>(allocated);
     what = "MPI_Win_allocate";
   } else {
@@ -117,7 +130,10 @@ ffi::Error AllocateEntryLocked(Cache& cache, WindowEntry* entry, MPI_Comm comm, 
     return MpiError(rc, what + "(" + std::to_string(bytes) + " bytes)");
   }
   rc = MPI_Win_set_errhandler(win, MPI_ERRORS_RETURN);
-  if (entry->memory == nullptr) std::memset(base, 0, static_cast<size_t>(bytes));
+  if (entry->memory == nullptr) {
+    std::memset(base, 0, static_cast<size_t>(bytes + WindowHeader::kBytes));
+  }
+  entry->comm = comm;
   entry->win = win;
   entry->base = base;
   entry->bytes = bytes;
@@ -132,6 +148,10 @@ ffi::Error AllocateEntryLocked(Cache& cache, WindowEntry* entry, MPI_Comm comm, 
 MPI_Win WindowLease::win() const { return entry_->win; }
 std::byte* WindowLease::base() const { return entry_->base; }
 int64_t WindowLease::bytes() const { return entry_->bytes; }
+int64_t* WindowLease::header() const {
+  if (entry_->memory != nullptr) return nullptr;
+  return reinterpret_cast<int64_t*>(entry_->base + entry_->bytes);
+}
 
 ffi::Error AcquireWindow(MPI_Comm comm, WindowSlot slot, int64_t bytes, WindowLease* lease,
                          WindowMemory* memory) {
@@ -189,8 +209,12 @@ ffi::Error PrivateComm(MPI_Comm comm, MPI_Comm* out) {
     }
   }
   MPI_Comm dup = MPI_COMM_NULL;
-  if (int rc = MPI_Comm_dup(comm, &dup); rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_dup");
+  {
+    BlockingStep blocking(Step::kCommDup, comm);
+    if (int rc = MPI_Comm_dup(comm, &dup); rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_dup");
+  }
   MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
+  if (ffi::Error err = OpenStatusChannel(comm, dup); err.failure()) return err;
   bool reused = false;
   for (CommEntry& e : cache.comms) {
     if (e.comm_key == key) {
@@ -212,16 +236,20 @@ ffi::Error FreeWindows() {
   MPI_Finalized(&finalized);
   MPI_Initialized(&initialized);
   const bool can_free = initialized && !finalized;
+  if (can_free && !cache.comms.empty()) BeginCall(CallKind::kTeardown, 0);
   ffi::Error first_error = ffi::Error::Success();
   for (auto& e : cache.entries) {
     std::lock_guard<std::mutex> entry_lock(e->mu);
     if (e->win == MPI_WIN_NULL) continue;
-    if (can_free) {
+    // A communicator left with a pending collective after a timeout takes no more
+    // collectives: its windows are abandoned (the job is ending anyway).
+    if (can_free && CheckUsable(e->comm).success()) {
       ffi::Error err = FreeEntryLocked(cache, e.get());
       if (err.failure() && first_error.success()) first_error = std::move(err);
     } else {
-      // MPI is gone, and its windows with it: just forget them (memory of our own included:
-      // the device memory of a CUDA-aware window may be unreachable by now).
+      // MPI is gone, and its windows with it, or the window's communicator is unusable: just
+      // forget them (memory of our own included: the device memory of a CUDA-aware window may
+      // be unreachable by now).
       cache.live_count -= 1;
       cache.live_bytes -= e->bytes;
       e->win = MPI_WIN_NULL;
@@ -229,14 +257,17 @@ ffi::Error FreeWindows() {
       e->bytes = 0;
     }
   }
+  if (can_free) CloseStatusChannels();
   for (CommEntry& e : cache.comms) {
     if (e.dup == MPI_COMM_NULL) continue;
-    if (can_free) {
+    if (can_free && CheckUsable(e.dup).success()) {
+      BlockingStep blocking(Step::kWindowFree, e.dup);
       int rc = MPI_Comm_free(&e.dup);
       if (rc != MPI_SUCCESS && first_error.success()) first_error = MpiError(rc, "MPI_Comm_free");
     }
     e.dup = MPI_COMM_NULL;
   }
+  if (can_free && !cache.comms.empty()) EndCall();
   return first_error;
 }
 

@@ -11,7 +11,11 @@
 //
 // Windows use byte displacements (disp_unit 1) and MPI_ERRORS_RETURN. The memory of a
 // freshly (re)allocated window is zeroed; the reduce handlers keep their window all-zero
-// between calls.
+// between calls. A host window (MPI_Win_allocate) has a small header after its `bytes` bytes:
+// each call writes its id there so that a neighbour can check, inside the same epoch, that
+// both run the same call (see WindowHeader).
+//
+// Creating, growing and freeing windows are watched blocking steps (watchdog.h).
 #ifndef OSMM_JAX_XLA_FFI_WINDOWS_H_
 #define OSMM_JAX_XLA_FFI_WINDOWS_H_
 
@@ -51,6 +55,14 @@ struct WindowEntry;  // defined in windows.cc
 // after its start call has dropped the lease; that is safe because the ordered-effect token
 // runs no other call on the same communicator until the epoch's finish, and free_windows stops
 // the issuer thread before it frees any window.
+// The header of a host window, at byte offset `bytes()` (int64 fields).
+struct WindowHeader {
+  static constexpr int64_t kBytes = 64;
+  static constexpr int kCallId = 0;      // id of the call that last opened an epoch here
+  static constexpr int kCallNumber = 1;  // that call's number on the owning rank
+  static constexpr int kAbandoned = 2;   // 1 + a rank that abandoned the open reduce epoch
+};
+
 class WindowLease {
  public:
   WindowLease() = default;
@@ -60,6 +72,8 @@ class WindowLease {
   MPI_Win win() const;
   std::byte* base() const;
   int64_t bytes() const;
+  // The header (WindowHeader) of a host window, else nullptr (device-memory windows).
+  int64_t* header() const;
 
  private:
   friend ffi::Error AcquireWindow(MPI_Comm, WindowSlot, int64_t, WindowLease*, WindowMemory*);

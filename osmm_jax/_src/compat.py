@@ -7,6 +7,7 @@ place to change. Nothing else in osmm_jax imports from ``jax._src`` or ``mpi4jax
 
 from __future__ import annotations
 
+from jax._src import dispatch
 from jax._src.dispatch import apply_primitive
 from jax._src.lib import xla_client
 from mpi4jax._src.jax_compat import abstract_token, get_token_effect, set_token_effect
@@ -17,6 +18,7 @@ __all__ = [
     "apply_primitive",
     "get_token_effect",
     "ordered_effect",
+    "recover_failed_runtime_tokens",
     "registered_ffi_targets",
     "set_token_effect",
 ]
@@ -37,3 +39,49 @@ def registered_ffi_targets(xla_platform: str) -> set[str]:
     if loaded:
         names.update(xla_client.custom_call_targets(xla_platform))
     return names
+
+
+def _failed(token) -> bool:
+    """Whether ``token`` (a ``jax.core.Token``) is the output of a computation that failed.
+    Never waits: a token whose computation is still running has not failed (yet)."""
+    buf = getattr(token, "_buf", None)
+    if buf is None or not hasattr(buf, "is_ready"):
+        return False
+    try:
+        if not buf.is_ready():
+            return False
+        buf.block_until_ready()  # ready: returns at once, or raises the computation's error
+    except Exception:  # noqa: BLE001 - any error of the computation that produced it
+        return True
+    return False
+
+
+def recover_failed_runtime_tokens(effect) -> None:
+    """Make JAX start a fresh token chain for ``effect`` after a computation that failed.
+
+    JAX threads one runtime token per ordered effect from each computation into the next. When
+    a computation fails, its output token carries the error, and every later computation with
+    that effect fails at once with the same error, on this process only: a rank whose product
+    failed (and whose error was caught) could never run another, while the other ranks wait
+    for it. This wraps ``RuntimeTokenSet.get_token_input`` so that a failed token of ``effect``
+    is replaced by a fresh one. The failed computation is over, so no ordering is lost. The
+    check costs one ``is_ready()`` per dispatch of a computation with ``effect``.
+    """
+    token_set = dispatch.RuntimeTokenSet
+    original = token_set.get_token_input
+    if getattr(original, "_osmm_recovers", None) is not None:
+        original._osmm_recovers.add(effect)
+        return
+
+    def get_token_input(self, eff, devices):
+        if eff in get_token_input._osmm_recovers:
+            current = self.current_tokens.get(eff)
+            if current is not None and _failed(current):
+                del self.current_tokens[eff]
+                for device, token in list(self.output_runtime_tokens.items()):
+                    if _failed(token):
+                        del self.output_runtime_tokens[device]
+        return original(self, eff, devices)
+
+    get_token_input._osmm_recovers = {effect}
+    token_set.get_token_input = get_token_input

@@ -97,3 +97,58 @@ def resolve_chunk_bytes(chunk_bytes: int | None) -> int:
     if chunk_bytes < 0:
         raise ValueError(f"{source} must be >= 0 (0 turns overlap off), got {chunk_bytes}")
     return int(chunk_bytes)
+
+
+TIMEOUT = "OSMM_TIMEOUT"
+"""Seconds that one blocking MPI step of osmm_jax (an agreement, a fence, creating or freeing a
+window, matmul's own checks across ranks) may take before the watchdog acts (README, "Failure
+behaviour"): a positive number; ``0`` or ``off`` turns the watchdog off. Any other value is a
+ValueError naming the variable. Default: 300."""
+
+DEFAULT_TIMEOUT = 300.0
+
+ON_TIMEOUT = "OSMM_ON_TIMEOUT"
+"""What the watchdog does when a step exceeds ``OSMM_TIMEOUT``: ``abort`` (default) prints a
+report naming every rank's position and ends the job (MPI_Abort); ``raise`` raises an error
+instead where the step allows it (for notebooks; the communicator is unusable afterwards).
+Any other value is a ValueError."""
+
+ON_TIMEOUT_CHOICES = ("abort", "raise")
+
+
+def check_timeout(seconds, source: str = "timeout") -> float:
+    """``seconds`` as a float, 0.0 meaning no limit; a clear error for anything else."""
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{source} must be a number of seconds (0: no limit), got {seconds!r}")
+    seconds = float(seconds)
+    if not np.isfinite(seconds) or seconds < 0:
+        raise ValueError(f"{source} must be a finite number of seconds >= 0, got {seconds!r}")
+    return seconds
+
+
+def check_on_timeout(value, source: str = "on_timeout") -> str:
+    if value not in ON_TIMEOUT_CHOICES:
+        raise ValueError(f"{source} must be one of {ON_TIMEOUT_CHOICES}, got {value!r}")
+    return value
+
+
+def timeout_seconds() -> float:
+    """``OSMM_TIMEOUT`` in seconds (0.0: no limit), or the default when unset or blank."""
+    text = os.environ.get(TIMEOUT, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT
+    if text.lower() == "off":
+        return 0.0
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(
+            f"{TIMEOUT} must be a number of seconds (0 or off: no limit), got {text!r}"
+        ) from None
+    return check_timeout(value, TIMEOUT)
+
+
+def on_timeout() -> str:
+    """``OSMM_ON_TIMEOUT``: ``"abort"`` (default when unset or blank) or ``"raise"``."""
+    text = os.environ.get(ON_TIMEOUT, "").strip().lower() or "abort"
+    return check_on_timeout(text, ON_TIMEOUT)

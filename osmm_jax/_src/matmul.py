@@ -34,7 +34,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from osmm_jax._src import allreduce, checksum, communicators, config, dtypes, metrics, one_sided
+from osmm_jax._src import (
+    allreduce,
+    checksum,
+    communicators,
+    config,
+    dtypes,
+    metrics,
+    one_sided,
+    watchdog,
+)
 from osmm_jax._src.planner import Plan, backward_plans
 
 # -- public function ------------------------------------------------------------------
@@ -105,7 +114,12 @@ def matmul(
         options, error = None, exc
     if error is None:
         a_local, b_local, error = _check_inputs(a_local, b_local, plan, rank)
-    communicators.agree(comm, "osmm_jax.matmul", f"plan {plan.fingerprint} {options}", error)
+    try:
+        watchdog.apply_settings()
+    except (TypeError, ValueError) as exc:
+        error = error or exc
+    with watchdog.host_step(comm, "osmm_jax.matmul's checks"):
+        communicators.agree(comm, "osmm_jax.matmul", f"plan {plan.fingerprint} {options}", error)
     return _matmul(plan, options, a_local, b_local)
 
 

@@ -150,6 +150,47 @@ def free_windows() -> None:
         MODULES["cuda"].free_staging()
 
 
+# -- the watchdog (xla_ffi/watchdog.h) ----------------------------------------------------------
+
+
+def set_watchdog(timeout_seconds: float, raise_error: bool) -> None:
+    """Bound every blocking MPI step of the native layer to ``timeout_seconds`` (0: no bound);
+    ``raise_error``: fail the step's call, where it can be bounded, instead of ending the job."""
+    _osmm_ffi.set_watchdog(float(timeout_seconds), bool(raise_error))
+
+
+def watchdog_settings() -> tuple[float, bool]:
+    """The native watchdog's ``(timeout_seconds, raise_error)``."""
+    timeout, raise_error = _osmm_ffi.watchdog_settings()
+    return float(timeout), bool(raise_error)
+
+
+def describe_ranks(handle: int, headline: str) -> str:
+    """Where every rank of the communicator ``handle`` is, read through the watchdog's side
+    channel (waits at most 2 s for each rank), under ``headline``."""
+    return _osmm_ffi.describe_ranks(comm_attribute(handle), headline)
+
+
+def begin_host_step(handle: int) -> None:
+    """Mark this rank as blocked in one of osmm_jax's Python-side collectives on ``handle``."""
+    _osmm_ffi.begin_host_step(comm_attribute(handle))
+
+
+def end_host_step() -> None:
+    _osmm_ffi.end_host_step()
+
+
+def inject_failure(op: str, count: int = 1) -> None:
+    """Test hook: the next ``count`` calls of ``op`` on this process fail at their start, as if
+    XLA had failed between a reduce's start and finish (``op="osmm_reduce_finish"``, the only
+    one supported: ValueError otherwise)."""
+    _osmm_ffi.inject_failure(op, int(count))
+
+
+WATCHDOG_EXIT_CODE: int = _osmm_ffi.watchdog_exit_code()
+"""The exit code of ``MPI_Abort`` when the watchdog ends the job."""
+
+
 def mpi_library_version() -> str:
     """``MPI_Get_library_version()`` of the MPI the extension was linked against."""
     return _osmm_ffi.mpi_library_version()

@@ -48,8 +48,13 @@ from osmm_jax._src.compat import (
     apply_primitive,
     get_token_effect,
     ordered_effect,
+    recover_failed_runtime_tokens,
     set_token_effect,
 )
+
+# An error inside one rank's product must not make every later product on that rank fail at
+# once (see compat.recover_failed_runtime_tokens): the other ranks would wait for it forever.
+recover_failed_runtime_tokens(ordered_effect)
 
 # -- primitives -----------------------------------------------------------------
 

@@ -153,7 +153,15 @@ def test_a_traced_operand_of_the_wrong_shape_fails_at_trace_time_on_every_rank(m
 
 @pytest.mark.parametrize(
     ("name", "text"),
-    [("OSMM_USE_ALLREDUCE", "maybe"), ("OSMM_VERIFY", "ture"), ("OSMM_CHUNK_BYTES", "4MiB")],
+    [
+        ("OSMM_USE_ALLREDUCE", "maybe"),
+        ("OSMM_VERIFY", "ture"),
+        ("OSMM_CHUNK_BYTES", "4MiB"),
+        ("OSMM_TIMEOUT", "5min"),
+        ("OSMM_TIMEOUT", "-1"),
+        ("OSMM_TIMEOUT", "nan"),
+        ("OSMM_ON_TIMEOUT", "retry"),
+    ],
 )
 def test_a_garbage_variable_on_one_rank_is_an_error_on_every_rank(monkeypatch, name, text):
     """Only rank 0 has the bad value; the others must raise the same error, not wait for it."""

@@ -1,0 +1,125 @@
+"""Ranks that fall out of step never hang the job silently.
+
+Each case runs ``mpiexec -n 3 python tests/failure_programs/out_of_step.py SCENARIO`` with
+``OSMM_TIMEOUT=5`` and checks how the job ends: non-zero, within the timeout plus 30 s of the
+divergence, with the watchdog's report on stderr naming the call numbers and where every rank
+is (the report's format is documented in README, "Failure behaviour").
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+PROGRAM = REPO / "tests" / "failure_programs" / "out_of_step.py"
+TIMEOUT_S = 5.0  # OSMM_TIMEOUT of the jobs
+LIMIT_S = TIMEOUT_S + 30.0  # from the divergence to the end of the job
+HARD_TIMEOUT_S = 120.0
+EXIT_CODE = 75  # MPI_Abort's code when the watchdog ends the job
+
+pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason="needs the venv's mpiexec")
+
+_JOB_VARIABLES = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "MPI_LOCAL")
+_READY = re.compile(r"ready (\d+\.\d+)")
+
+
+@dataclass(frozen=True)
+class Job:
+    status: int | None  # None: killed at the hard timeout
+    stderr: str
+    elapsed: float | None  # seconds from the divergence to the end
+
+    def __str__(self) -> str:
+        return f"status {self.status}, {self.elapsed} s after the divergence\n{self.stderr}"
+
+
+@functools.cache
+def _job(scenario: str) -> Job:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_JOB_VARIABLES)}
+    env.update(JAX_PLATFORMS="cpu", OSMM_TIMEOUT=str(TIMEOUT_S), OSMM_ON_TIMEOUT="abort")
+    job = subprocess.Popen(
+        [str(MPIEXEC), "-n", "3", sys.executable, str(PROGRAM), scenario],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = job.communicate(timeout=HARD_TIMEOUT_S)
+        status, ended = job.returncode, time.time()
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        _, stderr = job.communicate()
+        status, ended = None, None
+    ready = [float(t) for t in _READY.findall(stderr)]
+    elapsed = ended - min(ready) if ready and ended is not None else None
+    print(f"{scenario}: status {status}, ended {elapsed} s after the divergence")
+    return Job(status, stderr, elapsed)
+
+
+def _ended_by_watchdog(job: Job) -> None:
+    assert job.status is not None, f"still running after {HARD_TIMEOUT_S:.0f} s:\n{job}"
+    assert job.elapsed is not None and job.elapsed < LIMIT_S, str(job)
+    assert job.status == EXIT_CODE, str(job)
+    assert "Ending the job: MPI_Abort(MPI_COMM_WORLD, 75)" in job.stderr, str(job)
+
+
+def test_one_rank_running_one_more_product_is_reported_with_every_ranks_position():
+    job = _job("extra")
+    _ended_by_watchdog(job)
+    report = job.stderr[job.stderr.index("osmm_jax watchdog: rank 0") :]
+    assert re.search(r"has waited \d+\.\d s \(limit 5\.0 s\) in the closing MPI_Win_fence", report)
+    assert re.search(
+        r"rank 0 \(this rank\): in call #(\d+) \(osmm_reduce, id [0-9a-f]{16}\)", report
+    )
+    # The others finished their products and are in their program's teardown.
+    for r in (1, 2):
+        assert re.search(rf"rank {r}: in teardown \(call #\d+", report), report
+
+
+def test_ranks_running_two_plans_in_swapped_order_are_reported():
+    job = _job("swapped")
+    _ended_by_watchdog(job)
+    assert "out of step: ranks inside calls run different ones" in job.stderr, str(job)
+    assert re.search(r"rank 0 in id [0-9a-f]{16}; ranks 1, 2 in id [0-9a-f]{16}", job.stderr)
+
+
+def test_swapped_plans_whose_fences_match_are_caught_by_their_call_ids():
+    """Same windows, same epochs: only the call id in the neighbour's window header differs.
+    Found at once, without waiting for the timeout."""
+    job = _job("swapped_same")
+    _ended_by_watchdog(job)
+    assert job.elapsed < TIMEOUT_S + 10, str(job)
+    assert re.search(
+        r"found the ranks out of step: osmm_reduce: rank \d runs its call #(\d+) "
+        r"\(id [0-9a-f]{16}\) but rank \d runs its call #\1 \(id [0-9a-f]{16}\)",
+        job.stderr,
+    ), str(job)
+
+
+def test_swapped_plans_met_for_the_first_time_are_refused_before_any_transfer():
+    job = _job("swapped_first")
+    assert job.status not in (None, 0), str(job)
+    assert "ranks disagree" in job.stderr, str(job)
+
+
+def test_raise_mode_gives_a_catchable_error_and_refuses_the_communicator_afterwards():
+    job = _job("raise")
+    assert re.search(r"caught: JaxRuntimeError: DEADLINE_EXCEEDED: osmm_jax watchdog", job.stderr)
+    assert "refused: JaxRuntimeError: FAILED_PRECONDITION: osmm_jax no longer uses" in job.stderr
+    assert "rank 0 reached the end" in job.stderr, str(job)
+    # The other ranks wait for rank 0 in their teardown: the watchdog still ends the job.
+    _ended_by_watchdog(job)

@@ -1,0 +1,145 @@
+// A bound in time on every blocking MPI step of the native layer, and a report that names the
+// ranks behind a stuck one.
+//
+// Each rank publishes where it is (its call number, the kind and id of the call, the blocking
+// step it is in and since when) in process-wide atomics: a few stores per step, nothing else on
+// the hot path. A watchdog thread wakes a few times a second; when this rank has been inside
+// one step for longer than the timeout (OSMM_TIMEOUT, seconds) it reads every rank's status
+// through a side channel (a tiny MPI window per communicator, on a duplicate of its own, read
+// with request-based MPI_Rget under a passive-target epoch, so the stuck collective is not
+// involved and an unresponsive rank costs a bounded wait), prints one report on stderr, tells
+// the other ranks (they print a line of their own) and ends the job with MPI_Abort.
+//
+// In "raise" mode the steps that can be bounded without MPI's help (the agreement, and a
+// barrier run before each synchronising fence and each window creation or free) are waited
+// for with non-blocking calls and a deadline; when it passes, the call fails with the report
+// instead, and the communicator is marked unusable (a non-blocking collective is left
+// pending on it, so no further collective on it can be trusted). A step that cannot be bounded
+// that way (a fence whose peers all arrived but one died inside it) still ends the job.
+#ifndef OSMM_JAX_XLA_FFI_WATCHDOG_H_
+#define OSMM_JAX_XLA_FFI_WATCHDOG_H_
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common.h"
+
+namespace osmm {
+
+// What a rank is blocked in. Published in the status record: values are stable.
+enum class Step : int64_t {
+  kNone = 0,
+  kAgreement = 1,      // the all-ranks agreement before a call's first RMA (MPI_Allreduce)
+  kOpeningFence = 2,   // MPI_Win_fence opening an RMA epoch
+  kClosingFence = 3,   // MPI_Win_fence closing an RMA epoch
+  kWindowCreate = 4,   // MPI_Win_allocate / MPI_Win_create (collective)
+  kWindowFree = 5,     // MPI_Win_free (collective; also when the program exits)
+  kCommDup = 6,        // MPI_Comm_dup of the caller's communicator (collective)
+  kHostAgreement = 7,  // osmm_jax's Python-side agreement on a product's options (collective)
+  kBarrier = 8,        // the bounded barrier of raise mode
+};
+
+// What kind of call a rank is in. Published in the status record: values are stable.
+enum class CallKind : int64_t {
+  kNone = 0,
+  kFetch = 1,     // osmm_fetch
+  kReduce = 2,    // osmm_reduce_start ... osmm_reduce_finish
+  kTeardown = 3,  // free_windows
+  kHost = 4,      // a product's Python-side checks
+};
+
+struct WatchdogSettings {
+  double timeout_seconds = 300.0;  // <= 0: never time out
+  bool raise = false;  // fail the call instead of ending the job, where the step allows it
+};
+
+void SetWatchdogSettings(const WatchdogSettings& settings);
+WatchdogSettings GetWatchdogSettings();
+
+// The exit code of MPI_Abort after a timeout or a desynchronisation.
+inline constexpr int kWatchdogExitCode = 75;
+
+// Marks the start of a collective call on this rank; returns its number (1, 2, ... per
+// process). EndCall marks it completed, whatever its outcome.
+int64_t BeginCall(CallKind kind, int64_t call_id);
+void EndCall();
+
+// Calls EndCall when it goes out of scope, unless released.
+class CallScope {
+ public:
+  CallScope() = default;
+  ~CallScope() {
+    if (active_) EndCall();
+  }
+  void Release() { active_ = false; }
+  CallScope(const CallScope&) = delete;
+  CallScope& operator=(const CallScope&) = delete;
+
+ private:
+  bool active_ = true;
+};
+
+// Marks this rank as blocked in `step` on `comm` until LeaveStep (for callers that cannot use
+// BlockingStep, e.g. Python's own collectives).
+void EnterStep(Step step, MPI_Comm comm, bool bounded = false);
+void LeaveStep();
+
+// This rank is blocked in `step` on `comm` (the native layer's private duplicate, or the
+// caller's communicator) from construction to destruction. `bounded`: the caller waits with
+// a deadline of its own (raise mode), so the watchdog thread leaves that step to it.
+class BlockingStep {
+ public:
+  BlockingStep(Step step, MPI_Comm comm, bool bounded = false) { EnterStep(step, comm, bounded); }
+  ~BlockingStep() { LeaveStep(); }
+  BlockingStep(const BlockingStep&) = delete;
+  BlockingStep& operator=(const BlockingStep&) = delete;
+};
+
+// Waits for `request`, a collective on `comm` started for `step`. Abort mode: MPI_Wait (the
+// watchdog thread bounds it). Raise mode: polls until the timeout, then fails with the report
+// and marks `comm` unusable.
+ffi::Error WaitBounded(MPI_Request* request, MPI_Comm comm, Step step, const char* what);
+
+// Raise mode: a barrier over `comm` waited for with WaitBounded, so that the collective step
+// after it (a synchronising fence, a window creation or free) starts only once every rank has
+// arrived. Abort mode: nothing (the step itself is watched).
+ffi::Error BoundedBarrier(MPI_Comm comm, const char* what);
+
+// Fails if an earlier timeout left `comm` unusable.
+ffi::Error CheckUsable(MPI_Comm comm);
+
+// Creates the side channel of `private_comm`, the private duplicate of `user_comm`
+// (collective over it): a duplicate communicator and a one-record window under a
+// passive-target epoch. Called once per private communicator, when it is created.
+ffi::Error OpenStatusChannel(MPI_Comm user_comm, MPI_Comm private_comm);
+
+// Frees every side channel, in creation order (collective). Before the private
+// communicators are freed.
+void CloseStatusChannels();
+
+// A report of every rank's status on `comm`'s side channel (`comm`: a private duplicate or
+// the caller's communicator), headed by `headline`. Reads the others with a bounded wait.
+std::string DescribeRanks(MPI_Comm comm, const std::string& headline);
+
+// The ranks of `comm` are running different calls (`detail` says how this was found). Abort
+// mode: prints the report and ends the job. Raise mode: returns the report as an error and
+// marks `comm` unusable.
+ffi::Error Desynchronised(MPI_Comm comm, const std::string& detail);
+
+// "<op>: rank <rank> runs call #<number> (id ...) but rank <peer_rank> runs call #... (id ...)",
+// for Desynchronised, from a neighbour's window header read inside the same epoch.
+std::string OutOfStep(const char* op, int rank, int64_t number, int64_t call_id, int peer_rank,
+                      int64_t peer_number, int64_t peer_call_id);
+
+// Test hook: the next `count` calls of `op` on this process fail at their start, as if XLA had
+// failed there. Only "osmm_reduce_finish" (a failure between a reduce's start and finish,
+// which CloseAbandonedReduce recovers from) is supported; false for any other op.
+bool InjectFailure(const std::string& op, int64_t count);
+// Whether the call `op` should fail now (consumes one injected failure).
+bool TakeInjectedFailure(const char* op);
+
+}  // namespace osmm
+
+#endif  // OSMM_JAX_XLA_FFI_WATCHDOG_H_
