@@ -1,0 +1,129 @@
+"""The MPI program the multi-host tests launch: osmm_jax products checked against numpy, and
+the speed profile with a cache, on ranks spread over several (emulated or real) hosts.
+
+Every rank builds the same global matrices (tests/mpi/product_cases.py: layouts of every
+kind with uneven and empty blocks), runs the jitted forward product and its gradients
+(``jax.grad``) with each method, and checks its own blocks against numpy. Then, with
+``--cache FILE``, it runs ``osmm_jax.profile_speeds(cache=FILE)`` twice (measured, then read
+back). Rank 0 prints one JSON line, ``RESULT {...}``: where each rank ran (hostname, network
+namespace inode), how many products were checked, the failures of every rank, the speed
+profile's sources (the keys are in the cache file). The exit status is 0 only if every rank passed.
+
+Launched across emulated hosts by tests/test_multihost.py; by hand, e.g. on a cluster::
+
+    mpiexec -hosts node1:2,node2:2 -genv FI_PROVIDER tcp -genv FI_TCP_IFACE eth0 \\
+        .venv/bin/python tests/multihost/program.py --combos core --cache /tmp/speeds.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mpi"))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
+from product_cases import (  # noqa: E402
+    KINDS,
+    global_inputs,
+    make_layout,
+    product_and_grads,
+)
+
+import osmm_jax as om  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+COMM = MPI.COMM_WORLD
+RANK = COMM.Get_rank()
+METHODS = ("one_sided", "allreduce")
+
+# Every kind in every position, the data-parallel and K-split products among them.
+CORE = [
+    ("rows", "replicated", "rows"),
+    ("cols", "rows", "rows"),
+    ("cols", "rows", "replicated"),
+    ("rows", "cols", "grid"),
+    ("grid", "grid", "grid"),
+    ("grid", "rows", "cols"),
+    ("replicated", "cols", "replicated"),
+    ("replicated", "replicated", "cols"),
+]
+COMBOS = {
+    "core": CORE,
+    "few": CORE[:3],
+    "all": [(a, b, c) for a in KINDS for b in KINDS for c in KINDS],
+}
+M, K, N = 13, 11, 7  # uneven over any rank count here
+
+
+def check(kinds, method) -> None:
+    a_layout = make_layout(kinds[0], (M, K))
+    b_layout = make_layout(kinds[1], (K, N), shift=1)
+    c_layout = make_layout(kinds[2], (M, N), shift=2)
+    plan = om.plan(a_layout, b_layout, c_layout)
+    a, b, g = global_inputs(m=M, k=K, n=N)
+    a_loc, b_loc, g_loc = a_layout.shard(a, RANK), b_layout.shard(b, RANK), c_layout.shard(g, RANK)
+    c_loc, da, db = product_and_grads(plan, method, a_loc, b_loc, g_loc)
+    np.testing.assert_allclose(c_loc, c_layout.shard(a @ b, RANK), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(da, a_layout.shard(g @ b.T, RANK), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(db, b_layout.shard(a.T @ g, RANK), rtol=1e-12, atol=1e-12)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--combos", choices=sorted(COMBOS), default="core")
+    parser.add_argument("--no-products", action="store_true", help="only the speed profile")
+    parser.add_argument("--cache", help="profile_speeds twice with this cache file")
+    args = parser.parse_args()
+
+    start = time.perf_counter()
+    where = (
+        socket.gethostname(),
+        os.stat("/proc/self/ns/net").st_ino,
+        os.environ.get("FI_PROVIDER"),
+    )
+    failures = []
+    checked = 0
+    if not args.no_products:
+        for kinds in COMBOS[args.combos]:
+            for method in METHODS:
+                try:
+                    check(kinds, method)
+                    checked += 1
+                except Exception as e:  # noqa: BLE001 - reported below, on rank 0, for all ranks
+                    text = "".join(traceback.format_exception_only(e)).strip()
+                    failures.append(f"{'-'.join(kinds)} {method}: {text[-600:]}")
+    sources = []
+    if args.cache:
+        for _ in range(2):
+            profile = om.profile_speeds(
+                size=64, repeats=3, cache=args.cache, progress=False, return_profile=True
+            )
+            sources.append(profile.source)
+    jax.effects_barrier()
+    everyone = COMM.gather({"where": where, "checked": checked, "failures": failures}, root=0)
+    if RANK == 0:
+        result = {
+            "ranks": len(everyone),
+            "hostnames": [e["where"][0] for e in everyone],
+            "netns": [e["where"][1] for e in everyone],
+            "fi_provider": [e["where"][2] for e in everyone],
+            "checked": [e["checked"] for e in everyone],
+            "failures": {r: e["failures"] for r, e in enumerate(everyone) if e["failures"]},
+            "sources": sources,
+            "seconds": round(time.perf_counter() - start, 2),
+        }
+        print("RESULT " + json.dumps(result), flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

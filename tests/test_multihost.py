@@ -1,0 +1,190 @@
+"""osmm_jax across hosts: MPI over TCP between network namespaces on one machine.
+
+tests/multihost/netns.py makes 4 emulated hosts (network namespaces ``osmm-<pid>-h0..h3``,
+addresses 10.78.0.1-4 on a private bridge that lives in a namespace of its own), and this
+module launches MPI jobs across them with hydra's mpiexec, run on host 0, starting its proxies
+on the others through tests/multihost/ns-launch in place of ssh::
+
+    mpiexec -hosts 10.78.0.1:2,10.78.0.2:1,10.78.0.3:2,10.78.0.4:1 \\
+        -launcher ssh -launcher-exec tests/multihost/ns-launch -iface eth0 \\
+        -genv MPIR_CVAR_CH4_NETMOD ofi -genv FI_PROVIDER tcp -genv FI_TCP_IFACE eth0 ...
+
+The mpich wheel's MPICH picks its UCX netmod by default; ``MPIR_CVAR_CH4_NETMOD=ofi`` with
+``FI_PROVIDER=tcp`` makes it use libfabric's TCP provider on the namespaces' ``eth0`` (rank
+0's ``MPIR_CVAR_DEBUG_SUMMARY`` report, checked here, names the provider and the subnet).
+Ranks on one host still talk through shared memory, except under ``MPIR_CVAR_NOLOCAL=1``.
+
+The jobs (tests/multihost/program.py) check osmm_jax products against numpy, forward and
+backward, with both methods, on layouts of every kind with uneven and empty blocks:
+
+* across the 4 hosts, 6 ranks (2, 1, 2, 1 per host), each host with its own hostname (as on a
+  cluster), then ``profile_speeds`` with a cache file: measured, then read back, one key per
+  rank naming its host;
+* on one host, 2 ranks, with ``MPIR_CVAR_NOLOCAL=1`` (same-host traffic through TCP too);
+* across the 4 hosts with the machine's hostname shared by all (plain ``ip netns exec``): the
+  speed cache keys then name one host for all ranks, which do share its CPUs.
+
+Each job has a hard timeout (and osmm_jax's watchdog a shorter one); the namespaces, and
+anything left running in them, are removed at the end, and before the start any set left by
+a run that died. Needs root and iproute2's ``ip``; skipped otherwise. Run alone with
+``sudo .venv/bin/python -m pytest tests/test_multihost.py -v``. On a real cluster, run
+``tests/multihost/program.py`` with the same mpiexec line, the cluster's hosts and plain ssh.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests" / "multihost"))
+
+import netns  # noqa: E402
+
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+PROGRAM = REPO / "tests" / "multihost" / "program.py"
+HOSTS = 4
+SLOTS = (2, 1, 2, 1)  # ranks per host: shared memory and TCP in one job
+HARD_TIMEOUT_S = 150.0  # per job
+WATCHDOG_S = 60  # OSMM_TIMEOUT: a stuck MPI step ends the job well before the hard timeout
+
+_JOB_VARIABLES = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "MPI_LOCAL", "FI_", "UCX_", "OSMM_")
+_TCP_SUMMARY = f"libfabric provider: tcp - {netns.SUBNET}.0/24"
+
+
+def _unavailable() -> str | None:
+    if not MPIEXEC.exists():
+        return "needs the venv's mpiexec"
+    return netns.unavailable_reason()
+
+
+_REASON = _unavailable()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"multi-host tests: {_REASON}")
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    made = netns.create(HOSTS)
+    try:
+        yield made
+    finally:
+        netns.remove(made.prefix)
+
+
+def _launch(hosts, slots, program_args, *, genv=(), hostnames=True, tmp_path=None):
+    """Run program.py under mpiexec on host 0 over ``slots[i]`` ranks of host ``i``; return
+    ``(status, output, result)``, result being rank 0's RESULT record (None if none)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(_JOB_VARIABLES)}
+    env.update(OSMM_NETNS_PREFIX=hosts.prefix, OSMM_NETNS_HOSTNAMES="1" if hostnames else "0")
+    host_list = ",".join(f"{a}:{n}" for a, n in zip(hosts.addresses, slots) if n)
+    settings = {
+        "MPIR_CVAR_CH4_NETMOD": "ofi",
+        "FI_PROVIDER": "tcp",
+        "FI_TCP_IFACE": "eth0",
+        "MPIR_CVAR_DEBUG_SUMMARY": "1",
+        "JAX_PLATFORMS": "cpu",
+        "OSMM_TIMEOUT": str(WATCHDOG_S),
+        **dict(genv),
+    }
+    mpiexec = [str(MPIEXEC), "-hosts", host_list, "-launcher", "ssh"]
+    mpiexec += ["-launcher-exec", str(netns.LAUNCHER), "-iface", "eth0"]
+    for name, value in settings.items():
+        mpiexec += ["-genv", name, value]
+    mpiexec += ["-n", str(sum(slots)), sys.executable, str(PROGRAM), *program_args]
+    # mpiexec itself runs on host 0, started the way the launcher starts the other hosts.
+    command = [str(netns.LAUNCHER), hosts.addresses[0], shlex.join(mpiexec)]
+    started = time.perf_counter()
+    job = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        output, _ = job.communicate(timeout=HARD_TIMEOUT_S)
+        status = job.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        output, _ = job.communicate()
+        status = None
+    results = [json.loads(line[7:]) for line in output.splitlines() if line.startswith("RESULT ")]
+    result = results[-1] if results else None
+    print(f"{' '.join(program_args)}: status {status}, {time.perf_counter() - started:.1f} s")
+    return status, output, result
+
+
+def _finished(status, output, result, ranks):
+    tail = output[-6000:]
+    assert status is not None, f"still running after {HARD_TIMEOUT_S:.0f} s:\n{tail}"
+    assert result is not None, f"no result (status {status}):\n{tail}"
+    assert not result["failures"], json.dumps(result["failures"], indent=1)
+    assert status == 0, f"status {status}:\n{tail}"
+    assert result["ranks"] == ranks, result
+    assert _TCP_SUMMARY in output, f"MPICH did not report libfabric's TCP provider:\n{tail}"
+
+
+def _keys(cache: Path) -> dict[int, list[str]]:
+    """The speed cache's keys by rank, split into their fields."""
+    entries = json.loads(cache.read_text())["entries"]
+    fields = [key.split("|") for key in entries]
+    return {int(re.match(r"rank (\d+)/", f[0]).group(1)): f for f in fields}
+
+
+def test_products_and_speed_cache_across_four_hosts(hosts, tmp_path):
+    cache = tmp_path / "speeds.json"
+    status, output, result = _launch(hosts, SLOTS, ["--combos", "core", "--cache", str(cache)])
+    _finished(status, output, result, sum(SLOTS))
+    # Every product was checked on every rank, and the ranks sat on the hosts asked for.
+    assert result["checked"] == [result["checked"][0]] * 6 and result["checked"][0] >= 16
+    expected = [h for h, n in zip(hosts.names, SLOTS) for _ in range(n)]
+    assert result["hostnames"] == expected
+    assert len(set(result["netns"])) == HOSTS
+    # Measured once, then read back; one key per rank, naming its host and its host's ranks.
+    assert result["sources"] == ["measured", "cache"]
+    keys = _keys(cache)
+    assert sorted(keys) == list(range(6))
+    assert [keys[r][1] for r in range(6)] == expected
+    assert [keys[r][4] for r in range(6)] == [f"shared by {n}" for n in SLOTS for _ in range(n)]
+
+
+def test_products_on_one_host_through_tcp(hosts):
+    """MPIR_CVAR_NOLOCAL=1: two ranks of one host talk through the network module."""
+    status, output, result = _launch(
+        hosts, (2, 0, 0, 0), ["--combos", "few"], genv={"MPIR_CVAR_NOLOCAL": "1"}
+    )
+    _finished(status, output, result, 2)
+    assert result["checked"] == [6, 6]
+    assert len(set(result["netns"])) == 1
+
+
+def test_speed_cache_keys_of_hosts_sharing_a_hostname(hosts, tmp_path):
+    """Namespaces that share the machine's hostname are keyed as one host: the key holds the
+    hostname and no other identity, so 4 ranks on 4 namespaces read "shared by 4" (true here:
+    they share its CPUs). On a cluster, hosts of equal hostnames would clash the same way."""
+    cache = tmp_path / "speeds.json"
+    status, output, result = _launch(
+        hosts, (1, 1, 1, 1), ["--no-products", "--cache", str(cache)], hostnames=False
+    )
+    _finished(status, output, result, 4)
+    assert len(set(result["netns"])) == HOSTS and len(set(result["hostnames"])) == 1
+    keys = _keys(cache)
+    assert {keys[r][1] for r in range(4)} == set(result["hostnames"])
+    assert {keys[r][4] for r in range(4)} == {"shared by 4"}
+
+
+def test_teardown_leaves_no_namespaces(hosts):
+    assert set(netns.namespaces()) >= {*hosts.names, hosts.bridge}
+    netns.remove(hosts.prefix)
+    assert not [n for n in netns.namespaces() if n.startswith(hosts.prefix)]
