@@ -108,6 +108,14 @@ clean:
 #
 # Each MPI run is bounded twice: pytest-timeout stops a test stuck for TEST_TIMEOUT seconds
 # (dumping every thread's stack), and `timeout` stops a whole run after MPI_RUN_TIMEOUT.
+#
+# The 3-rank run includes a randomised product test and a soak (tests/mpi/test_random_products.py,
+# tests/mpi/test_soak.py), tuned by environment variables:
+#   OSMM_TEST_PRODUCTS=n   random products per run (default 150; more for a long hunt)
+#   OSMM_TEST_SEED=s       replay the run that printed "random products: seed=s" (default: a new
+#                          seed every run)
+#   OSMM_SOAK_PRODUCTS=n   jitted products of the soak (default 5000)
+# e.g. `OSMM_TEST_SEED=1234 OSMM_TEST_PRODUCTS=2000 make test-mpi TEST_RANKS=3 TEST_TIMEOUT=3600`.
 
 MPIEXEC := $(VENV)/bin/mpiexec
 TEST_RANKS ?= 1 2 3 4
