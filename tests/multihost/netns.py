@@ -16,16 +16,18 @@ processes that no longer exist (a run killed before it could clean up), and
 
 Needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN) and iproute2's ``ip``. By hand::
 
-    sudo .venv/bin/python tests/multihost/netns.py up 4     # prints the prefix, e.g. osmm-123-
-    sudo ip netns exec osmm-123-h0 .venv/bin/mpiexec -hosts 10.78.0.1,10.78.0.2 \\
+    sudo .venv/bin/python tests/multihost/netns.py up 4      # the set osmm-manual-h0..h3
+    sudo ip netns exec osmm-manual-h0 .venv/bin/mpiexec -hosts 10.78.0.1,10.78.0.2 \\
         -launcher ssh -launcher-exec tests/multihost/ns-launch -iface eth0 \\
-        -genv FI_PROVIDER tcp -genv FI_TCP_IFACE eth0 -n 2 .venv/bin/python prog.py
-    sudo .venv/bin/python tests/multihost/netns.py down osmm-123-
+        -genv MPIR_CVAR_CH4_NETMOD ofi -genv FI_PROVIDER tcp -genv FI_TCP_IFACE eth0 \\
+        -n 2 .venv/bin/python prog.py
+    sudo .venv/bin/python tests/multihost/netns.py down osmm-manual-
 
-(``up`` keeps the set until ``down``; ``down`` without a prefix removes every set whose
-maker is gone, ``down --all`` every set.) On a real cluster the same mpiexec line runs with
-the cluster's host addresses and plain ssh in place of ``ns-launch``, and ``FI_TCP_IFACE``
-naming the hosts' interface.
+``up`` makes the set ``osmm-manual-`` (never taken for stale) and keeps it until ``down``;
+``down`` without a prefix removes every set whose maker is gone, ``down --all`` every set.
+Anything still running in a namespace is killed with it. On a real cluster the same mpiexec
+line runs with the cluster's host addresses and plain ssh in place of ``ns-launch``, and
+``FI_TCP_IFACE`` naming the hosts' interface.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SUBNET = "10.78.0"  # private, and used only inside namespaces made here
-PREFIX_RE = re.compile(r"^osmm-(\d+)-")
+PREFIX_RE = re.compile(r"^osmm-(\d+|manual)-")
+MANUAL = "osmm-manual-"
 LAUNCHER = Path(__file__).resolve().with_name("ns-launch")
 
 
@@ -66,6 +69,8 @@ def unavailable_reason() -> str | None:
         return "network namespaces need Linux"
     if shutil.which("ip") is None:
         return "needs iproute2's `ip` command"
+    if shutil.which("unshare") is None:
+        return "needs util-linux's `unshare` command (a hostname per emulated host)"
     if os.geteuid() != 0:
         return "needs root to make network namespaces"
     probe = f"osmm-{os.getpid()}-probe"
@@ -118,7 +123,8 @@ def remove(prefix: str) -> None:
 
 def remove_stale() -> list[str]:
     """Delete the sets whose maker is gone; return the namespaces deleted."""
-    gone = [n for n in namespaces() if not _alive(int(PREFIX_RE.match(n).group(1)))]
+    makers = {n: PREFIX_RE.match(n).group(1) for n in namespaces()}
+    gone = [n for n, maker in makers.items() if maker.isdigit() and not _alive(int(maker))]
     for name in gone:
         _delete(name)
     return gone
@@ -167,8 +173,8 @@ def emulated_hosts(count: int) -> Iterator[Hosts]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) >= 2 and argv[0] == "up":
-        hosts = create(int(argv[1]), argv[2] if len(argv) > 2 else f"osmm-{os.getppid()}-")
+    if len(argv) == 2 and argv[0] == "up":
+        hosts = create(int(argv[1]), MANUAL)
         print(hosts.prefix)
         for name, address in zip(hosts.names, hosts.addresses):
             print(f"  {name}  {address}")
