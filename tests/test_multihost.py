@@ -71,13 +71,23 @@ _REASON = _unavailable()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"multi-host tests: {_REASON}")
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 @pytest.fixture(scope="module")
 def hosts():
+    """The emulated hosts, removed at the end even when the run is ended by SIGTERM (as
+    `timeout` ends it: pytest then tears its fixtures down) or SIGHUP; after SIGKILL the next
+    run removes them (their maker is gone)."""
     made = netns.create(HOSTS)
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield made
     finally:
         netns.remove(made.prefix)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _launch(hosts, slots, program_args, *, genv=(), hostnames=True, tmp_path=None):
