@@ -58,7 +58,7 @@ CORE = [
 ]
 COMBOS = {
     "core": CORE,
-    "few": CORE[:3],
+    "few": CORE[:3] + [("grid", "grid", "grid")],  # data-parallel, K-split, 2-D grid
     "all": [(a, b, c) for a in KINDS for b in KINDS for c in KINDS],
 }
 M, K, N = 13, 11, 7  # uneven over any rank count here
