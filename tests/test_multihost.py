@@ -9,9 +9,12 @@ on the others through tests/multihost/ns-launch in place of ssh::
         -launcher ssh -launcher-exec tests/multihost/ns-launch -iface eth0 \\
         -genv MPIR_CVAR_CH4_NETMOD ofi -genv FI_PROVIDER tcp -genv FI_TCP_IFACE eth0 ...
 
-The mpich wheel's MPICH picks its UCX netmod by default; ``MPIR_CVAR_CH4_NETMOD=ofi`` with
-``FI_PROVIDER=tcp`` makes it use libfabric's TCP provider on the namespaces' ``eth0`` (rank
-0's ``MPIR_CVAR_DEBUG_SUMMARY`` report, checked here, names the provider and the subnet).
+The mpich wheel's MPICH picks its UCX netmod by default, and UCX sees through the namespaces:
+it takes them for one node and moves the data by cross-memory attach (CMA), not TCP
+(``UCX_PROTO_INFO=y`` shows "intra-node ... cma/memory"), whatever ``FI_PROVIDER`` says. So
+``MPIR_CVAR_CH4_NETMOD=ofi`` with ``FI_PROVIDER=tcp`` makes it use libfabric's TCP provider on
+the namespaces' ``eth0`` (rank 0's ``MPIR_CVAR_DEBUG_SUMMARY`` report, checked here, names the
+provider and the subnet).
 Ranks on one host still talk through shared memory, except under ``MPIR_CVAR_NOLOCAL=1``.
 
 The jobs (tests/multihost/program.py) check osmm_jax products against numpy, forward and
