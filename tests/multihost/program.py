@@ -11,7 +11,8 @@ profile's sources (the keys are in the cache file). The exit status is 0 only if
 
 Launched across emulated hosts by tests/test_multihost.py; by hand, e.g. on a cluster::
 
-    mpiexec -hosts node1:2,node2:2 -genv FI_PROVIDER tcp -genv FI_TCP_IFACE eth0 \\
+    mpiexec -hosts node1:2,node2:2 -genv MPIR_CVAR_CH4_NETMOD ofi -genv FI_PROVIDER tcp \\
+        -genv FI_TCP_IFACE eth0 \\
         .venv/bin/python tests/multihost/program.py --combos core --cache /tmp/speeds.json
 """
 
