@@ -15,7 +15,13 @@ import pytest
 pytest.importorskip("jax")
 from osmm_jax._src import compat, native  # noqa: E402  (after the importorskip)
 
-TARGETS = {"osmm_fetch", "osmm_reduce_start", "osmm_reduce_issue", "osmm_reduce_finish"}
+TARGETS = {
+    "osmm_fetch",
+    "osmm_reduce_start",
+    "osmm_reduce_issue",
+    "osmm_reduce_finish",
+    "osmm_watch",
+}
 CUDA_BUILT = importlib.util.find_spec("osmm_jax._src._osmm_ffi_cuda") is not None
 
 

@@ -86,8 +86,18 @@ def test_one_rank_running_one_more_product_is_reported_with_every_ranks_position
         r"rank 0 \(this rank\): in call #(\d+) \(osmm_reduce, id [0-9a-f]{16}\)", report
     )
     # The others finished their products and are in their program's teardown.
+    number = int(re.search(r"rank 0 \(this rank\): in call #(\d+)", report).group(1))
     for r in (1, 2):
-        assert re.search(rf"rank {r}: in teardown \(call #\d+", report), report
+        assert f"rank {r}: in teardown after its last call #{number - 1}" in report, report
+    assert f"furthest: rank 0 at call #{number}; rank 1 at #{number - 1}" in report, report
+
+
+def test_a_stuck_mpi4jax_all_reduce_of_the_baseline_is_watched_too():
+    job = _job("extra_allreduce")
+    _ended_by_watchdog(job)
+    report = job.stderr[job.stderr.index("osmm_jax watchdog: rank 0") :]
+    assert "in an mpi4jax all-reduce (MPI_Allreduce) of call #" in report, report
+    assert re.search(r"furthest: rank 0 at call #(\d+); rank 1 at #\d+; rank 2 at #\d+", report)
 
 
 def test_ranks_running_two_plans_in_swapped_order_are_reported():

@@ -17,6 +17,7 @@
 #include "reduce.h"
 #include "registrations.h"
 #include "signatures.h"
+#include "watchdog.h"
 
 namespace nb = nanobind;
 
@@ -60,6 +61,14 @@ ffi::Error ReduceFinishCuda(cudaStream_t stream, int32_t device, ffi::ScratchAll
   return ReduceFinish(ops, local, out, comm);
 }
 
+// The marker is a device scalar: it is aliased to the result (see the lowering), so nothing is
+// copied; the stream is not touched.
+ffi::Error WatchCuda(cudaStream_t, int32_t, ffi::AnyBuffer, ffi::Token, ffi::Result<ffi::AnyBuffer>,
+                     ffi::Result<ffi::Token>, int64_t comm, int64_t begin) {
+  Watch(comm, begin);
+  return ffi::Error::Success();
+}
+
 auto CudaBinding() {
   return ffi::Ffi::Bind().Ctx<ffi::PlatformStream<cudaStream_t>>().Ctx<ffi::DeviceOrdinal>();
 }
@@ -78,11 +87,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(
     OsmmReduceFinishCuda, osmm::cuda::ReduceFinishCuda,
     osmm::ReduceFinishSignature(osmm::cuda::CudaBinding().Ctx<xla::ffi::ScratchAllocator>()));
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsmmWatchCuda, osmm::cuda::WatchCuda,
+                              osmm::WatchSignature(osmm::cuda::CudaBinding()));
+
 namespace {
 
 nb::dict Registrations() {
   return osmm::HandlerRegistrations(OsmmFetchCuda, OsmmReduceStartCuda, OsmmReduceIssueCuda,
-                                    OsmmReduceFinishCuda);
+                                    OsmmReduceFinishCuda, OsmmWatchCuda);
 }
 
 }  // namespace

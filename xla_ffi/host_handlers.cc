@@ -7,6 +7,7 @@
 #include "handlers.h"
 #include "reduce.h"
 #include "signatures.h"
+#include "watchdog.h"
 
 namespace osmm {
 namespace {
@@ -93,9 +94,20 @@ ffi::Error ReduceFinishHost(ffi::AnyBuffer local, ffi::Token, ffi::RemainingArgs
   return ReduceFinish(ops, local, out, comm);
 }
 
+ffi::Error WatchHost(ffi::AnyBuffer marker, ffi::Token, ffi::Result<ffi::AnyBuffer> out,
+                     ffi::Result<ffi::Token>, int64_t comm, int64_t begin) {
+  Watch(comm, begin);
+  if (out->untyped_data() != marker.untyped_data()) {
+    std::memcpy(out->untyped_data(), marker.untyped_data(), marker.size_bytes());
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace osmm
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsmmWatch, osmm::WatchHost,
+                              osmm::WatchSignature(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsmmFetch, osmm::FetchHost,
                               osmm::FetchSignature(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsmmReduceStart, osmm::ReduceStartHost,

@@ -23,7 +23,8 @@ namespace nb = nanobind;
 namespace {
 
 nb::dict Registrations() {
-  return osmm::HandlerRegistrations(OsmmFetch, OsmmReduceStart, OsmmReduceIssue, OsmmReduceFinish);
+  return osmm::HandlerRegistrations(OsmmFetch, OsmmReduceStart, OsmmReduceIssue, OsmmReduceFinish,
+                                    OsmmWatch);
 }
 
 nb::dict Stats() {

@@ -19,14 +19,16 @@ nanobind::capsule EncapsulateHandler(Fn* fn) {
   return nanobind::capsule(reinterpret_cast<void*>(fn));
 }
 
-// {target name: capsule} for one platform's four handlers.
-template <typename Fetch, typename Start, typename Issue, typename Finish>
-nanobind::dict HandlerRegistrations(Fetch* fetch, Start* start, Issue* issue, Finish* finish) {
+// {target name: capsule} for one platform's five handlers.
+template <typename Fetch, typename Start, typename Issue, typename Finish, typename Watch>
+nanobind::dict HandlerRegistrations(Fetch* fetch, Start* start, Issue* issue, Finish* finish,
+                                    Watch* watch) {
   nanobind::dict d;
   d["osmm_fetch"] = EncapsulateHandler(fetch);
   d["osmm_reduce_start"] = EncapsulateHandler(start);
   d["osmm_reduce_issue"] = EncapsulateHandler(issue);
   d["osmm_reduce_finish"] = EncapsulateHandler(finish);
+  d["osmm_watch"] = EncapsulateHandler(watch);
   return d;
 }
 

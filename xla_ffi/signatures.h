@@ -6,6 +6,7 @@
 //   osmm_reduce_start   (chunk 0, token) -> (ticket, token)
 //   osmm_reduce_issue   (chunk i, token) -> (ticket, token)
 //   osmm_reduce_finish  (local, token, every chunk...) -> (out, token)
+//   osmm_watch          (marker, token) -> (marker, token)
 //
 // The token is the ordered-effect token that XLA threads through them, so they run in program
 // order on every rank.
@@ -77,6 +78,20 @@ auto ReduceFinishSignature(Binding&& binding) {
       .template Ret<ffi::AnyBuffer>()  // out
       .template Ret<ffi::Token>()      // ordering token out
       .template Attr<int64_t>("comm");
+}
+
+// Brackets a collective that osmm_jax does not issue itself (begin = 1, then 0): see Watch in
+// watchdog.h. The marker is a scalar passed through, so the call has a buffer to return.
+template <typename Binding>
+auto WatchSignature(Binding&& binding) {
+  namespace ffi = xla::ffi;
+  return std::forward<Binding>(binding)
+      .template Arg<ffi::AnyBuffer>()  // marker
+      .template Arg<ffi::Token>()      // ordering token in
+      .template Ret<ffi::AnyBuffer>()  // marker, unchanged
+      .template Ret<ffi::Token>()      // ordering token out
+      .template Attr<int64_t>("comm")
+      .template Attr<int64_t>("begin");
 }
 
 }  // namespace osmm

@@ -125,6 +125,8 @@ const char* StepName(int64_t step) {
       return "matmul's agreement on its options (mpi4py allgather)";
     case Step::kBarrier:
       return "the barrier before a collective step (MPI_Ibarrier)";
+    case Step::kInGraph:
+      return "an mpi4jax all-reduce (MPI_Allreduce)";
   }
   return "an unknown step";
 }
@@ -141,6 +143,8 @@ const char* KindName(int64_t kind) {
       return "free_windows";
     case CallKind::kHost:
       return "matmul";
+    case CallKind::kInGraph:
+      return "mpi4jax all-reduce";
   }
   return "unknown";
 }
@@ -163,8 +167,8 @@ std::string CallText(int64_t number, int64_t kind, int64_t id) {
 std::string Describe(const Record& r, int64_t now_wall) {
   const int64_t age = std::max<int64_t>(0, now_wall - r[kSinceWallNs]);
   if (r[kCallKind] == static_cast<int64_t>(CallKind::kTeardown)) {
-    std::string text = "in teardown (call #" + std::to_string(r[kCallNumber]) +
-                       ", free_windows: its program is ending";
+    std::string text = "in teardown after its last call #" + std::to_string(r[kCallNumber]) +
+                       " (free_windows: its program is ending";
     if (r[kStep] != 0) text += std::string("), blocked in ") + StepName(r[kStep]);
     return text + (r[kStep] != 0 ? " for " : ") for ") + Seconds(age);
   }
@@ -463,6 +467,14 @@ WatchdogSettings GetWatchdogSettings() {
   return WatchdogSettings{static_cast<double>(s.timeout_ns.load()) * 1e-9, s.raise.load()};
 }
 
+void BeginTeardown() {
+  Progress& p = GlobalProgress();
+  p.completed.store(p.call_number.load(std::memory_order_relaxed), std::memory_order_relaxed);
+  p.call_kind.store(static_cast<int64_t>(CallKind::kTeardown), std::memory_order_relaxed);
+  p.call_id.store(0, std::memory_order_relaxed);
+  p.since_wall_ns.store(WallNs(), std::memory_order_relaxed);
+}
+
 int64_t BeginCall(CallKind kind, int64_t call_id) {
   Progress& p = GlobalProgress();
   p.call_kind.store(static_cast<int64_t>(kind), std::memory_order_relaxed);
@@ -514,6 +526,16 @@ ffi::Error WaitBounded(MPI_Request* request, MPI_Comm comm, Step step, const cha
                             "\"Failure behaviour\").");
     }
     if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+void Watch(int64_t comm_handle, int64_t begin) {
+  if (begin != 0) {
+    BeginCall(CallKind::kInGraph, 0);
+    EnterStep(Step::kInGraph, CommFromHandle(comm_handle));
+  } else {
+    LeaveStep();
+    EndCall();
   }
 }
 

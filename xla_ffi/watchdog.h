@@ -39,6 +39,7 @@ enum class Step : int64_t {
   kCommDup = 6,        // MPI_Comm_dup of the caller's communicator (collective)
   kHostAgreement = 7,  // osmm_jax's Python-side agreement on a product's options (collective)
   kBarrier = 8,        // the bounded barrier of raise mode
+  kInGraph = 9,        // a collective inside the XLA program that osmm_jax brackets (Watch)
 };
 
 // What kind of call a rank is in. Published in the status record: values are stable.
@@ -48,6 +49,7 @@ enum class CallKind : int64_t {
   kReduce = 2,    // osmm_reduce_start ... osmm_reduce_finish
   kTeardown = 3,  // free_windows
   kHost = 4,      // a product's Python-side checks
+  kInGraph = 5,   // mpi4jax collectives of the allreduce method and of checksum verification
 };
 
 struct WatchdogSettings {
@@ -65,6 +67,8 @@ inline constexpr int kWatchdogExitCode = 75;
 // process). EndCall marks it completed, whatever its outcome.
 int64_t BeginCall(CallKind kind, int64_t call_id);
 void EndCall();
+// Marks this rank as in teardown (free_windows) after its last call; not a numbered call.
+void BeginTeardown();
 
 // Calls EndCall when it goes out of scope, unless released.
 class CallScope {
@@ -106,6 +110,13 @@ ffi::Error WaitBounded(MPI_Request* request, MPI_Comm comm, Step step, const cha
 // after it (a synchronising fence, a window creation or free) starts only once every rank has
 // arrived. Abort mode: nothing (the step itself is watched).
 ffi::Error BoundedBarrier(MPI_Comm comm, const char* what);
+
+// The osmm_watch target: `begin` != 0 marks the start of a collective that osmm_jax does not
+// issue itself but orders on the same token chain (mpi4jax's all-reduces in the allreduce
+// method and in checksum verification), as a new call blocked in Step::kInGraph on `comm`
+// (the plan's communicator, for the report); 0 marks its end. Not bounded in raise mode:
+// mpi4jax's call cannot be interrupted, so a timeout there ends the job.
+void Watch(int64_t comm_handle, int64_t begin);
 
 // Fails if an earlier timeout left `comm` unusable.
 ffi::Error CheckUsable(MPI_Comm comm);

@@ -236,7 +236,7 @@ ffi::Error FreeWindows() {
   MPI_Finalized(&finalized);
   MPI_Initialized(&initialized);
   const bool can_free = initialized && !finalized;
-  if (can_free && !cache.comms.empty()) BeginCall(CallKind::kTeardown, 0);
+  if (can_free && !cache.comms.empty()) BeginTeardown();
   ffi::Error first_error = ffi::Error::Success();
   for (auto& e : cache.entries) {
     std::lock_guard<std::mutex> entry_lock(e->mu);
@@ -267,7 +267,6 @@ ffi::Error FreeWindows() {
     }
     e.dup = MPI_COMM_NULL;
   }
-  if (can_free && !cache.comms.empty()) EndCall();
   return first_error;
 }
 

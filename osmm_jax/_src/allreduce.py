@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from osmm_jax._src import communicators, dtypes, one_sided
+from osmm_jax._src import communicators, dtypes, one_sided, primitives
 from osmm_jax._src.planner import Plan
 
 
@@ -49,8 +49,8 @@ def forward(plan: Plan, rank: int, a, b):
     remote = {}
     if plan.has_gets:
         # Inputs a rank lacks are assembled the baseline way too: zero-padded blocks, summed.
-        a_full = _assemble(a, plan.a, rank, comm)
-        b_full = _assemble(b, plan.b, rank, comm)
+        a_full = _assemble(a, plan.a, rank, comm, plan.comm_key)
+        b_full = _assemble(b, plan.b, rank, comm, plan.comm_key)
         for m in multiplies:
             remote[("A", m.rows, m.inner)] = a_full[m.rows[0] : m.rows[1], m.inner[0] : m.inner[1]]
             remote[("B", m.inner, m.cols)] = b_full[m.inner[0] : m.inner[1], m.cols[0] : m.cols[1]]
@@ -58,7 +58,9 @@ def forward(plan: Plan, rank: int, a, b):
     total = jnp.zeros((M, N), acc)
     for (rows, _, cols), product in _products(plan, rank, a, b, multiplies, remote).items():
         total = total.at[rows[0] : rows[1], cols[0] : cols[1]].add(product)
-    total = mpi4jax.allreduce(total, op=MPI.SUM, comm=comm)
+    total = primitives.watched(
+        lambda: mpi4jax.allreduce(total, op=MPI.SUM, comm=comm), comm=plan.comm_key
+    )
     row_slice, col_slice = plan.c.local_slices(rank)
     return total[row_slice, col_slice].astype(a.dtype)
 
@@ -75,7 +77,7 @@ def _products(plan: Plan, rank: int, a, b, multiplies, remote: dict) -> dict:
     }
 
 
-def _assemble(x, layout, rank, comm):
+def _assemble(x, layout, rank, comm, comm_key):
     """The whole matrix on every rank, summed from zero-padded blocks (replicated layouts pass through)."""
     import mpi4jax
     from mpi4py import MPI
@@ -84,4 +86,7 @@ def _assemble(x, layout, rank, comm):
         return x
     rows, cols = layout.local_slices(rank)
     padded = jnp.zeros(layout.shape, dtypes.accumulation_dtype(x.dtype)).at[rows, cols].set(x)
-    return mpi4jax.allreduce(padded, op=MPI.SUM, comm=comm).astype(x.dtype)
+    summed = primitives.watched(
+        lambda: mpi4jax.allreduce(padded, op=MPI.SUM, comm=comm), comm=comm_key
+    )
+    return summed.astype(x.dtype)

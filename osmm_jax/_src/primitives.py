@@ -38,6 +38,7 @@ import functools
 import hashlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
@@ -62,7 +63,14 @@ osmm_fetch_p = Primitive("osmm_fetch")
 osmm_reduce_start_p = Primitive("osmm_reduce_start")
 osmm_reduce_issue_p = Primitive("osmm_reduce_issue")
 osmm_reduce_finish_p = Primitive("osmm_reduce_finish")
-for _p in (osmm_fetch_p, osmm_reduce_start_p, osmm_reduce_issue_p, osmm_reduce_finish_p):
+osmm_watch_p = Primitive("osmm_watch")
+for _p in (
+    osmm_fetch_p,
+    osmm_reduce_start_p,
+    osmm_reduce_issue_p,
+    osmm_reduce_finish_p,
+    osmm_watch_p,
+):
     _p.def_impl(functools.partial(apply_primitive, _p))
 
 
@@ -129,6 +137,16 @@ def reduce_finish(local, chunks, *, comm):
     return osmm_reduce_finish_p.bind(local, *chunks, comm=int(comm))
 
 
+def watched(run, *, comm):
+    """``run()``, bracketed by two ``osmm_watch`` calls on the ordered-effect token chain, so
+    that the watchdog bounds the mpi4jax collectives ``run`` issues (they share the chain) like
+    its own blocking steps, reporting against the plan's communicator ``comm`` (a comm_key)."""
+    marker = osmm_watch_p.bind(jnp.zeros((), jnp.int32), comm=int(comm), begin=True)
+    result = run()
+    osmm_watch_p.bind(marker, comm=int(comm), begin=False)
+    return result
+
+
 def call_id(*parts) -> int:
     """A signed 63-bit id of a native call, from ``parts`` that are identical on every rank and
     determine every rank's attributes (plan fingerprint, step, dtype, chunking)."""
@@ -155,6 +173,9 @@ osmm_fetch_p.def_effectful_abstract_eval(_fetch_abstract)
 osmm_reduce_start_p.def_effectful_abstract_eval(_ticket_abstract)
 osmm_reduce_issue_p.def_effectful_abstract_eval(_ticket_abstract)
 osmm_reduce_finish_p.def_effectful_abstract_eval(_reduce_finish_abstract)
+osmm_watch_p.def_effectful_abstract_eval(
+    lambda marker, **_: (jax.core.ShapedArray((), np.int32), {ordered_effect})
+)
 
 
 # -- lowering -----------------------------------------------------------------------
@@ -248,6 +269,18 @@ def _reduce_finish_lowering(ctx, local, *chunks, comm):
     )
 
 
+def _watch_lowering(ctx, marker, *, comm, begin):
+    return _lower_with_token(
+        "osmm_watch", ctx, marker, aliases={0: 0}, comm=np.int64(comm), begin=np.int64(begin)
+    )
+
+
+def _watch_passthrough(ctx, marker, *, comm, begin):
+    """Where the handlers are not available, the watch is not made: the token passes on."""
+    set_token_effect(ctx, ordered_effect, get_token_effect(ctx, ordered_effect))
+    return [marker]
+
+
 _LOWERINGS = {
     osmm_fetch_p: _fetch_lowering,
     osmm_reduce_start_p: _reduce_start_lowering,
@@ -272,6 +305,9 @@ def _unavailable_lowering(platform: str):
 for _platform in native.platforms():
     for _p, _rule in _LOWERINGS.items():
         mlir.register_lowering(_p, _rule, platform=_platform)
+for _platform in native.platforms():
+    mlir.register_lowering(osmm_watch_p, _watch_lowering, platform=_platform)
 for _platform in native.UNAVAILABLE:
     for _p in _LOWERINGS:
         mlir.register_lowering(_p, _unavailable_lowering(_platform), platform=_platform)
+    mlir.register_lowering(osmm_watch_p, _watch_passthrough, platform=_platform)

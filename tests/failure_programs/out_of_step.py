@@ -12,6 +12,8 @@ SCENARIO:
     swapped_same   like swapped, with two plans that use the same windows in the same way
                    (each a single reduce epoch), so that the fences match and only the call
                    ids tell the ranks apart;
+    extra_allreduce  like extra, with method="allreduce" (rank 0 waits in mpi4jax's
+                   all-reduce, which osmm_jax brackets for the watchdog);
     raise          like extra, but rank 0 runs its extra product under
                    ``osmm_jax.timeout(3, "raise")``: it catches the error, prints it
                    ("caught: ..."), and its next product is refused ("refused: ...").
@@ -38,21 +40,24 @@ import osmm_jax as om  # noqa: E402
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 
 
-def product(plan):
+def product(plan, method=None):
     """A jitted product under ``plan`` and this rank's blocks of its inputs."""
     m, k = plan.a.shape
     _, n = plan.b.shape
     rng = np.random.default_rng(0)
     a = jnp.asarray(plan.a.shard(rng.standard_normal((m, k)).astype(np.float32), RANK))
     b = jnp.asarray(plan.b.shard(rng.standard_normal((k, n)).astype(np.float32), RANK))
-    fn = jax.jit(lambda x, y: om.matmul(x, y, plan))
+    fn = jax.jit(lambda x, y: om.matmul(x, y, plan, method=method))
     return lambda: jax.block_until_ready(fn(a, b))
 
 
 def main(scenario: str) -> None:
-    p = product(om.plan(om.Layout.cols((8, 12)), om.Layout.rows((12, 6)), om.Layout.rows((8, 6))))
+    p_plan = om.plan(om.Layout.cols((8, 12)), om.Layout.rows((12, 6)), om.Layout.rows((8, 6)))
+    p = product(p_plan)
     q = product(om.plan(om.Layout.rows((9, 5)), om.Layout.cols((5, 7)), om.Layout.cols((9, 7))))
-    if scenario == "extra":
+    if scenario in ("extra", "extra_allreduce"):
+        if scenario == "extra_allreduce":
+            p = product(p_plan, "allreduce")
         for _ in range(3):
             p()
         print(f"ready {time.time():.3f}", file=sys.stderr, flush=True)
