@@ -164,6 +164,7 @@ bench: install
 	$(MPIEXEC) $(HETERO) $(PY) -m benchmarks.train_step --peers --json $(BENCH_RAW)
 	$(MPIEXEC) -n 4 $(PY) -m benchmarks.compare_methods --case grid --size 2048 --peers \
 	  --label grid --json $(BENCH_RAW)
+	$(PY) -m benchmarks.planner_scaling
 	$(PY) -m benchmarks.report --raw $(BENCH_RAW)
 
 # Execute the notebooks headless (they check themselves with assert cells).

@@ -151,3 +151,33 @@ def test_reason_is_carried_but_not_compared():
     assert chosen.reason == "picked" and plain.reason == ""
     assert chosen == plain and hash(chosen) == hash(plain)
     assert chosen.T.reason == ""  # the transpose was not chosen
+
+
+_intervals = st.integers(0, 6).flatmap(lambda lo: st.tuples(st.just(lo), st.integers(lo, 6)))
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.tuples(_intervals, _intervals), min_size=1, max_size=9))
+def test_overlap_sweep_agrees_with_the_pairwise_test(blocks):
+    nonempty = [b for b in blocks if layout_module._area(b)]
+    pairwise = any(
+        layout_module._overlap(a, b) for i, a in enumerate(nonempty) for b in nonempty[i + 1 :]
+    )
+    assert layout_module._any_overlap(blocks) == pairwise
+
+
+def test_overlap_is_named_by_the_first_pair_in_rank_order():
+    # The right area, but rank 2 repeats row 1 of rank 0 and row 2 is nobody's.
+    blocks = (((0, 2), (0, 4)), ((3, 4), (0, 4)), ((1, 2), (0, 4)), ((0, 0), (0, 0)))
+    with pytest.raises(ValueError, match=r"ranks 0 and 2 overlap"):
+        Layout((4, 4), blocks)
+
+
+def test_thousands_of_ranks_validate_quickly():
+    # Pairwise validation took seconds here; the sweep takes milliseconds.
+    import time
+
+    start = time.perf_counter()
+    Layout.rows((100_000, 8), nranks=20_000)
+    Layout.grid((4096, 4096), (128, 128))
+    assert time.perf_counter() - start < 5

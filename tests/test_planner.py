@@ -556,3 +556,59 @@ def test_bytes_sent_charges_the_owner_and_bytes_issued_the_rank_that_gets():
     assert plan.bytes_issued() == (0, 8) and plan.bytes_issued(8, 4) == (0, 16)
     assert plan.flops == (0, 16)
     assert plan.expose_elements == (2, 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(products())
+def test_owner_tables_are_the_layouts_owners(layouts):
+    a, b, c = layouts
+    cells = cut_cells(a, b, c)
+    for table, layout, rows, cols in (
+        (cells.a_owners, a, cells.m, cells.k),
+        (cells.b_owners, b, cells.k, cells.n),
+        (cells.c_owners, c, cells.m, cells.n),
+    ):
+        assert len(table) == len(rows)
+        for i, r in enumerate(rows):
+            assert table[i] == tuple(layout.owners(r, col) for col in cols)
+
+
+def test_large_plans_are_built_without_pairwise_or_per_cell_scans():
+    # 4096 ranks: the owner tables, validation and tallies are near-linear (this took ~10 s).
+    import time
+
+    start = time.perf_counter()
+    plan = make_plan(
+        Layout.rows((65536, 256), nranks=4096),
+        Layout.replicated((256, 512), nranks=4096),
+        Layout.rows((65536, 512), nranks=4096),
+    )
+    assert len(plan.multiplies) == 4096 and not plan.transfers
+    assert "rank 4095: 1 multiplies" in plan.describe()
+    assert time.perf_counter() - start < 5
+
+
+def test_collector_is_restored_after_planning():
+    import gc
+
+    make_plan(
+        Layout.rows((4, 4), nranks=2), Layout.cols((4, 4), nranks=2), Layout.rows((4, 4), nranks=2)
+    )
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        Plan = type(
+            make_plan(
+                Layout.rows((4, 4), nranks=2),
+                Layout.rows((4, 4), nranks=2),
+                Layout.rows((4, 4), nranks=2),
+            )
+        )
+        Plan(
+            Layout.rows((6, 4), nranks=2),
+            Layout.rows((4, 4), nranks=2),
+            Layout.rows((6, 4), nranks=2),
+        )
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -12,6 +12,7 @@ package installs (see :func:`set_default_nranks`).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -180,6 +181,9 @@ class Layout:
             raise ValueError(
                 f"the blocks of a layout of shape {self.shape} cover {area} elements, not {rows * cols}"
             )
+        if not _any_overlap(self.blocks):
+            return
+        # Only a bad layout gets here: name the first overlapping pair in rank order.
         nonempty = [(r, b) for r, b in enumerate(self.blocks) if _area(b)]
         for i, (ra, a) in enumerate(nonempty):
             for rb, b in nonempty[i + 1 :]:
@@ -304,6 +308,34 @@ def _infer_nranks(nranks, weights, sizes) -> int:
 def _area(block: Block) -> int:
     (r0, r1), (c0, c1) = block
     return (r1 - r0) * (c1 - c0)
+
+
+def _any_overlap(blocks: Sequence[Block]) -> bool:
+    """Whether any two non-empty blocks overlap, in O(P log P) for P blocks.
+
+    A sweep down the rows: at each row bound, the blocks ending there leave the active set and
+    the blocks starting there join it. The active blocks' column ranges are kept sorted by
+    start; as long as no two overlap, a joining range can only overlap its neighbours, so one
+    bisection per block decides. (The pairwise test is O(P^2): seconds for thousands of ranks.)
+    """
+    events = []
+    for (r0, r1), (c0, c1) in blocks:
+        if r0 < r1 and c0 < c1:
+            events.append((r1, 0, c0, c1))  # leaves (sorted before a join at the same row)
+            events.append((r0, 1, c0, c1))  # joins
+    events.sort()
+    starts: list[int] = []
+    stops: list[int] = []
+    for _row, joins, c0, c1 in events:
+        i = bisect.bisect_left(starts, c0)
+        if not joins:
+            del starts[i], stops[i]
+            continue
+        if (i > 0 and stops[i - 1] > c0) or (i < len(starts) and starts[i] < c1):
+            return True
+        starts.insert(i, c0)
+        stops.insert(i, c1)
+    return False
 
 
 def _overlap(a: Block, b: Block) -> bool:

@@ -30,7 +30,10 @@ nor MPI.
 
 from __future__ import annotations
 
+import bisect
+import contextlib
 import functools
+import gc
 import hashlib
 import itertools
 import operator
@@ -350,14 +353,15 @@ class Plan:
         for t in self.transfers:
             pair_bytes[(t.sender, t.receiver, t.op)] += t.nbytes(FLOAT32_BYTES, FLOAT32_BYTES)
         sent = self.bytes_sent()
+        # One pass over the plan for all ranks (not one per rank: P times the plan's size).
+        sends_by: list[list[str]] = [[] for _ in range(self.nranks)]
+        for (src, dst, op), nbytes in sorted(pair_bytes.items()):
+            sends_by[src].append(f"{op} -> {dst}: {nbytes / 2**20:.2f} MiB")
+        counts = per_rank_totals(self.multiplies, self.nranks, "rank", lambda m: 1)
         for r in range(self.nranks):
-            sends = ", ".join(
-                f"{op} -> {dst}: {nbytes / 2**20:.2f} MiB"
-                for (src, dst, op), nbytes in sorted(pair_bytes.items())
-                if src == r
-            )
+            sends = ", ".join(sends_by[r])
             lines.append(
-                f"  rank {r}: {len(self.multiplies_on(r))} multiplies, {self.flops[r] / 1e9:.3f} GFLOP, "
+                f"  rank {r}: {counts[r]} multiplies, {self.flops[r] / 1e9:.3f} GFLOP, "
                 f"sends {sent[r] / 2**20:.2f} MiB" + (f" ({sends})" if sends else "")
             )
         detail = ["  multiplies:"] + [
@@ -472,7 +476,51 @@ def _cuts(extent: int, *bounds_lists) -> tuple[Interval, ...]:
 
 
 def _owner_table(layout: Layout, row_cells, col_cells) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    return tuple(tuple(layout.owners(r, c) for c in col_cells) for r in row_cells)
+    """``layout.owners(r, c)`` for every cell ``r x c`` of the cuts, in O(cells + P log P).
+
+    The cuts include every block bound of ``layout``, so each (non-empty) cell lies inside
+    whole blocks: all ranks for a replicated layout, else exactly one non-empty block. Each
+    block fills the cells it covers (found by bisection) instead of every cell scanning every
+    block; equal entries are one shared tuple.
+    """
+    if not row_cells or not col_cells:
+        return tuple(() for _ in row_cells)
+    if layout.is_replicated:
+        row = (tuple(range(layout.nranks)),) * len(col_cells)
+        return (row,) * len(row_cells)
+    row_starts = [lo for lo, _ in row_cells]
+    col_starts = [lo for lo, _ in col_cells]
+    table: list[list[tuple[int, ...] | None]] = [[None] * len(col_cells) for _ in row_cells]
+    for rank, ((r0, r1), (c0, c1)) in enumerate(layout.blocks):
+        if r0 == r1 or c0 == c1:
+            continue  # an empty block holds no (non-empty) cell
+        i0, i1 = bisect.bisect_left(row_starts, r0), bisect.bisect_left(row_starts, r1)
+        j0, j1 = bisect.bisect_left(col_starts, c0), bisect.bisect_left(col_starts, c1)
+        fill = [(rank,)] * (j1 - j0)
+        for i in range(i0, i1):
+            table[i][j0:j1] = fill
+    return tuple(
+        tuple(
+            layout.owners(r, c) if owners is None else owners
+            for c, owners in zip(col_cells, table_row)
+        )
+        for r, table_row in zip(row_cells, table)
+    )
+
+
+def _as_set(owners: tuple[int, ...], memo: dict) -> frozenset[int]:
+    """``frozenset(owners)``, made once per table entry while ``memo`` lives."""
+    found = memo.get(id(owners))
+    if found is None:
+        found = memo[id(owners)] = (owners, frozenset(owners))
+    return found[1]
+
+
+def _lookup(owners: tuple[int, ...], memo: dict) -> tuple[int, ...] | frozenset[int]:
+    """A container with the ranks of ``owners`` and fast ``in``: the tuple itself when short, else
+    a set (made once per table entry; owner tables share equal entries, so a replicated operand
+    makes one)."""
+    return owners if len(owners) <= 8 else _as_set(owners, memo)
 
 
 # The schedule is built in four passes, each a function of the previous ones' results:
@@ -557,21 +605,32 @@ def serve_self(cells: Cells) -> tuple[Assignment, list[Unserved]]:
     really end up with.
     """
     assignment = Assignment({}, defaultdict(list), [0] * cells.nranks)
+    products, deliveries, load = assignment.products, assignment.deliveries, assignment.load
     unserved = []
+    memo: dict = {}
+    k_sizes = [_size(k) for k in cells.k]
     for mi, ni in itertools.product(range(len(cells.m)), range(len(cells.n))):
         owners_c = cells.c_owners[mi][ni]
+        if not owners_c:
+            continue
+        a_row, mn = cells.a_owners[mi], 2 * _size(cells.m[mi]) * _size(cells.n[ni])
         for ki in range(len(cells.k)):
-            owners_a, owners_b = cells.a_owners[mi][ki], cells.b_owners[ki][ni]
-            self_serving = tuple(r for r in owners_c if r in owners_a and r in owners_b)
-            for r in self_serving:
-                assignment.products[(r, mi, ki, ni)] = False
-                assignment.deliveries[(r, r, mi, ni)].append(ki)
-                assignment.load[r] += cells.flops(mi, ki, ni)
-            remaining = tuple(r for r in owners_c if r not in self_serving)
-            if remaining:
-                unserved.append(Unserved(mi, ki, ni, self_serving, remaining))
+            in_a, in_b = _lookup(a_row[ki], memo), _lookup(cells.b_owners[ki][ni], memo)
+            self_serving = tuple(r for r in owners_c if r in in_a and r in in_b)
+            if self_serving:
+                flops = mn * k_sizes[ki]
+                for r in self_serving:
+                    products[(r, mi, ki, ni)] = False
+                    deliveries[(r, r, mi, ni)].append(ki)
+                    load[r] += flops
+                if len(self_serving) == len(owners_c):
+                    products[(min(self_serving), mi, ki, ni)] = True
+                    continue
+                serving = self_serving if len(self_serving) <= 8 else frozenset(self_serving)
+                remaining = tuple(r for r in owners_c if r not in serving)
             else:
-                assignment.products[(min(self_serving), mi, ki, ni)] = True
+                remaining = owners_c
+            unserved.append(Unserved(mi, ki, ni, self_serving, remaining))
     return assignment, unserved
 
 
@@ -585,22 +644,27 @@ def moved(cells: Cells, cell: Unserved, server: int) -> int:
     return fetch + _size(m) * _size(n) * sum(1 for r in cell.remaining if r != server)
 
 
-def server_candidates(cells: Cells, cell: Unserved, compute_at_inputs: bool = False):
+def server_candidates(
+    cells: Cells, cell: Unserved, compute_at_inputs: bool = False, memo: dict | None = None
+):
     """The ranks that may serve ``cell``.
 
     Its self-serving owners if there are any (the cell is computed there anyway: fetching its
     inputs elsewhere would compute it twice); with ``compute_at_inputs`` the ranks holding both
-    inputs, if any; otherwise every owner of its A, B or C piece.
+    inputs, if any; otherwise every owner of its A, B or C piece. ``memo`` (a dict the caller
+    keeps while ``cells`` lives) lets a large owner set, e.g. a replicated operand's, be made
+    once instead of once per cell.
     """
     if cell.self_serving:
         return cell.self_serving
-    holders_a = cells.a_owners[cell.mi][cell.ki]
-    holders_b = cells.b_owners[cell.ki][cell.ni]
+    memo = {} if memo is None else memo
+    holders_a = _as_set(cells.a_owners[cell.mi][cell.ki], memo)
+    holders_b = _as_set(cells.b_owners[cell.ki][cell.ni], memo)
     if compute_at_inputs:
-        holders = set(holders_a) & set(holders_b)
+        holders = holders_a & holders_b
         if holders:
             return holders
-    return set(holders_a) | set(holders_b) | set(cells.c_owners[cell.mi][cell.ni])
+    return holders_a | holders_b | _as_set(cells.c_owners[cell.mi][cell.ni], memo)
 
 
 def choose_servers(
@@ -614,22 +678,78 @@ def choose_servers(
     avoid (on a 2x2 grid this balances flops 2:2:2:2 instead of 1:3:2:2 at the same bytes).
     """
 
-    def tied(cell: Unserved) -> bool:
-        costs = [moved(cells, cell, p) for p in server_candidates(cells, cell, compute_at_inputs)]
-        return costs.count(min(costs)) > 1
+    memo: dict = {}
 
-    load = assignment.load
-    for cell in sorted(unserved, key=tied):  # stable: unique cheapest first, then ties
-        server = min(
-            server_candidates(cells, cell, compute_at_inputs),
-            key=lambda p: (moved(cells, cell, p), load[p], p),
-        )
+    def costs(cell: Unserved) -> list[tuple[int, int]]:
+        """``(moved(cells, cell, p), p)`` for every candidate ``p``, computed in one go."""
+        m, k, n = _size(cells.m[cell.mi]), _size(cells.k[cell.ki]), _size(cells.n[cell.ni])
+        in_a = _lookup(cells.a_owners[cell.mi][cell.ki], memo)
+        in_b = _lookup(cells.b_owners[cell.ki][cell.ni], memo)
+        remaining = cell.remaining
+        in_remaining = remaining if len(remaining) <= 8 else frozenset(remaining)
+        result = m * n
+        return [
+            (
+                (0 if p in in_a else m * k)
+                + (0 if p in in_b else k * n)
+                + result * (len(remaining) - (p in in_remaining)),
+                p,
+            )
+            for p in server_candidates(cells, cell, compute_at_inputs, memo)
+        ]
+
+    a_owners, b_owners, c_owners = cells.a_owners, cells.b_owners, cells.c_owners
+    m_sizes = [_size(iv) for iv in cells.m]
+    k_sizes = [_size(iv) for iv in cells.k]
+    n_sizes = [_size(iv) for iv in cells.n]
+    unique: list[tuple[Unserved, int]] = []
+    tied: list[tuple[Unserved, list[int]]] = []
+    for cell in unserved:
+        mi, ki, ni, self_serving, remaining = cell
+        owners_a, owners_b = a_owners[mi][ki], b_owners[ki][ni]
+        if self_serving or len(owners_a) != 1 or len(owners_b) != 1 or len(remaining) != 1:
+            options = costs(cell)
+        else:
+            # One owner of each piece, and the one C owner lacks an input (the common case
+            # of partitioned layouts): the same costs as costs(), without the sets.
+            (a,), (b,), (c,) = owners_a, owners_b, remaining
+            m, k, n = m_sizes[mi], k_sizes[ki], n_sizes[ni]
+            if compute_at_inputs and a == b:
+                candidates: Iterable[int] = (a,)
+            else:
+                candidates = {a, b, *c_owners[mi][ni]}
+            options = [
+                (
+                    (0 if p == a else m * k) + (0 if p == b else k * n) + (0 if p == c else m * n),
+                    p,
+                )
+                for p in candidates
+            ]
+        if len(options) == 1:
+            unique.append((cell, options[0][1]))
+            continue
+        cheapest = min(options)[0]
+        best = [p for cost, p in options if cost == cheapest]
+        if len(best) == 1:
+            unique.append((cell, best[0]))
+        else:
+            tied.append((cell, best))
+
+    load, products, deliveries = assignment.load, assignment.products, assignment.deliveries
+
+    def least_loaded(best: list[int]) -> int:
+        return min(best, key=lambda p: (load[p], p))
+
+    # Unique cheapest first (their server is already known), then ties, by the load so far.
+    for cell, server in itertools.chain(
+        unique, ((cell, least_loaded(best)) for cell, best in tied)
+    ):
         key = (server, cell.mi, cell.ki, cell.ni)
-        if key not in assignment.products:
+        if key not in products:
             load[server] += cells.flops(cell.mi, cell.ki, cell.ni)
-        assignment.products[key] = True
+        products[key] = True
         for r in cell.remaining:
-            assignment.deliveries[(server, r, cell.mi, cell.ni)].append(cell.ki)
+            deliveries[(server, r, cell.mi, cell.ni)].append(cell.ki)
 
 
 def emit_schedule(
@@ -646,11 +766,19 @@ def emit_schedule(
     """
     multiplies = []
     gets = {}
+    memo: dict = {}
     for (rank, mi, ki, ni), primary in sorted(assignment.products.items()):
         m, k, n = cells.m[mi], cells.k[ki], cells.n[ni]
         owners_a, owners_b = cells.a_owners[mi][ki], cells.b_owners[ki][ni]
-        a_src = rank if rank in owners_a else owners_a[0]
-        b_src = rank if rank in owners_b else owners_b[0]
+        # A lone owner is the source whoever multiplies; else the rank itself if it owns one.
+        if len(owners_a) == 1 or rank not in _lookup(owners_a, memo):
+            a_src = owners_a[0]
+        else:
+            a_src = rank
+        if len(owners_b) == 1 or rank not in _lookup(owners_b, memo):
+            b_src = owners_b[0]
+        else:
+            b_src = rank
         if a_src != rank:
             gets[(rank, "A", m, k)] = Transfer("get", "A", rank, a_src, m, k)
         if b_src != rank:
@@ -685,10 +813,29 @@ def _schedule(a: Layout, b: Layout, c: Layout, compute_at_inputs: bool = False):
     ``compute_at_inputs``: a cell's product is computed by a rank that holds both of its
     inputs whenever there is one (partials move, inputs do not), whatever the bytes.
     """
-    cells = cut_cells(a, b, c)
-    assignment, unserved = serve_self(cells)
-    choose_servers(cells, assignment, unserved, compute_at_inputs)
-    return emit_schedule(cells, assignment)
+    with _collector_paused():
+        cells = cut_cells(a, b, c)
+        assignment, unserved = serve_self(cells)
+        choose_servers(cells, assignment, unserved, compute_at_inputs)
+        return emit_schedule(cells, assignment)
+
+
+@contextlib.contextmanager
+def _collector_paused():
+    """Pause Python's cyclic garbage collector while a schedule is built.
+
+    A plan of P ranks allocates up to millions of tuples and records, none of them in a
+    reference cycle; each allocation burst triggers a collection that walks every object still
+    alive, which more than doubles the time of large plans. Restored on exit (even on error)
+    unless it was already off.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def make_plan(a: Layout, b: Layout, c: Layout, comm_key: int = 0) -> Plan:

@@ -1,0 +1,288 @@
+"""How long building a plan takes, and how much memory, as the number of ranks grows.
+
+No MPI and no device: layouts are built for an explicit rank count and planned in one process.
+Each (case, P) is measured in a fresh child process, so its peak memory is its own: the
+seconds cover building the layouts and the plan (``Plan(...)`` directly, not the cached
+``make_plan``), the memory is the child's peak resident set minus what it held before building.
+
+Cases (M = K = N = ``--dim``):
+
+* ``rows``: A rows, B replicated, C rows (the data-parallel product);
+* ``k_split``: A cols, B rows, C rows (every rank sends a partial of every C block: P^2 transfers);
+* ``grid``: A, B and C on the same ``pr x pc`` grid (pr the largest power of two <= sqrt(P));
+* ``auto``: :func:`osmm_jax.auto_layouts` on uneven speeds (plans every candidate strategy).
+
+P runs 64, 128, ... up to ``--max-ranks`` (``--auto-max-ranks`` for ``auto``); once one P of a
+case takes longer than ``--budget`` seconds, its larger P are skipped. Writes
+``benchmarks/results/planner_scaling.json`` and ``.md`` (a table), and ``.png`` (log-log) when
+matplotlib is importable::
+
+    python -m benchmarks.planner_scaling --max-ranks 8192 --budget 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+CASES = ("rows", "k_split", "grid", "auto")
+
+
+def _grid_shape(nranks: int) -> tuple[int, int]:
+    pr = 1
+    while (pr * 2) ** 2 <= nranks:
+        pr *= 2
+    while nranks % pr:
+        pr //= 2
+    return pr, nranks // pr
+
+
+def build(case: str, nranks: int, dim: int):
+    """Build the layouts and the plan (or the auto_layouts choice) of one case; returns it."""
+    from osmm_jax._src.auto_layout import auto_layouts
+    from osmm_jax._src.layout import Layout
+    from osmm_jax._src.planner import Plan
+
+    shape = (dim, dim)
+    if case == "rows":
+        a = Layout.rows(shape, nranks=nranks)
+        b = Layout.replicated(shape, nranks=nranks)
+        c = Layout.rows(shape, nranks=nranks)
+    elif case == "k_split":
+        a = Layout.cols(shape, nranks=nranks)
+        b = Layout.rows(shape, nranks=nranks)
+        c = Layout.rows(shape, nranks=nranks)
+    elif case == "grid":
+        grid = _grid_shape(nranks)
+        a, b, c = (Layout.grid(shape, grid) for _ in range(3))
+    elif case == "auto":
+        speeds = [1.0 + 0.5 * (r % 3) for r in range(nranks)]
+        return auto_layouts(dim, dim, dim, speeds)
+    else:
+        raise ValueError(f"unknown case {case!r}")
+    return Plan(a, b, c)
+
+
+def _rss_kib() -> int:
+    """The current resident set (KiB), from /proc where there is one, else the peak so far."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return pages * os.sysconf("SC_PAGE_SIZE") // 1024
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
+def measure_one(case: str, nranks: int, dim: int, repeats: int) -> dict:
+    """Time ``repeats`` builds of one case in this process; memory from the first build."""
+    import gc
+
+    import osmm_jax._src.auto_layout  # noqa: F401  (imports outside the timed region)
+
+    gc.collect()
+    before = _rss_kib()
+    seconds = []
+    counts = {}
+    for i in range(repeats):
+        start = time.perf_counter()
+        result = build(case, nranks, dim)
+        seconds.append(time.perf_counter() - start)
+        if i == 0:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            if hasattr(result, "multiplies"):
+                counts = {
+                    "multiplies": len(result.multiplies),
+                    "transfers": len(result.transfers),
+                }
+            else:
+                counts = {"chosen": result.name}
+        del result
+    return {
+        "case": case,
+        "nranks": nranks,
+        "seconds": statistics.median(seconds),
+        "seconds_all": seconds,
+        "peak_mib": max(0, peak - before) / 1024,
+        **counts,
+    }
+
+
+def _run_child(case: str, nranks: int, args) -> dict:
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.planner_scaling",
+        "--one",
+        case,
+        str(nranks),
+        "--dim",
+        str(args.dim),
+        "--repeats",
+        str(args.repeats),
+    ]
+    root = Path(__file__).resolve().parent.parent
+    try:
+        out = subprocess.run(
+            cmd, cwd=root, capture_output=True, text=True, timeout=args.timeout, check=True
+        )
+    except subprocess.TimeoutExpired:
+        return {"case": case, "nranks": nranks, "timed_out": args.timeout}
+    except subprocess.CalledProcessError as e:
+        return {"case": case, "nranks": nranks, "error": e.stderr.strip().splitlines()[-1:]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _load() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "unknown"
+
+
+def run_all(args) -> dict:
+    results = []
+    for case in args.cases:
+        top = args.auto_max_ranks if case == "auto" else args.max_ranks
+        nranks = args.min_ranks
+        while nranks <= top:
+            record = _run_child(case, nranks, args)
+            results.append(record)
+            if "seconds" in record:
+                print(
+                    f"{case:8s} P={nranks:6d}  {record['seconds']:9.3f} s  "
+                    f"{record['peak_mib']:9.1f} MiB  (load {_load()})",
+                    flush=True,
+                )
+            else:
+                print(f"{case:8s} P={nranks:6d}  {record}", flush=True)
+            if record.get("seconds", float("inf")) > args.budget:
+                print(f"{case:8s} over the {args.budget:g} s budget: larger P skipped", flush=True)
+                break
+            nranks *= 2
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "loadavg_after": _load(),
+        },
+        "settings": {
+            "dim": args.dim,
+            "repeats": args.repeats,
+            "budget_s": args.budget,
+            "max_ranks": args.max_ranks,
+            "auto_max_ranks": args.auto_max_ranks,
+        },
+        "results": results,
+    }
+
+
+def markdown(report: dict) -> str:
+    """A Markdown table: one row per P, seconds and peak MiB per case."""
+    cases = [c for c in CASES if any(r["case"] == c for r in report["results"])]
+    by = {(r["case"], r["nranks"]): r for r in report["results"]}
+    ranks = sorted({r["nranks"] for r in report["results"]})
+    head = "| P | " + " | ".join(f"{c} s | {c} MiB" for c in cases) + " |"
+    rule = "|---:|" + "---:|---:|" * len(cases)
+    lines = [
+        f"Plan building time (median of {report['settings']['repeats']}) and peak memory, "
+        f"M = K = N = {report['settings']['dim']}; {report['machine']['cpus']} CPUs, "
+        f"load average after the run {report['machine']['loadavg_after']}; {report['date']}.",
+        "",
+        head,
+        rule,
+    ]
+    for p in ranks:
+        cells = []
+        for c in cases:
+            r = by.get((c, p))
+            if r is None:
+                cells += ["", ""]
+            elif "seconds" in r:
+                cells += [f"{r['seconds']:.3f}", f"{r['peak_mib']:.1f}"]
+            else:
+                cells += ["timeout" if "timed_out" in r else "error", ""]
+        lines.append(f"| {p} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(report: dict, path: Path) -> bool:
+    """A log-log plot of seconds and peak MiB against P; False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for case in CASES:
+        rows = [r for r in report["results"] if r["case"] == case and "seconds" in r]
+        if not rows:
+            continue
+        ps = [r["nranks"] for r in rows]
+        ax_t.plot(ps, [r["seconds"] for r in rows], "o-", label=case)
+        ax_m.plot(ps, [max(r["peak_mib"], 0.1) for r in rows], "o-", label=case)
+    for ax, what in ((ax_t, "seconds to build the plan"), (ax_m, "peak memory (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("ranks P")
+        ax.set_ylabel(what)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.suptitle("osmm_jax planner scaling (one process, no MPI)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max-ranks", type=int, default=8192)
+    parser.add_argument("--auto-max-ranks", type=int, default=1024)
+    parser.add_argument("--min-ranks", type=int, default=64)
+    parser.add_argument("--budget", type=float, default=60.0, help="seconds per P before skipping")
+    parser.add_argument(
+        "--timeout", type=float, default=900.0, help="seconds before one P is abandoned"
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="builds per (case, P); median")
+    parser.add_argument("--dim", type=int, default=65536, help="M = K = N")
+    parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "planner_scaling.json")
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--one", nargs=2, metavar=("CASE", "P"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.one:
+        case, nranks = args.one[0], int(args.one[1])
+        print(json.dumps(measure_one(case, nranks, args.dim, args.repeats)))
+        return
+    args.cases = [c for c in args.cases.split(",") if c]
+    unknown = set(args.cases) - set(CASES)
+    if unknown:
+        parser.error(f"unknown cases {sorted(unknown)}; choose from {', '.join(CASES)}")
+    report = run_all(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    table = markdown(report)
+    args.out.with_suffix(".md").write_text(table)
+    print(table)
+    if not args.no_plot and plot(report, args.out.with_suffix(".png")):
+        print(f"wrote {args.out.with_suffix('.png')}")
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()
