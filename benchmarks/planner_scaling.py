@@ -4,6 +4,8 @@ No MPI and no device: layouts are built for an explicit rank count and planned i
 Each (case, P) is measured in a fresh child process, so its peak memory is its own: the
 seconds cover building the layouts and the plan (``Plan(...)`` directly, not the cached
 ``make_plan``), the memory is the child's peak resident set minus what it held before building.
+Wall-clock seconds are reported with the process's CPU seconds, which say more when other
+work shares the machine.
 
 Cases (M = K = N = ``--dim``):
 
@@ -91,12 +93,13 @@ def measure_one(case: str, nranks: int, dim: int, repeats: int) -> dict:
 
     gc.collect()
     before = _rss_kib()
-    seconds = []
+    seconds, cpu_seconds = [], []
     counts = {}
     for i in range(repeats):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         result = build(case, nranks, dim)
         seconds.append(time.perf_counter() - start)
+        cpu_seconds.append(time.process_time() - cpu_start)
         if i == 0:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             if hasattr(result, "multiplies"):
@@ -112,6 +115,7 @@ def measure_one(case: str, nranks: int, dim: int, repeats: int) -> dict:
         "nranks": nranks,
         "seconds": statistics.median(seconds),
         "seconds_all": seconds,
+        "cpu_seconds": statistics.median(cpu_seconds),
         "peak_mib": max(0, peak - before) / 1024,
         **counts,
     }
@@ -161,6 +165,7 @@ def run_all(args) -> dict:
             if "seconds" in record:
                 print(
                     f"{case:8s} P={nranks:6d}  {record['seconds']:9.3f} s  "
+                    f"(cpu {record['cpu_seconds']:.3f} s)  "
                     f"{record['peak_mib']:9.1f} MiB  (load {_load()})",
                     flush=True,
                 )

@@ -767,7 +767,9 @@ def emit_schedule(
     multiplies = []
     gets = {}
     memo: dict = {}
-    for (rank, mi, ki, ni), primary in sorted(assignment.products.items()):
+    products = assignment.products
+    for key in sorted(products):  # the keys alone: no (key, value) pair per product
+        rank, mi, ki, ni = key
         m, k, n = cells.m[mi], cells.k[ki], cells.n[ni]
         owners_a, owners_b = cells.a_owners[mi][ki], cells.b_owners[ki][ni]
         # A lone owner is the source whoever multiplies; else the rank itself if it owns one.
@@ -779,19 +781,31 @@ def emit_schedule(
             b_src = owners_b[0]
         else:
             b_src = rank
-        if a_src != rank:
+        if a_src != rank and (rank, "A", m, k) not in gets:
             gets[(rank, "A", m, k)] = Transfer("get", "A", rank, a_src, m, k)
-        if b_src != rank:
+        if b_src != rank and (rank, "B", k, n) not in gets:
             gets[(rank, "B", k, n)] = Transfer("get", "B", rank, b_src, k, n)
-        multiplies.append(LocalMultiply(rank, m, k, n, a_src, b_src, primary))
+        multiplies.append(LocalMultiply(rank, m, k, n, a_src, b_src, products[key]))
 
+    deliveries = assignment.deliveries
     senders_per_cell: dict[tuple[int, int, int], int] = defaultdict(int)
-    for _origin, target, mi, ni in assignment.deliveries:
+    for _origin, target, mi, ni in deliveries:
         senders_per_cell[(target, mi, ni)] += 1
 
+    nranks, n_m, n_n = cells.nranks, len(cells.m), len(cells.n)
+
+    def rotated_index(key: tuple[int, int, int, int]) -> int:
+        # (origin, target counted from origin + 1, rows, cols) as one integer: cut intervals
+        # are disjoint and increasing, so their indices order them like the intervals do.
+        origin, target, mi, ni = key
+        return ((origin * nranks + (target - origin) % nranks) * n_m + mi) * n_n + ni
+
+    lone_k = [(iv,) for iv in cells.k]  # one shared tuple per K cell for one-term sums
     c_transfers, local_updates = [], []
-    for (origin, target, mi, ni), kis in assignment.deliveries.items():
-        inner = tuple(cells.k[ki] for ki in sorted(kis))
+    for key in sorted(deliveries, key=rotated_index):
+        origin, target, mi, ni = key
+        kis = deliveries[key]
+        inner = lone_k[kis[0]] if len(kis) == 1 else tuple(cells.k[ki] for ki in sorted(kis))
         if origin == target:
             local_updates.append(LocalUpdate(origin, cells.m[mi], cells.n[ni], inner))
         else:
@@ -799,11 +813,9 @@ def emit_schedule(
             c_transfers.append(Transfer(op, "C", origin, target, cells.m[mi], cells.n[ni], inner))
 
     def rotated(t: Transfer):
-        return (t.origin, (t.target - t.origin) % cells.nranks, t.rows, t.cols)
+        return (t.origin, (t.target - t.origin) % nranks, t.rows, t.cols)
 
     get_list = sorted(gets.values(), key=rotated)
-    c_transfers.sort(key=rotated)
-    local_updates.sort(key=lambda u: (u.rank, u.rows, u.cols))
     return tuple(multiplies), tuple(get_list) + tuple(c_transfers), tuple(local_updates)
 
 
@@ -817,6 +829,7 @@ def _schedule(a: Layout, b: Layout, c: Layout, compute_at_inputs: bool = False):
         cells = cut_cells(a, b, c)
         assignment, unserved = serve_self(cells)
         choose_servers(cells, assignment, unserved, compute_at_inputs)
+        del unserved  # freed before the schedule's records are made
         return emit_schedule(cells, assignment)
 
 
