@@ -55,7 +55,7 @@ def _fmt(iv: Interval) -> str:
     return f"{iv[0]}:{iv[1]}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # no per-record dict: plans hold millions
 class LocalMultiply:
     """One GEMM on ``rank``: ``A[rows, inner] @ B[inner, cols]`` (global indices).
 
@@ -79,7 +79,7 @@ class LocalMultiply:
         return 2 * _size(self.rows) * _size(self.inner) * _size(self.cols)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # no per-record dict: plans hold millions
 class Transfer:
     """One one-sided RMA operation, issued by ``origin`` on ``target``'s window.
 
@@ -118,7 +118,7 @@ class Transfer:
         return self.elements * (input_itemsize if self.op == "get" else accum_itemsize)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # no per-record dict: plans hold millions
 class LocalUpdate:
     """``rank`` adds the sum of its products over ``inner`` into its own C block at ``rows x cols``."""
 
