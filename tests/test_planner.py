@@ -612,3 +612,15 @@ def test_collector_is_restored_after_planning():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+@settings(max_examples=300, deadline=None)
+@given(products(max_ranks=6))
+def test_plan_totals_are_the_plans_own(layouts):
+    from osmm_jax._src.planner import Plan, PlanTotals
+
+    plan, totals = Plan(*layouts), PlanTotals(*layouts)
+    assert totals.nranks == plan.nranks
+    assert totals.flops == plan.flops
+    for sizes in ((4, 4), (2, 4), (8, 8), (1, 3)):
+        assert totals.bytes_sent(*sizes) == plan.bytes_sent(*sizes)

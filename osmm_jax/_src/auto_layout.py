@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 from osmm_jax._src import checks, units
 from osmm_jax._src.layout import Layout
-from osmm_jax._src.planner import Plan
+from osmm_jax._src.planner import Plan, PlanTotals
 
 DEFAULT_BANDWIDTH = 5e9
 """Bytes/s one rank can send, when the caller gives none: one-sided accumulates
@@ -127,9 +127,12 @@ def candidate_layouts(
 
 
 def predict(
-    plan: Plan, speeds, *, bandwidth: float = DEFAULT_BANDWIDTH, itemsize: int = 4
+    plan: Plan | PlanTotals, speeds, *, bandwidth: float = DEFAULT_BANDWIDTH, itemsize: int = 4
 ) -> Candidate:
     """The model's time of ``plan`` on ranks of ``speeds`` GFLOP/s (name left empty).
+
+    ``plan`` may be a :class:`~osmm_jax._src.planner.PlanTotals`: only its ``nranks``,
+    ``flops`` and ``bytes_sent`` are used.
 
     A rank with work and speed 0 takes forever (``inf``). Partials travel in the
     accumulation type: ``max(itemsize, 4)`` bytes per element.
@@ -185,8 +188,9 @@ def auto_layouts(
 
     scored = []
     for name, a, b, c in candidate_layouts(M, K, N, speeds, replicated_is_free=replicated_is_free):
-        # Plan() directly, not the cached make_plan(): trial plans must not evict the user's.
-        cost = predict(Plan(a, b, c), speeds, bandwidth=bandwidth, itemsize=itemsize)
+        # The plan's totals alone (not the cached make_plan(): trial plans must not evict the
+        # user's, and their records are never needed).
+        cost = predict(PlanTotals(a, b, c), speeds, bandwidth=bandwidth, itemsize=itemsize)
         scored.append((cost._replace(name=name), (a, b, c)))
     fastest = min(s.predicted_seconds for s, _ in scored)
     pick = next(i for i, (s, _) in enumerate(scored) if _ties(s.predicted_seconds, fastest))

@@ -833,6 +833,66 @@ def _schedule(a: Layout, b: Layout, c: Layout, compute_at_inputs: bool = False):
         return emit_schedule(cells, assignment)
 
 
+class PlanTotals:
+    """The per-rank figures of ``Plan(a, b, c)`` that a cost model needs, without its records.
+
+    ``flops`` and :meth:`bytes_sent` equal the plan's own; the multiplies and transfers are
+    never made (most of the time and memory of a large plan), so trying many candidate
+    layouts (:func:`osmm_jax.auto_layouts`) costs the server choice alone. A replicated C,
+    whose plan may be staged (see :attr:`Plan.gather_stage`), is planned in full.
+    """
+
+    def __init__(self, a: Layout, b: Layout, c: Layout):
+        _check_layouts(a, b, c)
+        self.nranks = a.nranks
+        if c.is_replicated:
+            plan = Plan(a, b, c)
+            self.flops = plan.flops
+            self._inputs = per_rank_totals(
+                (t for t in plan.transfers if t.op == "get"), self.nranks, "sender", "elements"
+            )
+            self._partials = per_rank_totals(
+                (t for t in plan.transfers if t.op != "get"), self.nranks, "sender", "elements"
+            )
+            return
+        with _collector_paused():
+            cells = cut_cells(a, b, c)
+            assignment, unserved = serve_self(cells)
+            choose_servers(cells, assignment, unserved)
+            del unserved
+            # Each rank's load is the flops of the distinct products it was given.
+            self.flops = tuple(assignment.load)
+            self._inputs, self._partials = _sent_elements(cells, assignment)
+
+    def bytes_sent(
+        self, input_itemsize: int = FLOAT32_BYTES, accum_itemsize: int = FLOAT32_BYTES
+    ) -> tuple[int, ...]:
+        """As :meth:`Plan.bytes_sent`."""
+        return tuple(
+            i * input_itemsize + p * accum_itemsize for i, p in zip(self._inputs, self._partials)
+        )
+
+
+def _sent_elements(cells: Cells, assignment: Assignment) -> tuple[list[int], list[int]]:
+    """Elements each rank sends as A/B pieces others get from it, and as C partials: the
+    senders' totals of the transfers :func:`emit_schedule` would make."""
+    inputs, partials = [0] * cells.nranks, [0] * cells.nranks
+    memo: dict = {}
+    fetched = set()
+    for rank, mi, ki, ni in assignment.products:
+        owners_a, owners_b = cells.a_owners[mi][ki], cells.b_owners[ki][ni]
+        if rank not in _lookup(owners_a, memo) and (rank, "A", mi, ki) not in fetched:
+            fetched.add((rank, "A", mi, ki))
+            inputs[owners_a[0]] += _size(cells.m[mi]) * _size(cells.k[ki])
+        if rank not in _lookup(owners_b, memo) and (rank, "B", ki, ni) not in fetched:
+            fetched.add((rank, "B", ki, ni))
+            inputs[owners_b[0]] += _size(cells.k[ki]) * _size(cells.n[ni])
+    for origin, target, mi, ni in assignment.deliveries:
+        if origin != target:
+            partials[origin] += _size(cells.m[mi]) * _size(cells.n[ni])
+    return inputs, partials
+
+
 @contextlib.contextmanager
 def _collector_paused():
     """Pause Python's cyclic garbage collector while a schedule is built.
