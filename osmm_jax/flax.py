@@ -1,9 +1,9 @@
-"""Data-parallel Flax dense layers whose product runs on osmm_jax.
+"""Flax dense layers whose product runs on osmm_jax: data and tensor parallelism.
 
-:class:`Dense` replaces ``flax.linen.Dense`` and :class:`Linear` replaces
-``flax.nnx.Linear`` in a model trained with the batch split by rows over the
-ranks of an MPI job (uneven, e.g. in proportion to speed from
-:func:`osmm_jax.balance`) and the parameters replicated::
+Data parallelism. :class:`Dense` replaces ``flax.linen.Dense`` and
+:class:`Linear` replaces ``flax.nnx.Linear`` in a model trained with the batch
+split by rows over the ranks of an MPI job (uneven, e.g. in proportion to
+speed from :func:`osmm_jax.balance`) and the parameters replicated::
 
     import osmm_jax as om
     from osmm_jax.flax import Dense
@@ -24,14 +24,63 @@ Gradients, when each rank's loss is its share of the global loss (e.g. its
 rows' per-example losses summed and divided by the GLOBAL batch size): the
 ``kernel`` and ``bias`` gradients arrive already summed over ranks, the same on
 every rank (do not average or all-reduce them again); the input's gradient is
-this rank's rows'. Any other parameter gets this rank's gradient alone.
+this rank's rows'. Any other parameter gets this rank's gradient alone:
+:func:`sync_grads` sums exactly those (one fused transfer), given the paths of
+the osmm_jax layers (:func:`summed_paths`, or the nnx model itself)::
 
-Every rank calls a layer at the same point with the same ``row_sizes`` (a rank
-with no rows passes 0 rows); bad or disagreeing arguments raise the same
-``ValueError`` / ``TypeError`` on every rank. Not supported: tensor
-parallelism, ``precision``, ``out_sharding``, forward-mode or higher-order
-derivatives. How the layers work, when copies stay bit-identical, and the
-details: docs/design.md ("The Flax layers"). Needs Flax
+    skip = summed_paths(model, x_local)          # once; linen: init's inputs
+    grads = sync_grads(jax.grad(loss)(params, x_local), skip)
+
+Tensor parallelism. The kernel ``(in, out)`` is split over the ranks, unevenly
+(``sizes[r]`` on rank ``r``, possibly 0), every rank stores only its shard and
+every rank holds the same input rows:
+
+* :class:`ColumnParallelDense` / :class:`ColumnParallelLinear`: kernel split by
+  columns (``sum(sizes) == out``); takes the whole input ``(..., in)``, gives
+  this rank's ``(..., sizes[rank])`` output features; bias split like them.
+  The input's gradient is the whole gradient (summed over ranks), on every rank.
+* :class:`RowParallelDense` / :class:`RowParallelLinear`: kernel split by rows
+  (``sum(sizes) == in``); takes this rank's ``(..., sizes[rank])`` input
+  features, gives the whole output ``(..., out)``, summed over ranks, on every
+  rank; the (replicated) bias is added once, after the sum.
+
+A column-parallel layer followed (through elementwise functions) by a
+row-parallel one with the same ``sizes`` is a Megatron-style block: one
+reduction forward (the row layer's output) and one backward (the column
+layer's input gradient), no other communication. Every rank computes the same
+loss from a replicated output; every gradient is then already complete on
+every rank (a shard's for this rank's shard, a replicated parameter's, e.g. a
+LayerNorm's or the row-parallel bias, the whole of it): do not sum or average
+anything. The same initialiser and key give each rank its cut of the stock
+parameters (built whole, then cut); :func:`shard_params` cuts a stock
+``kernel``/``bias`` checkpoint for one rank and :func:`gather_params` (every
+rank) or :func:`join_params` (all shards at hand) joins the shards back.
+
+Supported combinations, on one communicator (``comm``, default COMM_WORLD):
+
+* data parallelism alone (:class:`Dense` / :class:`Linear`, stock layers and
+  other parameters synchronised with :func:`sync_grads`);
+* tensor parallelism alone (column- and row-parallel layers, any stock layer
+  computed the same on every rank on replicated values between them);
+* both in one model on the same ranks only where the data is laid out as each
+  layer expects: a data-parallel layer's output is split by batch rows, a
+  column-parallel layer needs every row on every rank, and osmm_jax does not
+  convert between them.
+
+Data parallelism ACROSS groups of tensor-parallel ranks (2-D: tensor-parallel
+layers on a sub-communicator, replicas of them over another) is not built in
+or tested: the tensor-parallel gradients would then need summing over the
+replica communicator (``sync_grads(grads, comm=replica_comm)``, which sums
+every leaf not under ``skip``).
+
+Every rank calls a layer at the same point with the same ``row_sizes`` /
+``sizes`` (a rank with no rows or no columns included); bad or disagreeing
+arguments (wrong count, negative or non-integer entries, sizes that do not sum
+to the split dimension, an input of the wrong shape) raise the same
+``ValueError`` / ``TypeError`` on every rank before any data moves. Not
+supported: ``precision``, ``out_sharding``, forward-mode or higher-order
+derivatives. How the data-parallel layers work, when copies stay
+bit-identical, and the details: docs/design.md ("The Flax layers"). Needs Flax
 (``pip install 'osmm_jax[flax]'``).
 """
 
@@ -51,8 +100,29 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
     ) from exc
 
 from osmm_jax._src.distributed_dot import DistributedDot
+from osmm_jax._src.tensor_parallel import (
+    TensorParallelDot,
+    _value,
+    check_sizes,
+    join_params,
+    shard_params,
+    span,
+)
 
-__all__ = ["Dense", "Linear", "dot_general"]
+__all__ = [
+    "ColumnParallelDense",
+    "ColumnParallelLinear",
+    "Dense",
+    "Linear",
+    "RowParallelDense",
+    "RowParallelLinear",
+    "dot_general",
+    "gather_params",
+    "join_params",
+    "shard_params",
+    "summed_paths",
+    "sync_grads",
+]
 
 
 def dot_general(row_sizes: Sequence[int], *, comm=None, method: str | None = None):
@@ -175,3 +245,393 @@ class Linear(nnx.Linear):
             preferred_element_type=self.preferred_element_type,
             out_sharding=out_sharding,
         )
+
+
+# -- tensor parallelism -----------------------------------------------------------------------
+
+
+def _not_supported(precision, out_sharding=None) -> str | None:
+    if precision is not None:
+        return f"precision={precision!r} is not supported (osmm_jax.matmul takes none)"
+    if out_sharding is not None:
+        return "out_sharding is not supported: each rank's output block is placed by osmm_jax"
+    return None
+
+
+def _no_dot_general(name: str, module) -> None:
+    if module.dot_general is not None or module.dot_general_cls is not None:
+        raise ValueError(
+            f"{name} computes its product with osmm_jax.matmul: leave dot_general and "
+            "dot_general_cls unset"
+        )
+
+
+class ColumnParallelDense(nn.Dense):
+    """``flax.linen.Dense`` with the kernel split by columns over ranks; see :mod:`osmm_jax.flax`.
+
+    Every rank calls it with the same whole input ``(..., in_features)`` and
+    gets its own ``sizes[rank]`` output features, ``(..., sizes[rank])``.
+    Parameters on rank ``r``: ``kernel`` ``(in_features, sizes[r])`` (columns
+    ``sum(sizes[:r])`` onwards of the stock kernel), ``bias`` ``(sizes[r],)``.
+
+    Attributes (beyond the stock ones):
+        sizes: output features (kernel columns) per rank, in rank order,
+            summing to ``features``; uneven, possibly 0. Required,
+            keyword-only.
+        comm: the mpi4py communicator whose ranks share the kernel (default
+            COMM_WORLD).
+        method: ``"one_sided"`` (default), ``"allreduce"`` or None (reads
+            ``OSMM_USE_ALLREDUCE``).
+
+    The input's gradient is the whole gradient (summed over every rank's
+    columns), the same on every rank.
+    """
+
+    sizes: Sequence[int] = dataclasses.field(kw_only=True)
+    comm: Any = None
+    method: str | None = None
+
+    @nn.compact
+    def __call__(self, inputs):
+        """This rank's output columns of ``inputs @ kernel + bias``; shape ``(..., sizes[rank])``."""
+        name = "osmm_jax.flax.ColumnParallelDense"
+        _no_dot_general(name, self)
+        dot = TensorParallelDot("column", self.sizes, comm=self.comm, method=self.method, name=name)
+        in_features = jnp.shape(inputs)[-1] if jnp.ndim(inputs) else 0
+        sizes, rank, private = dot.check(
+            in_features,
+            self.features,
+            jnp.shape(inputs),
+            use_bias=self.use_bias,
+            error=_not_supported(self.precision),
+        )
+        part = span(sizes, rank)
+        full = (in_features, self.features)
+        kernel = self.param(
+            "kernel", lambda key: self.kernel_init(key, full, self.param_dtype)[:, part]
+        )
+        bias = None
+        if self.use_bias:
+            bias = self.param(
+                "bias", lambda key: self.bias_init(key, (self.features,), self.param_dtype)[part]
+            )
+        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        y = dot.product(inputs, kernel, sizes, private)
+        return y if bias is None else y + bias
+
+
+class RowParallelDense(nn.Dense):
+    """``flax.linen.Dense`` with the kernel split by rows over ranks; see :mod:`osmm_jax.flax`.
+
+    Every rank calls it with its own ``sizes[rank]`` input features,
+    ``(..., sizes[rank])`` (e.g. a :class:`ColumnParallelDense` output with the
+    same ``sizes``), the leading dimensions the same on every rank, and gets
+    the whole output ``(..., features)``, summed over ranks, on every rank.
+    Parameters on rank ``r``: ``kernel`` ``(sizes[r], features)`` (rows
+    ``sum(sizes[:r])`` onwards of the stock kernel) and the whole ``bias``
+    ``(features,)``, added once after the sum.
+
+    Attributes (beyond the stock ones):
+        sizes: input features (kernel rows) per rank, in rank order; their sum
+            is the layer's ``in_features``. Required, keyword-only.
+        comm, method: as for :class:`ColumnParallelDense`.
+
+    Its output is replicated: its cotangent is taken to be the same on every
+    rank (every rank computes the same loss from it).
+    """
+
+    sizes: Sequence[int] = dataclasses.field(kw_only=True)
+    comm: Any = None
+    method: str | None = None
+
+    @nn.compact
+    def __call__(self, inputs):
+        """``inputs_all @ kernel + bias``, the same on every rank; shape ``(..., features)``."""
+        name = "osmm_jax.flax.RowParallelDense"
+        _no_dot_general(name, self)
+        dot = TensorParallelDot("row", self.sizes, comm=self.comm, method=self.method, name=name)
+        sizes, rank, private = dot.check(
+            None,
+            self.features,
+            jnp.shape(inputs),
+            use_bias=self.use_bias,
+            error=_not_supported(self.precision),
+        )
+        part = span(sizes, rank)
+        full = (sum(sizes), self.features)
+        kernel = self.param(
+            "kernel", lambda key: self.kernel_init(key, full, self.param_dtype)[part, :]
+        )
+        bias = None
+        if self.use_bias:
+            bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+        inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
+        y = dot.product(inputs, kernel, sizes, private)
+        return y if bias is None else y + bias
+
+
+class _TensorParallelLinear(nnx.Linear):
+    """``nnx.Linear`` whose kernel is split over ranks by :class:`TensorParallelDot`."""
+
+    _split = "column"
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        sizes: Sequence[int],
+        comm=None,
+        method: str | None = None,
+        **kwargs,
+    ):
+        name = f"osmm_jax.flax.{type(self).__name__}"
+        if "dot_general" in kwargs:
+            raise ValueError(
+                f"{name} computes its product with osmm_jax.matmul: do not pass dot_general"
+            )
+        dot = TensorParallelDot(self._split, sizes, comm=comm, method=method, name=name)
+        checked, rank, _ = dot.check(
+            in_features, out_features, use_bias=kwargs.get("use_bias", True)
+        )
+        # The stock parameters from the same initialisers and key, cut to this rank's shard.
+        super().__init__(in_features, out_features, **kwargs)
+        shard = shard_params(
+            {"kernel": self.kernel[...], "bias": None if self.bias is None else self.bias[...]},
+            checked,
+            rank,
+            split=self._split,
+        )
+        self.kernel.set_value(shard["kernel"])
+        if self.bias is not None:
+            self.bias.set_value(shard["bias"])
+        self.tensor_parallel = dot.replace(sizes=checked)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Kernel columns (column-parallel) or rows (row-parallel) per rank, in rank order."""
+        return self.tensor_parallel.sizes
+
+    def __call__(self, inputs, out_sharding=None):
+        dot = self.tensor_parallel
+        sizes, _, private = dot.check(
+            self.in_features,
+            self.out_features,
+            jnp.shape(inputs),
+            use_bias=self.bias is not None,
+            error=_not_supported(self.precision, out_sharding),
+        )
+        kernel = self.kernel[...]
+        bias = self.bias[...] if self.bias is not None else None
+        inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
+        y = dot.product(inputs, kernel, sizes, private)
+        if bias is not None:
+            y = y + bias
+        if self.preferred_element_type is not None:
+            y = y.astype(self.preferred_element_type)
+        return y
+
+
+class ColumnParallelLinear(_TensorParallelLinear):
+    """``flax.nnx.Linear`` with the kernel split by columns over ranks; see :mod:`osmm_jax.flax`.
+
+    Args:
+        in_features, out_features: the whole layer's, as for ``nnx.Linear``.
+        sizes: output features (kernel columns) per rank, in rank order,
+            summing to ``out_features``; uneven, possibly 0.
+        comm: the mpi4py communicator whose ranks share the kernel (default
+            COMM_WORLD).
+        method: ``"one_sided"`` (default), ``"allreduce"`` or None (reads
+            ``OSMM_USE_ALLREDUCE``).
+        **kwargs: ``nnx.Linear``'s other keyword arguments (``rngs``,
+            ``use_bias``, ``dtype``, ``param_dtype``, ``kernel_init``,
+            ``bias_init``, ...); not ``dot_general``.
+
+    Rank ``r`` stores ``kernel`` ``(in_features, sizes[r])`` and ``bias``
+    ``(sizes[r],)``: its columns of the stock layer's parameters from the same
+    initialisers and ``rngs`` (built whole, then cut). Call with the same whole
+    input ``(..., in_features)`` on every rank; returns ``(..., sizes[rank])``.
+    The input's gradient is the whole gradient, the same on every rank.
+    """
+
+    _split = "column"
+
+
+class RowParallelLinear(_TensorParallelLinear):
+    """``flax.nnx.Linear`` with the kernel split by rows over ranks; see :mod:`osmm_jax.flax`.
+
+    Args:
+        in_features, out_features: the whole layer's, as for ``nnx.Linear``.
+        sizes: input features (kernel rows) per rank, in rank order, summing
+            to ``in_features``; uneven, possibly 0.
+        comm, method, **kwargs: as for :class:`ColumnParallelLinear`.
+
+    Rank ``r`` stores ``kernel`` ``(sizes[r], out_features)`` (its rows of the
+    stock kernel) and the whole ``bias``, added once after the sum. Call with
+    this rank's ``(..., sizes[rank])`` input features (the leading dimensions
+    the same on every rank); returns the whole ``(..., out_features)``, summed
+    over ranks, on every rank.
+    """
+
+    _split = "row"
+
+
+def gather_params(params, sizes: Sequence[int], *, split: str, comm=None) -> dict:
+    """The stock parameters of a tensor-parallel layer, whole, on every rank (numpy).
+
+    Args:
+        params: this rank's shard, a mapping with ``"kernel"`` and optionally
+            ``"bias"`` (a linen layer's ``params["params"]["<name>"]``, or
+            ``nnx.state(layer)``), as :func:`shard_params` cuts it.
+        sizes: the layer's ``sizes``.
+        split: ``"column"`` or ``"row"``.
+        comm: the layer's communicator (default COMM_WORLD).
+
+    Returns ``{"kernel": (in, out), "bias": (out,)}`` (no ``"bias"`` if the
+    shards have none), the same on every rank: a checkpoint for
+    ``nn.Dense`` / ``nnx.Linear``. Every rank calls it; bad ``sizes`` or a
+    shard of the wrong shape on any rank raise the same error on every rank
+    before any shard moves.
+    """
+    import numpy as np
+
+    from osmm_jax._src import communicators
+
+    name = "osmm_jax.flax.gather_params"
+    dot = TensorParallelDot(split, sizes, comm=comm, name=name)
+    private = communicators.private_comm(comm)
+    rank = private.Get_rank()
+    local = {k: np.asarray(_value(v)) for k, v in params.items() if v is not None}
+    kernel = local.get("kernel")
+    error = None
+    if kernel is None or kernel.ndim != 2:
+        error = (
+            f"expected a 2-D 'kernel' in the shard, got {None if kernel is None else kernel.shape}"
+        )
+    in_features = out_features = None
+    if error is None:
+        in_features, out_features = kernel.shape
+        try:
+            checked = check_sizes(dot.sizes, private.Get_size())
+        except (TypeError, ValueError):
+            checked = None
+        if checked is not None:
+            axis = 1 if dot.split == "column" else 0
+            if kernel.shape[axis] != checked[rank]:
+                error = (
+                    f"the kernel shard has shape {kernel.shape}; sizes[{rank}] is {checked[rank]}"
+                )
+            if dot.split == "column":
+                out_features = sum(checked)
+            else:
+                in_features = None
+    sizes, _, private = dot.check(
+        in_features, out_features or 0, use_bias="bias" in local, error=error
+    )
+    return join_params(private.allgather(local), split=split)
+
+
+# -- gradients outside the osmm_jax layers ------------------------------------------------------
+
+
+def summed_paths(model, *args, **kwargs) -> frozenset[tuple]:
+    """Where ``model``'s data-parallel layers (:class:`Dense`, :class:`Linear`) keep parameters.
+
+    Their gradients arrive already summed over ranks, so :func:`sync_grads`
+    leaves them alone. For an ``nnx.Module`` the paths come from its graph
+    (``args`` unused). For a linen module, pass the arguments of its
+    ``init`` after the key (this rank's inputs): it is traced abstractly once
+    (``jax.eval_shape``), on every rank together, and the paths start with
+    ``"params"``. Compute them once, outside the training step.
+    """
+    if isinstance(model, nnx.Module):
+        return frozenset(
+            tuple(path) for path, node in nnx.iter_graph(model) if isinstance(node, Linear)
+        )
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"summed_paths takes a flax.linen or flax.nnx module, got {type(model).__name__}"
+        )
+    import jax
+
+    found = set()
+
+    def record(next_fun, call_args, call_kwargs, context):
+        if isinstance(context.module, Dense) and context.module.scope is not None:
+            found.add(("params", *context.module.scope.path))
+        return next_fun(*call_args, **call_kwargs)
+
+    with nn.intercept_methods(record):
+        jax.eval_shape(lambda: model.init(jax.random.key(0), *args, **kwargs))
+    return frozenset(found)
+
+
+def _key_name(key):
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return getattr(key, attr)
+    return str(key)
+
+
+def sync_grads(grads, skip=frozenset(), *, comm=None, method: str | None = None):
+    """``grads`` with every gradient not already summed over ranks summed over ranks.
+
+    For data-parallel training in which each rank's loss is its share of the
+    global loss: gradients that reach parameters through :class:`Dense` /
+    :class:`Linear` arrive summed by their products, every other one (an
+    embedding, a LayerNorm, a stock layer) is this rank's alone. This sums
+    the latter, so that every rank holds the gradient of the global loss, as
+    one process on the whole batch would.
+
+    Args:
+        grads: a gradient pytree (a linen ``params`` gradient, or an
+            ``nnx.State`` from ``nnx.grad``), the same structure on every rank.
+        skip: the parameter paths whose gradients are already summed, as
+            :func:`summed_paths` gives them, or an ``nnx.Module`` (its
+            :class:`Linear` layers). A leaf whose path starts with one of them
+            is left as it is.
+        comm: the data-parallel communicator (default COMM_WORLD).
+        method: ``"one_sided"`` (default), ``"allreduce"`` or None.
+
+    The summed leaves travel together: concatenated into one flat vector per
+    dtype and summed with one osmm_jax product (a reduction onto every rank),
+    inside ``jax.jit`` too. Every rank calls it with the same tree.
+    """
+    import jax
+
+    from osmm_jax._src import communicators
+    from osmm_jax._src.api import plan
+    from osmm_jax._src.layout import Layout
+    from osmm_jax._src.matmul import matmul
+
+    if isinstance(skip, nnx.Module):
+        skip = summed_paths(skip)
+    skip = {tuple(p) for p in skip}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    leaves = [leaf for _, leaf in flat]
+    groups: dict = {}
+    for i, (path, leaf) in enumerate(flat):
+        names = tuple(_key_name(k) for k in path)
+        if any(names[: len(p)] == p for p in skip):
+            continue
+        groups.setdefault(jnp.result_type(leaf), []).append(i)
+    private = communicators.private_comm(comm)
+    nranks = private.Get_size()
+    for dtype in sorted(groups, key=str):
+        index = groups[dtype]
+        vector = jnp.concatenate([jnp.ravel(leaves[i]) for i in index])
+        n = vector.shape[0]
+        # sum_r v_r as one product: [1 .. 1] (1 x P, a column per rank) @ [v_0; ..; v_P-1].
+        p = plan(
+            Layout.cols((1, nranks), sizes=[1] * nranks),
+            Layout.rows((nranks, n), sizes=[1] * nranks),
+            Layout.replicated((1, n), nranks=nranks),
+            comm=private,
+        )
+        total = matmul(jnp.ones((1, 1), dtype), jnp.reshape(vector, (1, n)), p, method=method)[0]
+        offset = 0
+        for i in index:
+            size = leaves[i].size
+            leaves[i] = jnp.reshape(total[offset : offset + size], jnp.shape(leaves[i]))
+            offset += size
+    return jax.tree_util.tree_unflatten(treedef, leaves)
