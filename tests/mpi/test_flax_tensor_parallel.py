@@ -308,3 +308,24 @@ def test_sync_grads_nnx_model_and_one_process():
     d_ours = om_flax.sync_grads(nnx.grad(loss)(ours, x[mine]), ours, method="allreduce")
     d_ref = nnx.grad(loss)(stock, x)
     jax.tree.map(_close, nnx.to_pure_dict(d_ours), nnx.to_pure_dict(d_ref))
+
+
+def test_sync_grads_sums_every_leaf_not_skipped_in_one_product_per_dtype():
+    mine = float(RANK + 1)
+    grads = {
+        "a": {"w": jnp.full((2, 3), mine)},
+        "b": jnp.full(4, mine),
+        "half": jnp.full(2, mine, jnp.float16),
+        "osmm": {"kernel": jnp.full(3, mine)},
+    }
+    skip = {("osmm",)}
+    jaxpr = jax.make_jaxpr(lambda g: om_flax.sync_grads(g, skip))(grads)
+    products = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "custom_vjp_call"]
+    assert len(products) == 2  # float32 leaves together, float16 ones together
+    out = om_flax.sync_grads(grads, skip)
+    total = SIZE * (SIZE + 1) / 2
+    _close(out["a"]["w"], np.full((2, 3), total))
+    _close(out["b"], np.full(4, total))
+    assert out["half"].dtype == jnp.float16
+    _close(np.asarray(out["half"], np.float32), np.full(2, total))
+    _close(out["osmm"]["kernel"], np.full(3, mine))  # already summed: left alone
