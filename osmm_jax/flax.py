@@ -65,13 +65,16 @@ Supported combinations, on one communicator (``comm``, default COMM_WORLD):
 * both in one model on the same ranks only where the data is laid out as each
   layer expects: a data-parallel layer's output is split by batch rows, a
   column-parallel layer needs every row on every rank, and osmm_jax does not
-  convert between them.
-
-Data parallelism ACROSS groups of tensor-parallel ranks (2-D: tensor-parallel
-layers on a sub-communicator, replicas of them over another) is not built in
-or tested: the tensor-parallel gradients would then need summing over the
-replica communicator (``sync_grads(grads, comm=replica_comm)``, which sums
-every leaf not under ``skip``).
+  convert between them;
+* 2-D: tensor-parallel layers on a group's communicator (``comm=tp_comm``),
+  several such groups each on its own share of the batch, each rank's loss its
+  group's share of the global loss; then
+  ``sync_grads(grads, comm=replica_comm)``, over the ranks that hold the same
+  shards (one per group), sums every gradient (shards and replicated
+  parameters alike) into the gradient of one process on the whole batch.
+  Tested on 4 ranks (2 groups of 2). A data-parallel layer in such a model
+  sums over its own ``comm`` (e.g. ``replica_comm``): pass its paths as
+  ``skip``.
 
 Every rank calls a layer at the same point with the same ``row_sizes`` /
 ``sizes`` (a rank with no rows or no columns included); bad or disagreeing

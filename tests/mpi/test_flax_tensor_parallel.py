@@ -51,12 +51,13 @@ class _Block(nn.Module):
     sizes: tuple = ()
     method: str | None = None
     stock: bool = False
+    comm: object = None
 
     @nn.compact
     def __call__(self, x):
         if self.stock:
             return nn.Dense(OUT, name="down")(jnp.tanh(nn.Dense(HID, name="up")(x)))
-        kw = {"sizes": self.sizes, "method": self.method}
+        kw = {"sizes": self.sizes, "method": self.method, "comm": self.comm}
         h = om_flax.ColumnParallelDense(HID, name="up", **kw)(x)
         return om_flax.RowParallelDense(OUT, name="down", **kw)(jnp.tanh(h))
 
@@ -329,3 +330,34 @@ def test_sync_grads_sums_every_leaf_not_skipped_in_one_product_per_dtype():
     assert out["half"].dtype == jnp.float16
     _close(np.asarray(out["half"], np.float32), np.full(2, total))
     _close(out["osmm"]["kernel"], np.full(3, mine))  # already summed: left alone
+
+
+@pytest.mark.ranks(4, reason="two replicas of a two-rank tensor-parallel group")
+def test_tensor_parallel_groups_replicated_data_parallel():
+    """Ranks {0, 1} and {2, 3} each run the block tensor-parallel on half the batch; the
+    replicas {0, 2} and {1, 3} then sum their gradients with sync_grads over their own
+    communicator: the gradients of one process on the whole batch."""
+    tp_comm = MPI.COMM_WORLD.Split(RANK // 2, RANK)
+    dp_comm = MPI.COMM_WORLD.Split(RANK % 2, RANK)
+    sizes, tp_rank, replica = (5, 1), RANK % 2, RANK // 2
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((4, IN)), jnp.float32)
+    g = jnp.asarray(rng.standard_normal((4, OUT)), jnp.float32)
+    rows = slice(2 * replica, 2 * replica + 2)
+    ref = _stock_params(2)
+    ours = _Block(sizes, comm=tp_comm)
+    params = {
+        "params": {
+            "up": om_flax.shard_params(ref["params"]["up"], sizes, tp_rank, split="column"),
+            "down": om_flax.shard_params(ref["params"]["down"], sizes, tp_rank, split="row"),
+        }
+    }
+    # This replica's share of the global loss, the same on both ranks of its group.
+    local = jax.grad(lambda p: jnp.sum(ours.apply(p, x[rows]) * g[rows]))(params)
+    d_params = om_flax.sync_grads(local, comm=dp_comm)
+    ref_grads = jax.grad(lambda p: jnp.sum(_Block(stock=True).apply(p, x) * g))(ref)
+    expected = {
+        "up": om_flax.shard_params(ref_grads["params"]["up"], sizes, tp_rank, split="column"),
+        "down": om_flax.shard_params(ref_grads["params"]["down"], sizes, tp_rank, split="row"),
+    }
+    jax.tree.map(_close, d_params["params"], expected)
