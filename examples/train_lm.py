@@ -1,0 +1,353 @@
+"""Train a small GPT-style character-level language model on osmm_jax, and check it.
+
+Run on 3 ranks: ``mpiexec -n 3 .venv/bin/python examples/train_lm.py --mode dp --check``
+(or ``--mode tp``); ``--mode single`` is one process with stock layers.
+
+The model (Flax nnx): token embedding plus learned positions, ``--layers``
+pre-LayerNorm Transformer blocks (causal multi-head self-attention, then a
+GELU MLP of width 4·d), a final LayerNorm and an output projection to the
+vocabulary. The text needs no download: the source files of Python's own
+``json`` package (``os.path.dirname(json.__file__)``), read at run time; the
+vocabulary is the set of characters in it. Batches are windows of
+``--context`` characters at positions drawn from a seeded generator, the same
+on every rank; the loss is the mean next-character cross-entropy, optimised
+with optax's adam.
+
+Modes:
+
+* ``dp``: data parallel. The batch's sequences are split over ranks in
+  proportion to speed (``osmm_jax.balance`` on ``osmm_jax.profile_speeds()``,
+  or ``--speeds``); every dense layer is ``osmm_jax.flax.Linear`` with
+  ``row_sizes`` counting each rank's tokens, so its kernel and bias gradients
+  arrive summed over ranks; ``osmm_jax.flax.sync_grads`` sums the rest
+  (embeddings, positions, LayerNorms). Each rank's loss is its tokens'
+  cross-entropy summed and divided by the global token count.
+* ``tp``: tensor parallel. In every block the query, key and value
+  projections are ``ColumnParallelLinear`` layers (whole heads per rank,
+  uneven: ``balance(heads, speeds)``) and the attention output projection a
+  ``RowParallelLinear``; the MLP is a column- then row-parallel pair with
+  uneven hidden ``sizes``. Every rank holds the whole batch; embeddings,
+  LayerNorms and the output projection are stock layers computed alike on
+  every rank, and every gradient is complete on every rank as it comes.
+* ``single``: one process, stock ``nnx.Linear`` layers: the reference.
+
+``--check`` also trains the single-process reference on rank 0, from the same
+initial parameters (the same ``nnx.Rngs`` seed: the osmm_jax layers build the
+stock parameters and, in ``tp``, keep their cut), on the same batches, prints
+both loss columns and exits non-zero unless every step's loss agrees to
+float32 tolerance: ``|loss - reference| <= RTOL * |reference| + ATOL`` with
+``RTOL = 1e-4``, ``ATOL = 1e-5``. Prints steps/s and tokens/s (steps 2..N, the
+first compiles; the slowest rank's time). ``--method`` picks osmm_jax's method
+(``one_sided`` or the ``allreduce`` baseline) to compare them; ``--plot PATH``
+saves a loss plot on rank 0 when matplotlib is installed.
+
+Not included: a comparison with JAX's own sharding (``NamedSharding``) on the
+same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from mpi4py import MPI
+
+import osmm_jax as om
+from osmm_jax.flax import ColumnParallelLinear, Linear, RowParallelLinear, sync_grads
+
+COMM = MPI.COMM_WORLD
+RTOL, ATOL = 1e-4, 1e-5  # float32 agreement of each step's loss with the reference
+
+
+def load_text(max_chars: int) -> str:
+    """The source of Python's ``json`` package (its ``.py`` files, sorted), at most ``max_chars``."""
+    folder = os.path.dirname(json.__file__)
+    parts = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".py"):
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                parts.append(f.read())
+    return "".join(parts)[:max_chars]
+
+
+class Layers:
+    """Which dense layer each place of the model gets, per mode.
+
+    ``column`` / ``row`` are the halves of a tensor-parallel pair (with their
+    ``sizes``); ``other`` is any other dense layer (the output projection).
+    """
+
+    def __init__(self, mode: str, *, row_sizes=None, head_sizes=None, mlp_sizes=None, method=None):
+        self.mode = mode
+        self.row_sizes, self.method = row_sizes, method
+        self.head_sizes, self.mlp_sizes = head_sizes, mlp_sizes
+
+    def dense(self, kind: str, n_in: int, n_out: int, rngs, sizes=None):
+        if self.mode == "dp":
+            return Linear(n_in, n_out, row_sizes=self.row_sizes, method=self.method, rngs=rngs)
+        if self.mode == "tp" and kind == "column":
+            return ColumnParallelLinear(n_in, n_out, sizes=sizes, method=self.method, rngs=rngs)
+        if self.mode == "tp" and kind == "row":
+            return RowParallelLinear(n_in, n_out, sizes=sizes, method=self.method, rngs=rngs)
+        return nnx.Linear(n_in, n_out, rngs=rngs)
+
+
+class Block(nnx.Module):
+    """Pre-LayerNorm Transformer block: x + attention(LN(x)), then x + MLP(LN(x))."""
+
+    def __init__(self, d: int, heads: int, layers: Layers, rngs: nnx.Rngs):
+        self.heads, self.head_dim = heads, d // heads
+        head_cols = (
+            None if layers.head_sizes is None else [h * self.head_dim for h in layers.head_sizes]
+        )
+        self.ln1 = nnx.LayerNorm(d, rngs=rngs)
+        self.q = layers.dense("column", d, d, rngs, head_cols)
+        self.k = layers.dense("column", d, d, rngs, head_cols)
+        self.v = layers.dense("column", d, d, rngs, head_cols)
+        self.proj = layers.dense("row", d, d, rngs, head_cols)
+        self.ln2 = nnx.LayerNorm(d, rngs=rngs)
+        self.up = layers.dense("column", d, 4 * d, rngs, layers.mlp_sizes)
+        self.down = layers.dense("row", 4 * d, d, rngs, layers.mlp_sizes)
+
+    def __call__(self, x):
+        b, t, _ = x.shape
+        h = self.ln1(x)
+        # This rank's heads: all of them, or (tensor parallel) its share of whole heads.
+        q, k, v = (jnp.reshape(f(h), (b, t, -1, self.head_dim)) for f in (self.q, self.k, self.v))
+        scores = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(self.head_dim)
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        weights = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1)
+        attended = jnp.reshape(jnp.einsum("bhts,bshd->bthd", weights, v), (b, t, -1))
+        x = x + self.proj(attended)
+        return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
+
+
+class GPT(nnx.Module):
+    """Token embedding + learned positions, Transformer blocks, final LayerNorm, output projection."""
+
+    def __init__(self, vocab, context, d, heads, n_layers, layers: Layers, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(vocab, d, rngs=rngs)
+        self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (context, d)))
+        self.blocks = nnx.List([Block(d, heads, layers, rngs) for _ in range(n_layers)])
+        self.ln = nnx.LayerNorm(d, rngs=rngs)
+        self.head = layers.dense("other", d, vocab, rngs)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens) + self.pos[...][: tokens.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def batches(data: np.ndarray, steps: int, batch: int, context: int, seed: int):
+    """``steps`` (inputs, targets) pairs of ``(batch, context)`` int32 windows; seeded."""
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        starts = rng.integers(0, len(data) - context - 1, size=batch)
+        windows = np.stack([data[s : s + context + 1] for s in starts])
+        yield windows[:, :-1], windows[:, 1:]
+
+
+def train(model, data, args, *, rows=None, dp=False, comm=None):
+    """Train ``model`` for ``args.steps`` steps; returns (losses per step, seconds of steps 2..N).
+
+    ``rows``: the slice of each batch's sequences this rank trains on (all by
+    default). ``dp``: each rank's loss is its share of the global mean, the
+    reported loss the sum over ranks, and ``sync_grads`` sums the gradients
+    that no osmm_jax layer summed.
+    """
+    tokens_total = args.batch * args.context
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    optimizer = optax.adam(args.lr)
+    opt_state = optimizer.init(params)
+    skip = model if dp else None
+
+    def loss_fn(params, x, y):
+        logits = nnx.merge(graphdef, params, rest)(x)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        return jnp.sum(losses) / tokens_total if dp else jnp.mean(losses)
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
+        if dp:
+            grads = sync_grads(grads, skip)
+        updates, opt_state = optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    losses = []
+    start = None
+    for i, (x, y) in enumerate(batches(data, args.steps, args.batch, args.context, args.seed)):
+        if rows is not None:
+            x, y = x[rows], y[rows]
+        params, opt_state, loss = step(params, opt_state, jnp.asarray(x), jnp.asarray(y))
+        losses.append(loss)
+        if i == 0:
+            jax.block_until_ready(params)
+            if comm is not None:
+                comm.Barrier()
+            start = time.perf_counter()
+    jax.block_until_ready(params)
+    seconds = time.perf_counter() - start
+    if comm is not None:
+        seconds = comm.allreduce(seconds, op=MPI.MAX)
+    losses = np.asarray(jnp.stack(losses), np.float64)
+    if dp and comm is not None:
+        losses = comm.allreduce(losses, op=MPI.SUM)
+    return losses, seconds
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mode", choices=("dp", "tp", "single"), default="dp")
+    parser.add_argument("--method", choices=("one_sided", "allreduce"), default="one_sided")
+    parser.add_argument("--check", action="store_true", help="compare with one process (rank 0)")
+    parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    parser.add_argument("--batch", type=int, default=24, help="sequences per step (default 24)")
+    parser.add_argument("--context", type=int, default=64, help="characters per sequence")
+    parser.add_argument("--d", type=int, default=96, help="model width (default 96)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    parser.add_argument("--layers", type=int, default=2, help="Transformer blocks (default 2)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="adam learning rate")
+    parser.add_argument("--chars", type=int, default=200_000, help="at most this much text")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the batches and weights")
+    parser.add_argument(
+        "--speeds",
+        type=lambda s: [float(v) for v in s.split(",")],
+        default=None,
+        help="comma-separated speed per rank, e.g. 1,1,2 (default: measured)",
+    )
+    parser.add_argument("--plot", default=None, help="save a loss plot here (rank 0)")
+    args = parser.parse_args(argv)
+    size = COMM.Get_size()
+    if args.steps < 2:
+        parser.error("--steps must be at least 2")
+    if args.d % args.heads:
+        parser.error("--d must be a multiple of --heads")
+    if args.mode == "dp" and args.batch < size:
+        parser.error(f"--batch must be at least the number of ranks ({size}) in dp")
+    if args.mode == "tp" and args.heads < size:
+        parser.error(f"--heads must be at least the number of ranks ({size}) in tp")
+    if args.mode == "single" and size != 1:
+        parser.error("--mode single runs on one process")
+    if args.speeds is not None and len(args.speeds) != size:
+        parser.error(f"--speeds has {len(args.speeds)} entries but there are {size} ranks")
+    return args
+
+
+def _plot(path, losses, reference, title):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot: matplotlib is not installed; no plot saved")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(np.arange(1, len(losses) + 1), losses, label="this run")
+    if reference is not None:
+        ax.plot(np.arange(1, len(reference) + 1), reference, "--", label="single process")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy (nats/char)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"loss plot: {path}")
+
+
+def main(argv=None) -> int:
+    """Train in the chosen mode, optionally check against one process; 0 when it agrees."""
+    args = _parse(argv)
+    rank, size = COMM.Get_rank(), COMM.Get_size()
+
+    def say(*lines):
+        if rank == 0:
+            print(*lines, sep="\n", flush=True)
+
+    text = load_text(args.chars)
+    chars = sorted(set(text))
+    data = np.asarray([chars.index(c) for c in text], np.int32)
+    vocab = len(chars)
+    say(
+        f"text: {len(text)} characters of {os.path.dirname(json.__file__)}/*.py, vocabulary {vocab}",
+        f"model: d={args.d}, {args.heads} heads, {args.layers} blocks, context {args.context}; "
+        f"batch {args.batch} sequences, {args.steps} steps, mode {args.mode}, {size} rank(s), "
+        f"method {args.method}",
+    )
+
+    if args.mode == "single":
+        layers, rows = Layers("single"), None
+    else:
+        speeds = (
+            np.asarray(args.speeds)
+            if args.speeds is not None
+            else om.profile_speeds(size=256, repeats=3, progress=False)
+        )
+        say("speeds: " + ", ".join(f"{s:.1f}" for s in speeds))
+        if args.mode == "dp":
+            seqs = om.balance(args.batch, speeds, min_rows=1).sizes
+            first = sum(seqs[:rank])
+            rows = slice(first, first + seqs[rank])
+            layers = Layers("dp", row_sizes=[s * args.context for s in seqs], method=args.method)
+            say(f"sequences per rank: {list(seqs)}")
+        else:
+            heads = om.balance(args.heads, speeds, min_rows=1).sizes
+            hidden = om.balance(4 * args.d, speeds, min_rows=1).sizes
+            layers = Layers("tp", head_sizes=heads, mlp_sizes=hidden, method=args.method)
+            rows = None
+            say(f"heads per rank: {list(heads)}, MLP hidden features per rank: {list(hidden)}")
+
+    def build(kind: Layers):
+        return GPT(vocab, args.context, args.d, args.heads, args.layers, kind, nnx.Rngs(args.seed))
+
+    model = build(layers)
+    losses, seconds = train(
+        model, data, args, rows=rows, dp=args.mode == "dp", comm=None if size == 1 else COMM
+    )
+    rate = (args.steps - 1) / seconds
+    tokens = rate * args.batch * args.context
+
+    reference = None
+    ok = True
+    if args.check and args.mode != "single":
+        if rank == 0:
+            reference, _ = train(build(Layers("single")), data, args)
+            ok = bool(np.all(np.abs(losses - reference) <= RTOL * np.abs(reference) + ATOL))
+        ok = COMM.bcast(ok, root=0)
+    if args.check and rank == 0:
+        if reference is None:
+            reference = losses
+        say(f"{'step':>5} {args.mode + ' loss':>12} {'single loss':>12} {'|diff|':>9}")
+        for i, (a, b) in enumerate(zip(losses, reference)):
+            say(f"{i + 1:5d} {a:12.6f} {b:12.6f} {abs(a - b):9.2e}")
+        err = float(np.max(np.abs(losses - reference)))
+        say(
+            f"max |loss - single| {err:.2e} (tolerance {RTOL:g}·|loss| + {ATOL:g}): "
+            + ("OK" if ok else "MISMATCH")
+        )
+    say(
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f}   {rate:.2f} steps/s   {tokens:,.0f} tokens/s "
+        f"({args.mode}, {args.method}, {size} rank(s))"
+    )
+    if args.plot and rank == 0:
+        _plot(
+            args.plot,
+            losses,
+            reference if args.check and args.mode != "single" else None,
+            f"char LM, {args.mode} on {size} rank(s)",
+        )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
