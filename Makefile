@@ -177,6 +177,12 @@ notebooks: install
 example: install
 	$(MPIEXEC) -n 3 $(PY) examples/train_mlp.py
 
+# A character-level GPT on 3 ranks, data then tensor parallel, each checked against one process.
+.PHONY: example-lm
+example-lm: install
+	$(MPIEXEC) -n 3 $(PY) examples/train_lm.py --mode dp --steps 40 --check
+	$(MPIEXEC) -n 3 $(PY) examples/train_lm.py --mode tp --steps 40 --check
+
 # ---------------------------------------------------------------------------------------------
 # On a machine with an NVIDIA GPU (see BUILD.md, "GPUs"). MPI comes from the venv's mpich wheel
 # as everywhere else. GPU_TEST_RANKS ranks share the one GPU, each with its own slice of its memory.
