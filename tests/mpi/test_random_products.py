@@ -11,7 +11,7 @@ The cases vary from run to run. Rank 0 picks the seed (``OSMM_TEST_SEED``, or a 
 and broadcasts it, so every rank draws the same cases; case ``i`` depends on the seed and
 ``i`` alone. The seed is printed and every failure names it with the case, so a failure
 replays with ``OSMM_TEST_SEED=<seed> OSMM_TEST_PRODUCTS=<i + 1>``. ``OSMM_TEST_PRODUCTS``
-(default 150) sets how many products a run makes; they run in batches of 25, one test each,
+(default 150) sets how many products a run makes; they run in batches of 15, one test each,
 and a last test checks that all of them ran.
 
 Run on 3 ranks: ``mpiexec -n 3 .venv/bin/python tests/mpi/run.py tests/mpi/test_random_products.py -q -s``.
@@ -19,7 +19,9 @@ Run on 3 ranks: ``mpiexec -n 3 .venv/bin/python tests/mpi/run.py tests/mpi/test_
 
 from __future__ import annotations
 
+import ctypes
 import functools
+import gc
 import os
 import time
 import traceback
@@ -59,10 +61,17 @@ METHODS = ("one_sided", "allreduce")
 # partials into chunks of a row or a few rows each.
 CHUNK_BYTES = (None, 0, 8, 24, 96)
 # Shares of the cases that are jitted, take gradients, verify by checksum, and run an earlier
-# case's product again (same plan and options, new operands: the steady state of a product
-# after others have run, and cheap, since its compiled code is reused). Eager products cost
-# several times a jitted one on first use (every operation compiles on its own).
+# case's product of the same batch again (same plan and options, new operands: the steady
+# state of a product after others have run, and cheap, since its compiled code is reused).
+# Eager products cost several times a jitted one on first use (every operation compiles on
+# its own).
 JIT_SHARE, GRADS_SHARE, VERIFY_SHARE, REPEAT_SHARE = 0.75, 0.4, 0.1, 0.25
+# The cases run in batches, one test each, so that no single test runs for minutes. Every
+# compiled product holds several MiB: once a rank has grown by RELEASE_MIB since the first
+# batch (or the last release), all ranks drop JAX's compiled code after the batch, so that
+# memory stays bounded however many cases a run makes.
+BATCH = 15
+RELEASE_MIB = 512.0
 
 
 # -- drawing cases ---------------------------------------------------------------------------
@@ -137,10 +146,11 @@ def random_layout_spec(rng: np.random.Generator, nranks: int) -> LayoutSpec:
 def draw_case(seed: int, index: int, nranks: int) -> Case:
     """Case ``index`` of the run seeded ``seed``: a function of those two alone, so one case
     is drawn alike on every rank and can be inspected without running the cases before it.
-    Some cases repeat an earlier case's product (see REPEAT_SHARE)."""
+    Some cases repeat an earlier case's product of the same batch (see REPEAT_SHARE)."""
     rng = np.random.default_rng([seed, index])
-    if index > 0 and rng.random() < REPEAT_SHARE:
-        earlier = draw_case(seed, int(rng.integers(index)), nranks)
+    first = index - index % BATCH
+    if index > first and rng.random() < REPEAT_SHARE:
+        earlier = draw_case(seed, int(rng.integers(first, index)), nranks)
         original = earlier.index if earlier.repeat_of is None else earlier.repeat_of
         return earlier._replace(index=index, repeat_of=original)
     m, k, n = (int(d) for d in rng.choice(DIMS, size=3))
@@ -170,14 +180,20 @@ def run_seed_and_count() -> tuple[int, int]:
     """
     choice = None
     if RANK == 0:
-        text = os.environ.get(SEED_VARIABLE, "").strip()
-        if text:
-            seed = int(text)
-        else:
-            seed = (time.time_ns() ^ int.from_bytes(os.urandom(8), "little")) % 2**32
-        count = int(os.environ.get(COUNT_VARIABLE, "").strip() or DEFAULT_COUNT)
-        choice = (seed, count)
-    return COMM.bcast(choice, root=0)
+        try:
+            text = os.environ.get(SEED_VARIABLE, "").strip()
+            if text:
+                seed = int(text)
+            else:
+                seed = (time.time_ns() ^ int.from_bytes(os.urandom(8), "little")) % 2**32
+            count = int(os.environ.get(COUNT_VARIABLE, "").strip() or DEFAULT_COUNT)
+            choice = (seed, count)
+        except ValueError as error:  # raised on every rank below, not on rank 0 alone
+            choice = f"{SEED_VARIABLE} and {COUNT_VARIABLE} must be integers: {error}"
+    choice = COMM.bcast(choice, root=0)
+    if isinstance(choice, str):
+        raise ValueError(choice)
+    return choice
 
 
 # -- running and checking one case -------------------------------------------------------------
@@ -301,32 +317,11 @@ def describe_layouts(case: Case) -> str:
     return ", ".join(parts)
 
 
-# -- the test ------------------------------------------------------------------------------------
-
-# Chosen once per run, at import, on every rank alike (a collective, as every rank imports
-# this module at the same point of collection).
-SEED, COUNT = run_seed_and_count()
-# The cases run in batches, one test each, so that no single test runs for minutes.
-BATCH = 25
-BATCHES = [range(start, min(start + BATCH, COUNT)) for start in range(0, COUNT, BATCH)]
-_calls_made: dict[int, int] = {}  # first case of a batch -> matmul calls it made
-_products_made: dict[int, int] = {}  # the same, counting backward products too
-
-
-@pytest.mark.ranks(3)
-@pytest.mark.parametrize("indices", BATCHES, ids=[f"cases{b.start}-{b.stop - 1}" for b in BATCHES])
-def test_random_products_match_numpy(indices):
-    seed = SEED
-    if RANK == 0:
-        print(
-            f"\nrandom products: seed={seed} count={COUNT} (cases {indices.start}-{indices.stop - 1})"
-        )
-    cases = [draw_case(seed, i, SIZE) for i in indices]
-    drawn = COMM.allgather(zlib.crc32(repr(cases).encode()))
-    assert len(set(drawn)) == 1, f"seed={seed}: ranks drew different cases"
-
+def run_cases(seed: int, cases: list[Case]) -> tuple[int, int]:
+    """Run ``cases`` in order on every rank; returns (matmul calls made, distributed products
+    including the backward ones). Fails on every rank, naming the seed, the case and every
+    failing rank's error, at the first case that fails on any rank."""
     calls = products = 0
-    started = time.perf_counter()
     for case in cases:
         try:
             problem, ran = run_case(seed, case)
@@ -346,6 +341,68 @@ def test_random_products_match_numpy(indices):
             )
         calls += 1
         products += ran
+    return calls, products
+
+
+def release_compiled_code() -> None:
+    """Drop the compiled steps and JAX's caches of compiled code (several MiB per product).
+
+    Every rank must do this at the same point: a product traced again runs its all-ranks
+    checks again, which the other ranks must join.
+    """
+    jitted.cache_clear()
+    jax.clear_caches()
+    gc.collect()
+    try:  # hand the freed memory back to the system, so that RSS shows what is still held
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def rss_mib() -> float:
+    """This process's resident set size in MiB (VmRSS)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+# -- the test ------------------------------------------------------------------------------------
+
+# Chosen once per run, at import, on every rank alike (a collective, as every rank imports
+# this module at the same point of collection).
+SEED, COUNT = run_seed_and_count()
+BATCHES = [range(start, min(start + BATCH, COUNT)) for start in range(0, COUNT, BATCH)]
+_calls_made: dict[int, int] = {}  # first case of a batch -> matmul calls it made
+_products_made: dict[int, int] = {}  # the same, counting backward products too
+_compiled: list[int] = []  # jitted steps compiled before each release of compiled code
+_rss_baseline: dict[str, float] = {}  # "MiB": RSS at the first batch or the last release
+
+
+@pytest.mark.ranks(3)
+@pytest.mark.parametrize("indices", BATCHES, ids=[f"cases{b.start}-{b.stop - 1}" for b in BATCHES])
+def test_random_products_match_numpy(indices):
+    seed = SEED
+    if RANK == 0:
+        print(
+            f"\nrandom products: seed={seed} count={COUNT} (cases {indices.start}-{indices.stop - 1})"
+        )
+    cases = [draw_case(seed, i, SIZE) for i in indices]
+    drawn = COMM.allgather(zlib.crc32(repr(cases).encode()))
+    assert len(set(drawn)) == 1, f"seed={seed}: ranks drew different cases"
+
+    started = time.perf_counter()
+    _rss_baseline.setdefault("MiB", rss_mib())
+    try:
+        calls, products = run_cases(seed, cases)
+    finally:
+        growth = COMM.allreduce(rss_mib() - _rss_baseline["MiB"], op=MPI.MAX)
+        released = growth > RELEASE_MIB
+        if released:
+            _compiled.append(jitted.cache_info().currsize)
+            release_compiled_code()
+            _rss_baseline["MiB"] = rss_mib()
     _calls_made[indices.start], _products_made[indices.start] = calls, products
 
     if RANK == 0:
@@ -353,7 +410,8 @@ def test_random_products_match_numpy(indices):
             f"random products: seed={seed}: cases {indices.start}-{indices.stop - 1}: "
             f"{sum(c.jit for c in cases)} jitted, {sum(c.grads for c in cases)} with "
             f"gradients, {sum(c.repeat_of is not None for c in cases)} repeats; "
-            f"{products} distributed products in {time.perf_counter() - started:.1f} s",
+            f"{products} distributed products in {time.perf_counter() - started:.1f} s, "
+            f"RSS {rss_mib():.0f} MiB{' (compiled code released)' if released else ''}",
             flush=True,
         )
     assert calls == len(indices), f"seed={seed}: {calls} of {len(indices)} products ran"
@@ -367,7 +425,7 @@ def test_random_products_all_ran():
         print(
             f"\nrandom products: seed={SEED} count={COUNT}: {calls} matmul calls made, "
             f"{sum(_products_made.values())} distributed products with the backward ones, "
-            f"{jitted.cache_info().currsize} jitted steps compiled",
+            f"{sum(_compiled) + jitted.cache_info().currsize} jitted steps compiled",
             flush=True,
         )
     missing = [f"{b.start}-{b.stop - 1}" for b in BATCHES if b.start not in _calls_made]
