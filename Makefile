@@ -165,6 +165,9 @@ bench: install
 	$(MPIEXEC) -n 4 $(PY) -m benchmarks.compare_methods --case grid --size 2048 --peers \
 	  --label grid --json $(BENCH_RAW)
 	$(PY) -m benchmarks.planner_scaling
+	rm -f benchmarks/results/watchdog_overhead.json
+	$(MPIEXEC) -n 2 $(PY) -m benchmarks.watchdog_overhead --size 64 --size 2048 \
+	  --json benchmarks/results/watchdog_overhead.json
 	$(PY) -m benchmarks.report --raw $(BENCH_RAW)
 
 # Execute the notebooks headless (they check themselves with assert cells).
