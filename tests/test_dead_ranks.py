@@ -29,28 +29,19 @@ stay in the fence until osmm_jax's watchdog ends the job, 10 s after they entere
 from __future__ import annotations
 
 import functools
-import os
 import re
-import signal
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
+from jobs import MPIEXEC, REPO, job_environment, run_job
 
-REPO = Path(__file__).resolve().parents[1]
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
 PROGRAM = REPO / "tests" / "failure_programs" / "dead_rank.py"
 LIMIT_S = 30.0  # from the death to the end of the job
 HARD_TIMEOUT_S = 90.0  # the whole job, start-up included
 
 pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason="needs the venv's mpiexec")
 
-# What hydra puts in a rank's environment: without it, the job below is a job of its own even
-# when this test runs inside one.
-_JOB_VARIABLES = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "MPI_LOCAL")
 _DEATH = re.compile(r"^DEATH (\d+\.\d+) ", re.MULTILINE)
 _BANNER = "BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES"
 
@@ -73,25 +64,11 @@ class Job:
 def _job(how: str, where: str) -> Job:
     """Run the job once per case (the tests below look at different sides of its end). A job
     still running after HARD_TIMEOUT_S is killed, mpiexec and ranks alike."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_JOB_VARIABLES)}
-    env["JAX_PLATFORMS"] = "cpu"
-    args = [str(MPIEXEC), "-n", "3", sys.executable, str(PROGRAM), how, where]
-    job = subprocess.Popen(
-        args,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,  # its own process group, so a hung job can be killed whole
+    env = job_environment(JAX_PLATFORMS="cpu")
+    end = run_job(
+        [str(MPIEXEC), "-n", "3", sys.executable, str(PROGRAM), how, where], env, HARD_TIMEOUT_S
     )
-    try:
-        stdout, stderr = job.communicate(timeout=HARD_TIMEOUT_S)
-        status, ended = job.returncode, time.time()
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        stdout, stderr = job.communicate()
-        status, ended = None, None
+    stdout, stderr, status, ended = end.stdout, end.stderr, end.status, end.ended
     death = _DEATH.search(stderr)
     elapsed = ended - float(death.group(1)) if death and ended is not None else None
     return Job(status, stdout, stderr, elapsed)

@@ -38,30 +38,28 @@ a run that died. Needs root and iproute2's ``ip``; skipped otherwise. Run alone 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from jobs import MPIEXEC, REPO, job_environment, run_job
 
-REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests" / "multihost"))
 
 import netns  # noqa: E402
 
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
 PROGRAM = REPO / "tests" / "multihost" / "program.py"
 HOSTS = 4
 SLOTS = (2, 1, 2, 1)  # ranks per host: shared memory and TCP in one job
 HARD_TIMEOUT_S = 240.0  # per job; a loaded machine needs 100 s for the first
 WATCHDOG_S = 60  # OSMM_TIMEOUT: a stuck MPI step ends the job well before the hard timeout
 
-_JOB_VARIABLES = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "MPI_LOCAL", "FI_", "UCX_", "OSMM_")
+# Besides hydra's: the network and osmm_jax settings of this process, which the jobs set.
+_HOST_VARIABLES = ("FI_", "UCX_", "OSMM_")
 _TCP_SUMMARY = f"libfabric provider: tcp - {netns.SUBNET}.0/24"
 
 
@@ -97,8 +95,11 @@ def hosts():
 def _launch(hosts, slots, program_args, *, genv=(), hostnames=True, tmp_path=None):
     """Run program.py under mpiexec on host 0 over ``slots[i]`` ranks of host ``i``; return
     ``(status, output, result)``, result being rank 0's RESULT record (None if none)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_JOB_VARIABLES)}
-    env.update(OSMM_NETNS_PREFIX=hosts.prefix, OSMM_NETNS_HOSTNAMES="1" if hostnames else "0")
+    env = job_environment(
+        drop=_HOST_VARIABLES,
+        OSMM_NETNS_PREFIX=hosts.prefix,
+        OSMM_NETNS_HOSTNAMES="1" if hostnames else "0",
+    )
     host_list = ",".join(f"{a}:{n}" for a, n in zip(hosts.addresses, slots) if n)
     settings = {
         "MPIR_CVAR_CH4_NETMOD": "ofi",
@@ -117,22 +118,8 @@ def _launch(hosts, slots, program_args, *, genv=(), hostnames=True, tmp_path=Non
     # mpiexec itself runs on host 0, started the way the launcher starts the other hosts.
     command = [str(netns.LAUNCHER), hosts.addresses[0], shlex.join(mpiexec)]
     started = time.perf_counter()
-    job = subprocess.Popen(
-        command,
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        output, _ = job.communicate(timeout=HARD_TIMEOUT_S)
-        status = job.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        output, _ = job.communicate()
-        status = None
+    end = run_job(command, env, HARD_TIMEOUT_S, merge_stderr=True)
+    status, output = end.status, end.stdout
     results = [json.loads(line[7:]) for line in output.splitlines() if line.startswith("RESULT ")]
     result = results[-1] if results else None
     took = f"{time.perf_counter() - started:.1f} s"

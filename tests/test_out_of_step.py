@@ -9,19 +9,13 @@ is (the report's format is documented in README, "Failure behaviour").
 from __future__ import annotations
 
 import functools
-import os
 import re
-import signal
-import subprocess
 import sys
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
+from jobs import MPIEXEC, REPO, job_environment, run_job
 
-REPO = Path(__file__).resolve().parents[1]
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
 PROGRAM = REPO / "tests" / "failure_programs" / "out_of_step.py"
 TIMEOUT_S = 5.0  # OSMM_TIMEOUT of the jobs
 LIMIT_S = TIMEOUT_S + 30.0  # from the divergence to the end of the job
@@ -30,7 +24,6 @@ EXIT_CODE = 75  # MPI_Abort's code when the watchdog ends the job
 
 pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason="needs the venv's mpiexec")
 
-_JOB_VARIABLES = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "MPI_LOCAL")
 _READY = re.compile(r"ready (\d+\.\d+)")
 
 
@@ -46,28 +39,13 @@ class Job:
 
 @functools.cache
 def _job(scenario: str) -> Job:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_JOB_VARIABLES)}
-    env.update(JAX_PLATFORMS="cpu", OSMM_TIMEOUT=str(TIMEOUT_S), OSMM_ON_TIMEOUT="abort")
-    job = subprocess.Popen(
-        [str(MPIEXEC), "-n", "3", sys.executable, str(PROGRAM), scenario],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _, stderr = job.communicate(timeout=HARD_TIMEOUT_S)
-        status, ended = job.returncode, time.time()
-    except subprocess.TimeoutExpired:
-        os.killpg(job.pid, signal.SIGKILL)
-        _, stderr = job.communicate()
-        status, ended = None, None
-    ready = [float(t) for t in _READY.findall(stderr)]
-    elapsed = ended - min(ready) if ready and ended is not None else None
-    print(f"{scenario}: status {status}, ended {elapsed} s after the divergence")
-    return Job(status, stderr, elapsed)
+    env = job_environment(JAX_PLATFORMS="cpu", OSMM_TIMEOUT=str(TIMEOUT_S), OSMM_ON_TIMEOUT="abort")
+    command = [str(MPIEXEC), "-n", "3", sys.executable, str(PROGRAM), scenario]
+    end = run_job(command, env, HARD_TIMEOUT_S)
+    ready = [float(t) for t in _READY.findall(end.stderr)]
+    elapsed = end.ended - min(ready) if ready and end.ended is not None else None
+    print(f"{scenario}: status {end.status}, ended {elapsed} s after the divergence")
+    return Job(end.status, end.stderr, elapsed)
 
 
 def _ended_by_watchdog(job: Job) -> None:

@@ -10,7 +10,6 @@ rank's outcomes, not only rank 0's printed report.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from jobs import job_environment
 
 HERE = Path(__file__).resolve().parent
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
@@ -112,10 +112,6 @@ RECORDER = textwrap.dedent("""
             out.write(json.dumps(line) + "\\n")
 """)
 
-# What hydra puts in a rank's environment: without it, the job below is a job of its own and
-# not a part of the job (of 1 rank) that may be running this test.
-_JOB_VARIABLES = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "MPI_LOCAL")
-
 
 def _run_job(tmp_path: Path) -> subprocess.CompletedProcess:
     shutil.copy(HERE / "conftest.py", tmp_path / "conftest.py")
@@ -123,7 +119,7 @@ def _run_job(tmp_path: Path) -> subprocess.CompletedProcess:
     cases.mkdir()
     (cases / "conftest.py").write_text(RECORDER)
     (cases / "test_cases.py").write_text(CASES)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(_JOB_VARIABLES)}
+    env = job_environment()
     args = [str(MPIEXEC), "-n", "2", sys.executable, str(HERE / "run.py"), "cases", "-q"]
     args += ["-p", "no:cacheprovider", "--timeout=20", "--timeout-method=thread"]
     return subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
