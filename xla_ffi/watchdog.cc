@@ -155,11 +155,16 @@ std::string Seconds(int64_t ns) {
   return text;
 }
 
-std::string CallText(int64_t number, int64_t kind, int64_t id) {
+// A call id as 16 hex digits, as reports print it.
+std::string Hex(int64_t id) {
   char hex[24];
   std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(id));
+  return hex;
+}
+
+std::string CallText(int64_t number, int64_t kind, int64_t id) {
   std::string text = "#" + std::to_string(number) + " (" + KindName(kind);
-  if (id != 0) text += std::string(", id ") + hex;
+  if (id != 0) text += ", id " + Hex(id);
   return text + ")";
 }
 
@@ -286,11 +291,7 @@ std::string Report(const Channel* c, bool threads_ok, const std::string& headlin
   }
   if (by_id.size() > 1) {
     text += "  out of step: ranks inside calls run different ones:";
-    for (const auto& e : by_id) {
-      char hex[24];
-      std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(e.first));
-      text += std::string(" ") + RankList(e.second) + " in id " + hex + ";";
-    }
+    for (const auto& e : by_id) text += " " + RankList(e.second) + " in id " + Hex(e.first) + ";";
     text.back() = '\n';
   }
   if (!behind.empty() || !silent.empty()) {
@@ -639,13 +640,10 @@ ffi::Error Desynchronised(MPI_Comm comm, const std::string& detail) {
 
 std::string OutOfStep(const char* op, int rank, int64_t number, int64_t call_id, int peer_rank,
                       int64_t peer_number, int64_t peer_call_id) {
-  char mine[24];
-  char theirs[24];
-  std::snprintf(mine, sizeof(mine), "%016llx", static_cast<unsigned long long>(call_id));
-  std::snprintf(theirs, sizeof(theirs), "%016llx", static_cast<unsigned long long>(peer_call_id));
   return std::string(op) + ": rank " + std::to_string(rank) + " runs its call #" +
-         std::to_string(number) + " (id " + mine + ") but rank " + std::to_string(peer_rank) +
-         " runs its call #" + std::to_string(peer_number) + " (id " + theirs + ")";
+         std::to_string(number) + " (id " + Hex(call_id) + ") but rank " +
+         std::to_string(peer_rank) + " runs its call #" + std::to_string(peer_number) + " (id " +
+         Hex(peer_call_id) + ")";
 }
 
 bool InjectFailure(const std::string& op, int64_t count) {
