@@ -2,10 +2,10 @@
 
 Each notebook runs in a kernel started from a kernelspec that points at this interpreter
 (``sys.executable``, the venv's Python), with a private IPython directory (ipyparallel's
-cluster files) and Jupyter runtime directory. The quickstart starts MPI engines, which
-ipyparallel runs in sessions of their own: every process the kernel starts inherits a tag in
-its environment, and whatever still carries the tag after the run (also after a failure) is
-stopped, so the test never leaves processes behind or hangs on them.
+cluster files) and Jupyter runtime directory. All but the planning notebook start MPI
+engines, which ipyparallel runs in sessions of their own: every process the kernel starts
+inherits a tag in its environment, and whatever still carries the tag after the run (also
+after a failure) is stopped, so the test never leaves processes behind or hangs on them.
 """
 
 from __future__ import annotations
@@ -26,7 +26,15 @@ for _module in ("ipykernel", "ipyparallel", "matplotlib"):
     pytest.importorskip(_module)
 
 NOTEBOOKS_DIR = Path(__file__).resolve().parents[1] / "notebooks"
-NOTEBOOKS = ("01_quickstart.ipynb", "02_planning.ipynb", "03_training.ipynb")
+NOTEBOOKS = (
+    "01_quickstart.ipynb",
+    "02_planning.ipynb",
+    "03_training.ipynb",
+    "04_transformer.ipynb",
+)
+NEEDS_FLAX = ("03_training.ipynb", "04_transformer.ipynb")  # train with flax and optax
+# Pictures that display inline: layouts and plans; the loss plot; plans and the loss plot.
+MIN_IMAGES = {"02_planning.ipynb": 5, "03_training.ipynb": 1, "04_transformer.ipynb": 4}
 CELL_TIMEOUT = 300  # seconds per cell
 KERNEL_STARTUP_TIMEOUT = 120  # seconds
 TAG_VARIABLE = "OSMM_NOTEBOOK_RUN"
@@ -102,7 +110,7 @@ def kernel_environment(tmp_path, monkeypatch):
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs_top_to_bottom(name, kernel_environment):
-    if name == "03_training.ipynb":  # trains a Flax model with optax
+    if name in NEEDS_FLAX:
         pytest.importorskip("flax")
         pytest.importorskip("optax")
     nb = nbformat.read(NOTEBOOKS_DIR / name, as_version=4)
@@ -117,12 +125,8 @@ def test_notebook_runs_top_to_bottom(name, kernel_environment):
 
     outputs = [out for cell in nb.cells for out in cell.get("outputs", [])]
     assert not [out for out in outputs if out.get("output_type") == "error"]
-    if name == "02_planning.ipynb":  # the pictures display inline
-        images = [out for out in outputs if "image/png" in out.get("data", {})]
-        assert len(images) >= 5
-    if name == "03_training.ipynb":  # the loss plot displays inline
-        images = [out for out in outputs if "image/png" in out.get("data", {})]
-        assert len(images) >= 1
+    images = [out for out in outputs if "image/png" in out.get("data", {})]
+    assert len(images) >= MIN_IMAGES.get(name, 0), len(images)
     left = _wait_for_exit(kernel_environment, EXIT_GRACE)
     assert not left, f"processes the notebook started are still running: {left}"
 
