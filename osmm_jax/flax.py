@@ -24,12 +24,25 @@ Gradients, when each rank's loss is its share of the global loss (e.g. its
 rows' per-example losses summed and divided by the GLOBAL batch size): the
 ``kernel`` and ``bias`` gradients arrive already summed over ranks, the same on
 every rank (do not average or all-reduce them again); the input's gradient is
-this rank's rows'. Any other parameter gets this rank's gradient alone:
-:func:`sync_grads` sums exactly those (one fused transfer), given the paths of
-the osmm_jax layers (:func:`summed_paths`, or the nnx model itself)::
+this rank's rows'. Any other parameter (an embedding, a LayerNorm, a stock
+layer) gets this rank's gradient alone. :func:`value_and_grad` / :func:`grad`,
+in place of JAX's or nnx's, return the gradient of the global loss for every
+parameter: they find the data-parallel layers while tracing and sum the rest
+in one fused transfer::
+
+    loss, grads = value_and_grad(loss_fn)(params, x_local)   # inside jax.jit
+
+or, by hand, :func:`sync_grads` sums exactly those, given the paths of the
+osmm_jax layers (:func:`summed_paths`, or the nnx model itself)::
 
     skip = summed_paths(model, x_local)          # once; linen: init's inputs
     grads = sync_grads(jax.grad(loss)(params, x_local), skip)
+
+A step that differentiates data-parallel layers of a model with other
+parameters and sums neither way gets one :class:`UnsummedGradientsWarning`
+naming those parameters, when the jitted step is traced (eagerly: at the next
+step); ``warnings.simplefilter("error", UnsummedGradientsWarning)`` makes it
+refuse such a step instead.
 
 Tensor parallelism. The kernel ``(in, out)`` is split over the ranks, unevenly
 (``sizes[r]`` on rank ``r``, possibly 0), every rank stores only its shard and
@@ -59,7 +72,7 @@ rank) or :func:`join_params` (all shards at hand) joins the shards back.
 Supported combinations, on one communicator (``comm``, default COMM_WORLD):
 
 * data parallelism alone (:class:`Dense` / :class:`Linear`, stock layers and
-  other parameters synchronised with :func:`sync_grads`);
+  other parameters synchronised by :func:`value_and_grad` or :func:`sync_grads`);
 * tensor parallelism alone (column- and row-parallel layers, any stock layer
   computed the same on every rank on replicated values between them);
 * both in one model on the same ranks only where the data is laid out as each
@@ -102,6 +115,7 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
         "osmm_jax.flax needs Flax: pip install 'osmm_jax[flax]' (flax and optax)"
     ) from exc
 
+from osmm_jax._src import unsummed_grads
 from osmm_jax._src.distributed_dot import DistributedDot
 from osmm_jax._src.tensor_parallel import (
     TensorParallelDot,
@@ -123,9 +137,14 @@ __all__ = [
     "gather_params",
     "join_params",
     "shard_params",
+    "UnsummedGradientsWarning",
+    "grad",
     "summed_paths",
     "sync_grads",
+    "value_and_grad",
 ]
+
+UnsummedGradientsWarning = unsummed_grads.UnsummedGradientsWarning
 
 
 def dot_general(row_sizes: Sequence[int], *, comm=None, method: str | None = None):
@@ -181,6 +200,7 @@ class Dense(nn.Dense):
             if self.use_bias
             else None
         )
+        _linen_differentiated(self, kernel, bias, data_parallel=True)
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         dot = DistributedDot(
             self.row_sizes, comm=self.comm, method=self.method, name="osmm_jax.flax.Dense"
@@ -239,6 +259,7 @@ class Linear(nnx.Linear):
         """This rank's rows of ``inputs @ kernel + bias``; shape ``inputs.shape[:-1] + (out_features,)``."""
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
+        unsummed_grads.note_differentiated((kernel, bias), lambda: _nnx_unsummed(self))
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
         return self.dot_general.apply(
             inputs,
@@ -318,6 +339,7 @@ class ColumnParallelDense(nn.Dense):
             bias = self.param(
                 "bias", lambda key: self.bias_init(key, (self.features,), self.param_dtype)[part]
             )
+        _linen_differentiated(self, kernel, bias, data_parallel=False)
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         y = dot.product(inputs, kernel, sizes, private)
         return y if bias is None else y + bias
@@ -368,6 +390,7 @@ class RowParallelDense(nn.Dense):
         bias = None
         if self.use_bias:
             bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
+        _linen_differentiated(self, kernel, bias, data_parallel=False)
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         y = dot.product(inputs, kernel, sizes, private)
         return y if bias is None else y + bias
@@ -576,6 +599,121 @@ def _key_name(key):
     return str(key)
 
 
+def _path_names(path) -> tuple:
+    return tuple(_key_name(k) for k in path)
+
+
+def _under(names: tuple, prefixes) -> bool:
+    return any(names[: len(p)] == p for p in prefixes)
+
+
+# -- noticing un-summed gradients (see osmm_jax._src.unsummed_grads) -----------------------------
+
+_OSMM_LAYERS_NNX: tuple = ()  # filled below, once the tensor-parallel classes exist
+
+
+def _linen_differentiated(module, kernel, bias, *, data_parallel: bool) -> None:
+    """A linen osmm_jax layer's parameters are being differentiated (or not): record that its
+    path is covered in its model's record; a data-parallel layer also notes the differentiation."""
+    if module.scope is None or not unsummed_grads.differentiated((kernel, bias)):
+        if data_parallel:
+            unsummed_grads.note_differentiated((kernel, bias), lambda: None)
+        return
+    root = module.scope.root
+    record = unsummed_grads.model_record(root)
+    if "params" not in record:
+        import jax
+
+        variables = root.variables()
+        tree = variables.get("params", {}) if hasattr(variables, "get") else {}
+        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        record["params"] = [_path_names(path) for path, _ in flat]
+        record["covered"] = set()
+    record["covered"].add(tuple(module.scope.path))
+    if data_parallel:
+        unsummed_grads.note_differentiated(
+            (kernel, bias),
+            lambda: (
+                lambda: [
+                    "/".join(map(str, n))
+                    for n in record["params"]
+                    if not _under(n, record["covered"])
+                ]
+            ),
+        )
+
+
+def _nnx_unsummed(layer):
+    """For a differentiated nnx data-parallel layer: the function naming the parameters of its
+    model outside osmm_jax layers. The model is the largest ``nnx.Module`` among the local
+    variables of the calls on the stack whose graph holds ``layer`` (the module the training
+    step differentiates); none found: the layer alone, nothing outside it."""
+    import sys
+
+    root, size = layer, 1
+    frame = sys._getframe(2)
+    seen: set[int] = set()
+    for _ in range(64):
+        if frame is None:
+            break
+        for value in list(frame.f_locals.values()):
+            if isinstance(value, nnx.Module) and id(value) not in seen and value is not layer:
+                seen.add(id(value))
+                nodes = [node for _, node in nnx.iter_graph(value)]
+                if len(nodes) > size and any(node is layer for node in nodes):
+                    root, size = value, len(nodes)
+        frame = frame.f_back
+    record = unsummed_grads.model_record(root)
+    if "unsummed" not in record:
+        covered = [
+            tuple(path) for path, node in nnx.iter_graph(root) if isinstance(node, _OSMM_LAYERS_NNX)
+        ]
+        record["unsummed"] = [
+            "/".join(map(str, path))
+            for path, node in nnx.iter_graph(root)
+            if isinstance(node, nnx.Param) and not _under(tuple(path), covered)
+        ]
+    return lambda: record["unsummed"]
+
+
+# -- summing gradients over ranks -----------------------------------------------------------------
+
+
+def _sum_over_ranks(leaves: list, index: Sequence[int], comm, method) -> list:
+    """``leaves`` with the entries at ``index`` summed over the ranks of ``comm``: one osmm_jax
+    product per dtype (a reduction onto every rank) of the concatenated leaves."""
+    from osmm_jax._src import communicators
+    from osmm_jax._src.api import plan
+    from osmm_jax._src.layout import Layout
+    from osmm_jax._src.matmul import matmul
+
+    unsummed_grads.note_synced()
+    leaves = list(leaves)
+    groups: dict = {}
+    for i in index:
+        groups.setdefault(jnp.result_type(leaves[i]), []).append(i)
+    private = communicators.private_comm(comm)
+    nranks = private.Get_size()
+    for dtype in sorted(groups, key=str):
+        members = groups[dtype]
+        vector = jnp.concatenate([jnp.ravel(leaves[i]) for i in members])
+        n = vector.shape[0]
+        # sum_r v_r as one product: [1 .. 1] (1 x P, a column per rank) @ [v_0; ..; v_P-1].
+        p = plan(
+            Layout.cols((1, nranks), sizes=[1] * nranks),
+            Layout.rows((nranks, n), sizes=[1] * nranks),
+            Layout.replicated((1, n), nranks=nranks),
+            comm=private,
+        )
+        total = matmul(jnp.ones((1, 1), dtype), jnp.reshape(vector, (1, n)), p, method=method)[0]
+        offset = 0
+        for i in members:
+            size = leaves[i].size
+            leaves[i] = jnp.reshape(total[offset : offset + size], jnp.shape(leaves[i]))
+            offset += size
+    return leaves
+
+
 def sync_grads(grads, skip=frozenset(), *, comm=None, method: str | None = None):
     """``grads`` with every gradient not already summed over ranks summed over ranks.
 
@@ -584,7 +722,8 @@ def sync_grads(grads, skip=frozenset(), *, comm=None, method: str | None = None)
     :class:`Linear` arrive summed by their products, every other one (an
     embedding, a LayerNorm, a stock layer) is this rank's alone. This sums
     the latter, so that every rank holds the gradient of the global loss, as
-    one process on the whole batch would.
+    one process on the whole batch would. :func:`value_and_grad` differentiates
+    and calls this in one go, finding ``skip`` itself.
 
     Args:
         grads: a gradient pytree (a linen ``params`` gradient, or an
@@ -598,43 +737,121 @@ def sync_grads(grads, skip=frozenset(), *, comm=None, method: str | None = None)
 
     The summed leaves travel together: concatenated into one flat vector per
     dtype and summed with one osmm_jax product (a reduction onto every rank),
-    inside ``jax.jit`` too. Every rank calls it with the same tree.
+    inside ``jax.jit`` too. Every rank calls it with the same tree. Calling it
+    tells osmm_jax that this step's gradients are summed (no
+    :class:`UnsummedGradientsWarning`).
     """
     import jax
-
-    from osmm_jax._src import communicators
-    from osmm_jax._src.api import plan
-    from osmm_jax._src.layout import Layout
-    from osmm_jax._src.matmul import matmul
 
     if isinstance(skip, nnx.Module):
         skip = summed_paths(skip)
     skip = {tuple(p) for p in skip}
     flat, treedef = jax.tree_util.tree_flatten_with_path(grads)
-    leaves = [leaf for _, leaf in flat]
-    groups: dict = {}
-    for i, (path, leaf) in enumerate(flat):
-        names = tuple(_key_name(k) for k in path)
-        if any(names[: len(p)] == p for p in skip):
-            continue
-        groups.setdefault(jnp.result_type(leaf), []).append(i)
-    private = communicators.private_comm(comm)
-    nranks = private.Get_size()
-    for dtype in sorted(groups, key=str):
-        index = groups[dtype]
-        vector = jnp.concatenate([jnp.ravel(leaves[i]) for i in index])
-        n = vector.shape[0]
-        # sum_r v_r as one product: [1 .. 1] (1 x P, a column per rank) @ [v_0; ..; v_P-1].
-        p = plan(
-            Layout.cols((1, nranks), sizes=[1] * nranks),
-            Layout.rows((nranks, n), sizes=[1] * nranks),
-            Layout.replicated((1, n), nranks=nranks),
-            comm=private,
-        )
-        total = matmul(jnp.ones((1, 1), dtype), jnp.reshape(vector, (1, n)), p, method=method)[0]
-        offset = 0
-        for i in index:
-            size = leaves[i].size
-            leaves[i] = jnp.reshape(total[offset : offset + size], jnp.shape(leaves[i]))
-            offset += size
+    index = [i for i, (path, _) in enumerate(flat) if not _under(_path_names(path), skip)]
+    leaves = _sum_over_ranks([leaf for _, leaf in flat], index, comm, method)
     return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def value_and_grad(
+    fun, argnums: int | Sequence[int] = 0, *, has_aux: bool = False, comm=None, method=None
+):
+    """``jax.value_and_grad`` for data-parallel training on osmm_jax: the gradients returned
+    are those of the global loss, on every rank.
+
+    Use it in place of ``jax.value_and_grad`` (linen: parameters as a pytree) or
+    ``nnx.value_and_grad`` (an ``nnx.Module`` argument, differentiated with respect to its
+    ``nnx.Param`` state as nnx does), with each rank's loss its share of the global loss
+    (e.g. its rows' losses summed and divided by the global batch size). The gradients of
+    :class:`Dense` / :class:`Linear` parameters come summed by their products; every other
+    gradient of the arguments in ``argnums`` (embeddings, LayerNorms, stock layers) is then
+    summed over ``comm`` in one fused transfer, as :func:`sync_grads` does. No
+    :func:`summed_paths` needed: the data-parallel layers are found while ``fun`` is traced.
+
+    Args:
+        fun: the loss function; with ``has_aux``, returns ``(loss, aux)``.
+        argnums: the argument(s) holding the parameters to differentiate (not the batch: an
+            input's gradient is each rank's own rows').
+        has_aux, comm, method: as for ``jax.value_and_grad`` / :func:`sync_grads`.
+
+    Returns a function with ``fun``'s arguments returning ``(value, grads)`` (``value`` is
+    this rank's loss, or ``(loss, aux)``), usable inside ``jax.jit`` / ``nnx.jit``.
+    """
+
+    many = not isinstance(argnums, int)
+    nums = tuple(argnums) if many else (argnums,)
+
+    def differentiate(*args, **kwargs):
+        for i in nums:
+            if not -len(args) <= i < len(args):
+                raise ValueError(
+                    f"osmm_jax.flax.value_and_grad: argnums {argnums!r} names argument {i} "
+                    f"but the function got {len(args)} positional arguments"
+                )
+        if any(isinstance(args[i], nnx.Module) for i in nums):
+            with unsummed_grads.collecting(lambda _: None):
+                value, grads = nnx.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(
+                    *args, **kwargs
+                )
+            parts = list(grads) if many else [grads]
+            for slot, i in enumerate(nums):
+                skip = summed_paths(args[i]) if isinstance(args[i], nnx.Module) else ()
+                parts[slot] = sync_grads(parts[slot], skip, comm=comm, method=method)
+            return value, (tuple(parts) if many else parts[0])
+        return _pytree_value_and_grad(fun, nums, many, has_aux, comm, method, args, kwargs)
+
+    return differentiate
+
+
+def _pytree_value_and_grad(fun, nums, many, has_aux, comm, method, args, kwargs):
+    """:func:`value_and_grad` for pytree arguments: the data-parallel layers' parameters are
+    recognised as the very tracers of the differentiated leaves they receive."""
+    import jax
+
+    summed: set[int] = set()  # positions, over the differentiated arguments' leaves
+    strays: list = []
+
+    def traced(*inner_args):
+        leaves = [leaf for i in nums for leaf in jax.tree_util.tree_leaves(inner_args[i])]
+        position = {id(leaf): j for j, leaf in enumerate(leaves)}
+
+        def claim(param):
+            j = position.get(id(param))
+            if j is None or leaves[j] is not param:
+                strays.append(param)
+            else:
+                summed.add(j)
+
+        with unsummed_grads.collecting(claim):
+            return fun(*inner_args, **kwargs)
+
+    value, grads = jax.value_and_grad(traced, argnums=nums, has_aux=has_aux)(*args)
+    if strays:
+        raise ValueError(
+            "osmm_jax.flax.value_and_grad: an osmm_jax data-parallel layer's parameters are "
+            "differentiated but are not leaves of the arguments in argnums "
+            f"{nums if many else nums[0]}: pass the parameters as a differentiated argument"
+        )
+    flat = [jax.tree_util.tree_flatten(g) for g in grads]
+    leaves = [leaf for g_leaves, _ in flat for leaf in g_leaves]
+    index = [j for j in range(len(leaves)) if j not in summed]
+    leaves = _sum_over_ranks(leaves, index, comm, method)
+    parts, offset = [], 0
+    for g_leaves, treedef in flat:
+        parts.append(jax.tree_util.tree_unflatten(treedef, leaves[offset : offset + len(g_leaves)]))
+        offset += len(g_leaves)
+    return value, (tuple(parts) if many else parts[0])
+
+
+def grad(fun, argnums: int | Sequence[int] = 0, *, has_aux: bool = False, comm=None, method=None):
+    """:func:`value_and_grad` without the value: returns ``grads`` (``(grads, aux)`` with
+    ``has_aux``), as ``jax.grad`` does."""
+    both = value_and_grad(fun, argnums, has_aux=has_aux, comm=comm, method=method)
+
+    def differentiate(*args, **kwargs):
+        value, grads = both(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+
+    return differentiate
+
+
+_OSMM_LAYERS_NNX = (Linear, _TensorParallelLinear)

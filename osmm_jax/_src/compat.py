@@ -7,21 +7,46 @@ place to change. Nothing else in osmm_jax imports from ``jax._src`` or ``mpi4jax
 
 from __future__ import annotations
 
-from jax._src import dispatch
+from jax._src import core, dispatch
 from jax._src.dispatch import apply_primitive
+from jax._src.interpreters import ad, partial_eval
 from jax._src.lib import xla_client
 from mpi4jax._src.jax_compat import abstract_token, get_token_effect, set_token_effect
 from mpi4jax._src.utils import ordered_effect
 
 __all__ = [
+    "JAXPR_TRACE_EVENT",
     "abstract_token",
     "apply_primitive",
     "get_token_effect",
+    "is_differentiation_tracer",
+    "is_staging_trace",
+    "no_trace_active",
     "ordered_effect",
     "recover_failed_runtime_tokens",
     "registered_ffi_targets",
     "set_token_effect",
 ]
+
+
+# The jax.monitoring event JAX records when it finishes tracing an outermost jitted function.
+JAXPR_TRACE_EVENT: str = dispatch.JAXPR_TRACE_EVENT
+
+
+def is_differentiation_tracer(value) -> bool:
+    """Whether ``value`` is a tracer of reverse- or forward-mode differentiation (jax.grad,
+    jax.vjp, jax.jvp, jax.linearize)."""
+    return isinstance(value, (ad.JVPTracer, ad.LinearizeTracer))
+
+
+def is_staging_trace(trace) -> bool:
+    """Whether ``trace`` stages a program out (jax.jit and the control-flow primitives)."""
+    return isinstance(trace, partial_eval.DynamicJaxprTrace)
+
+
+def no_trace_active() -> bool:
+    """Whether this thread is outside every JAX trace (no jit, grad, vmap... is tracing)."""
+    return core.trace_state_clean()
 
 
 def registered_ffi_targets(xla_platform: str) -> set[str]:

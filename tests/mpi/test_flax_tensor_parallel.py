@@ -4,12 +4,15 @@ The kernels are split unevenly over the ranks (a rank with no columns from 2
 ranks on); every rank holds the same input. A column-parallel then a
 row-parallel layer (one block, tanh between) must give the stock two-layer
 block's output on every rank, the stock input gradient on every rank, and each
-rank's shard of the stock parameter gradients. sync_grads must make a
-data-parallel model with parameters outside the osmm_jax layers get the
-gradient of one process on the whole batch.
+rank's shard of the stock parameter gradients. sync_grads and value_and_grad
+must make a data-parallel model with parameters outside the osmm_jax layers
+get the gradient of one process on the whole batch, and leaving those
+gradients un-summed must be noticed.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import flax.linen as nn
 import jax
@@ -330,6 +333,98 @@ def test_sync_grads_sums_every_leaf_not_skipped_in_one_product_per_dtype():
     assert out["half"].dtype == jnp.float16
     _close(np.asarray(out["half"], np.float32), np.full(2, total))
     _close(out["osmm"]["kernel"], np.full(3, mine))  # already summed: left alone
+
+
+# -- value_and_grad: the gradients of the global loss without naming the summed paths -----------
+
+
+def test_value_and_grad_linen_matches_one_process_inside_jit():
+    sizes = _row_sizes()
+    tokens = jnp.asarray(np.random.default_rng(11).integers(0, 7, sum(sizes)), jnp.int32)
+    mine = _mine(sizes)
+    stock, ours = _DataParallel(), _DataParallel(tuple(sizes))
+    params = stock.init(jax.random.key(2), tokens)
+    total = sum(sizes)
+
+    @jax.jit
+    def step(p, t):
+        return om_flax.value_and_grad(lambda p: jnp.sum(ours.apply(p, t)) / total)(p)
+
+    local_loss, grads = step(params, tokens[mine])
+    ref_loss, ref = jax.value_and_grad(lambda p: jnp.sum(stock.apply(p, tokens)) / total)(params)
+    jax.tree.map(_close, grads, ref)
+    whole = MPI.COMM_WORLD.allreduce(float(local_loss))
+    np.testing.assert_allclose(whole, float(ref_loss), rtol=1e-5)
+    # Only the parameters (argument 0) here; the embedding table of 'params' alone as well.
+    inner = jax.jit(
+        om_flax.grad(lambda q, t: jnp.sum(ours.apply({"params": q}, t)) / total, argnums=0)
+    )(params["params"], tokens[mine])
+    jax.tree.map(_close, inner, ref["params"])
+
+
+def test_value_and_grad_nnx_with_aux_matches_one_process():
+    sizes = _row_sizes()
+    x = jnp.asarray(np.random.default_rng(12).standard_normal((sum(sizes), IN)), jnp.float32)
+    mine = _mine(sizes)
+
+    class Model(nnx.Module):
+        def __init__(self, dense):
+            self.norm = nnx.LayerNorm(IN, rngs=nnx.Rngs(0))
+            self.dense = dense
+
+    ours = Model(om_flax.Linear(IN, OUT, row_sizes=sizes, rngs=nnx.Rngs(1)))
+    stock = Model(nnx.Linear(IN, OUT, rngs=nnx.Rngs(1)))
+
+    def loss(m, x):
+        y = jnp.tanh(m.dense(m.norm(x)))
+        return jnp.sum(y) / sum(sizes), y.shape[0]
+
+    (_, rows), d_ours = nnx.jit(om_flax.value_and_grad(loss, has_aux=True))(ours, x[mine])
+    assert rows == sizes[RANK]
+    d_ref = nnx.grad(loss, has_aux=True)(stock, x)[0]
+    jax.tree.map(_close, nnx.to_pure_dict(d_ours), nnx.to_pure_dict(d_ref))
+
+
+def test_applying_unsummed_gradients_warns_once_and_can_be_refused():
+    from osmm_jax._src import unsummed_grads
+
+    sizes = _row_sizes()
+    tokens = jnp.asarray(np.random.default_rng(13).integers(0, 7, sum(sizes)), jnp.int32)
+    ours = _DataParallel(tuple(sizes))
+    params = _DataParallel().init(jax.random.key(3), tokens)
+    t = tokens[_mine(sizes)]
+
+    def wrong(p):
+        return jax.grad(lambda p: jnp.sum(ours.apply(p, t)))(p)
+
+    unsummed_grads.reset()
+    with pytest.warns(om_flax.UnsummedGradientsWarning, match="LayerNorm_0/scale"):
+        jax.jit(wrong)(params)
+    unsummed_grads.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", om_flax.UnsummedGradientsWarning)
+        with pytest.raises(om_flax.UnsummedGradientsWarning, match="Embed_0/embedding"):
+            jax.jit(lambda p: wrong(p))(params)  # a new function: traced again, judged again
+        # Summed: no warning (an error here).
+        skip = om_flax.summed_paths(ours, t)
+        jax.jit(lambda p: om_flax.sync_grads(wrong(p), skip))(params)
+        jax.jit(om_flax.grad(lambda p: jnp.sum(ours.apply(p, t))))(params)
+    unsummed_grads.reset()
+
+
+def test_value_and_grad_refuses_parameters_outside_its_arguments():
+    sizes = _row_sizes()
+    tokens = jnp.asarray(np.random.default_rng(14).integers(0, 7, sum(sizes)), jnp.int32)
+    ours = _DataParallel(tuple(sizes))
+    params = _DataParallel().init(jax.random.key(4), tokens)
+    t = tokens[_mine(sizes)]
+
+    def outer(p):
+        # The parameters come from the closure of an outer grad, not from value_and_grad's own.
+        return om_flax.value_and_grad(lambda scale: scale * jnp.sum(ours.apply(p, t)))(1.0)[0]
+
+    with pytest.raises(ValueError, match="not leaves of the arguments in argnums 0"):
+        jax.grad(outer)(params)
 
 
 @pytest.mark.ranks(4, reason="two replicas of a two-rank tensor-parallel group")

@@ -1,0 +1,215 @@
+"""Noticing a data-parallel training step that leaves some gradients un-summed.
+
+In data-parallel training with :mod:`osmm_jax.flax`, the gradients of the data-parallel layers'
+parameters (``Dense`` / ``Linear``) arrive summed over ranks by their products; every other
+replicated parameter (an embedding, a LayerNorm, a stock layer) gets this rank's gradient
+alone until :func:`osmm_jax.flax.sync_grads` sums it. Applying such a gradient trains each
+replica on its own rows and the replicas drift apart, silently. This module notices it.
+
+How: a data-parallel layer whose parameters are being differentiated reports it here (:func:
+`note_differentiated`), with a function that names the model's parameters outside
+data-parallel layers (none: nothing can go wrong). ``sync_grads`` reports that it ran
+(:func:`note_synced`). The verdict is given
+
+* for a jitted function, when JAX finishes tracing it (a ``jax.monitoring`` event that JAX
+  sends at the end of every outermost trace): if the trace differentiated a data-parallel
+  layer of a model with other parameters and never called ``sync_grads``, the program would
+  apply un-summed gradients on every step;
+* for eager differentiation, at the next data-parallel layer call outside that
+  differentiation (the next step), or at exit.
+
+The verdict is one :class:`UnsummedGradientsWarning` per process, naming the parameters.
+Python's warning filters make it an error (refuse) or silence it (a user who sums those
+gradients some other way). Inside :func:`osmm_jax.flax.value_and_grad`, which sums them
+itself, nothing is noted. Costs nothing at run time: everything happens while tracing.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import contextvars
+import threading
+import warnings
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import jax
+
+from osmm_jax._src import compat
+
+
+class UnsummedGradientsWarning(UserWarning):
+    """A training step differentiates osmm_jax data-parallel layers but leaves the gradients of
+    the model's other replicated parameters this rank's alone (no ``sync_grads``)."""
+
+
+@dataclass
+class _Note:
+    """One data-parallel layer differentiated in one trace."""
+
+    trace: weakref.ref  # the differentiating trace (JVP / linearize)
+    staged: bool  # inside a jit trace: judged when that trace ends
+    unsummed: Callable[[], Iterable[str]]  # the model's parameters outside data-parallel layers
+
+
+class _State(threading.local):
+    def __init__(self):
+        self.notes: list[_Note] = []
+        self.models: dict[int, tuple[object, dict]] = {}
+
+
+_state = _State()
+_warned = False
+_warned_lock = threading.Lock()
+# Set inside osmm_jax.flax.value_and_grad: the callback receives every differentiated
+# parameter of a data-parallel layer (the tracer itself), and nothing is noted.
+_collecting: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
+    "osmm_jax_collect_summed", default=None
+)
+
+
+def _trace_of(value):
+    """The trace differentiating ``value``, or None when ``value`` is not being differentiated."""
+    if isinstance(value, jax.core.Tracer) and compat.is_differentiation_tracer(value):
+        return value._trace
+    return None
+
+
+def _staged(trace) -> bool:
+    """Whether ``trace`` runs inside a trace that stages a program out (jit, scan, ...)."""
+    while trace is not None:
+        if compat.is_staging_trace(trace):
+            return True
+        trace = getattr(trace, "parent_trace", None)
+    return False
+
+
+@contextlib.contextmanager
+def collecting(callback: Callable):
+    """Within the block, data-parallel layers hand their differentiated parameters to
+    ``callback`` (one call per parameter) instead of noting them."""
+    token = _collecting.set(callback)
+    try:
+        yield
+    finally:
+        _collecting.reset(token)
+
+
+def differentiated(params: Iterable) -> list:
+    """The values among ``params`` (None allowed) that are being differentiated."""
+    return [p for p in params if p is not None and _trace_of(p) is not None]
+
+
+def note_differentiated(
+    params: Iterable, prepare: Callable[[], Callable[[], Iterable[str]]]
+) -> None:
+    """Called by a data-parallel layer with its parameters (``kernel``, ``bias``: the values it
+    received) at every call; does something only when they are being differentiated.
+
+    ``prepare`` is called then, while the layer's call is still on the stack, and returns the
+    function that names the model's parameters outside osmm_jax layers; that one is called at
+    most once, when the verdict is given.
+    """
+    found = differentiated(params)
+    current = _trace_of(found[0]) if found else None
+    _judge_eager(keep=current)
+    if current is None:
+        return
+    callback = _collecting.get()
+    if callback is not None:
+        for p in found:
+            callback(p)
+        return
+    _state.notes.append(_Note(weakref.ref(current), _staged(current), prepare()))
+
+
+def model_record(root) -> dict:
+    """A dict shared by the osmm_jax layers of one model (``root``) while its differentiation
+    is judged: where they record which parameters they cover."""
+    entry = _state.models.get(id(root))
+    if entry is None or entry[0] is not root:
+        entry = (root, {})
+        _state.models[id(root)] = entry
+    return entry[1]
+
+
+def note_synced() -> None:
+    """``sync_grads`` ran: the gradients of this thread's pending differentiations are summed."""
+    _state.notes.clear()
+    _state.models.clear()
+
+
+def _judge(notes: list[_Note]) -> None:
+    """Warn (once per process) if any note's model has parameters outside data-parallel layers."""
+    global _warned
+    if not _state.notes and compat.no_trace_active():
+        _state.models.clear()
+    if not notes or _warned:
+        return
+    names: list[str] = []
+    for note in notes:
+        names.extend(n for n in note.unsummed() if n not in names)
+    if not names:
+        return
+    with _warned_lock:
+        if _warned:
+            return
+        _warned = True
+    shown = ", ".join(repr(n) for n in names[:4]) + (
+        f" and {len(names) - 4} more" if len(names) > 4 else ""
+    )
+    warnings.warn(
+        "osmm_jax.flax: a training step differentiates osmm_jax data-parallel layers, whose "
+        "gradients arrive summed over ranks, but the model's other parameters "
+        f"({shown}) get this rank's gradient alone and osmm_jax.flax.sync_grads was not "
+        "called on them: applying them trains each rank on its own rows and the replicas "
+        "drift apart. Use osmm_jax.flax.value_and_grad (or grad), or call sync_grads on the "
+        "gradients in the same function. If you sum them another way, silence this with "
+        "warnings.filterwarnings('ignore', category=osmm_jax.flax.UnsummedGradientsWarning).",
+        UnsummedGradientsWarning,
+        stacklevel=3,
+    )
+
+
+def _judge_eager(keep=None) -> None:
+    """Judge the eager notes whose differentiation is over (any trace other than ``keep``)."""
+    notes = _state.notes
+    if not notes:
+        return
+    done = [n for n in notes if not n.staged and n.trace() is not keep]
+    if done:
+        _state.notes = [n for n in notes if n.staged or n.trace() is keep]
+        _judge(done)
+
+
+def _on_trace_end(event: str, duration: float, **kwargs) -> None:
+    """``jax.monitoring`` listener: JAX finished tracing an outermost function."""
+    if event != compat.JAXPR_TRACE_EVENT:
+        return
+    if not _state.notes:
+        if _state.models and compat.no_trace_active():
+            _state.models.clear()
+        return
+    staged = [n for n in _state.notes if n.staged]
+    if staged:
+        _state.notes = [n for n in _state.notes if not n.staged]
+        _judge(staged)
+
+
+def _at_exit() -> None:
+    with contextlib.suppress(Exception):
+        _judge_eager()
+
+
+def reset() -> None:
+    """Forget this thread's notes and allow the warning again (tests)."""
+    global _warned
+    _state.notes.clear()
+    _state.models.clear()
+    _warned = False
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_trace_end)
+atexit.register(_at_exit)
