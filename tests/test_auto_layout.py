@@ -56,13 +56,25 @@ def test_every_candidate_plans_the_whole_product(nranks, replicated_is_free):
 
 
 def test_grids_for_six_ranks():
-    names = [n for n, *_ in candidate_layouts(12, 12, 12, [1] * 6)]
+    names = [n for n, *_ in candidate_layouts(12, 12, 12, [1] * 6, replication="free")]
     assert names == ["rows", "cols", "k_split", "grid 2x3", "grid 3x2"]
+    # Replicas kept in sync: the same strategies with the operand left split compete too.
+    names = [n for n, *_ in candidate_layouts(12, 12, 12, [1] * 6)]
+    assert names == [
+        "rows",
+        "cols",
+        "rows, B split",
+        "cols, A split",
+        "k_split",
+        "grid 2x3",
+        "grid 3x2",
+    ]
 
 
 def test_rows_wins_without_communication_when_b_is_small():
     # Tall A, small B: rows splits M finely; cols cannot balance 8 columns over speeds 1:2:3.
-    choice = auto_layouts(6000, 64, 8, [1.0, 2.0, 3.0])
+    assert auto_layouts(6000, 64, 8, [1.0, 2.0, 3.0]).name == "rows"  # B synced: 2 KiB
+    choice = auto_layouts(6000, 64, 8, [1.0, 2.0, 3.0], replication="free")
     assert choice.name == "rows"
     best = choice.candidates[0]
     assert best.comm_seconds == 0
@@ -76,13 +88,13 @@ def test_rows_wins_without_communication_when_b_is_small():
     assert auto_layouts(6000, 64, 8, [1.0, 2.0, 3.0], replicated_is_free=False).name == "rows"
 
 
-def test_ties_go_to_the_first_candidate():
-    choice = auto_layouts(64, 64, 64, [1.0] * 4)
+def test_ties_go_to_the_fewest_bytes_then_the_first_candidate():
+    choice = auto_layouts(64, 64, 64, [1.0] * 4, replication="free")
     rows, cols = choice.candidates[:2]
     assert rows.predicted_seconds == cols.predicted_seconds
     assert choice.name == "rows" and "a tie" in choice.reason
     # Shares rounded to whole rows make cols 0.02% faster here: still a tie.
-    choice = auto_layouts(2048, 2048, 5504, [41.0, 41.0, 85.0])
+    choice = auto_layouts(2048, 2048, 5504, [41.0, 41.0, 85.0], replication="free")
     rows, cols = choice.candidates[:2]
     assert cols.predicted_seconds < rows.predicted_seconds < cols.predicted_seconds * 1.001
     assert choice.name == "rows" and "a tie" in choice.reason
@@ -119,13 +131,89 @@ def test_the_k_much_larger_than_m_numbers_in_the_docstring():
 
 def test_heterogeneous_speeds_shift_the_shares():
     speeds = [1.0, 3.0]
-    choice = auto_layouts(4000, 256, 256, speeds)
+    choice = auto_layouts(4000, 256, 256, speeds, replication="free")
     assert choice.name == "rows"
     assert _heights(choice.a) == [1000, 3000]
     plan = Plan(choice.a, choice.b, choice.c)
     times = [f / (s * 1e9) for f, s in zip(plan.flops, speeds)]
     assert times[0] == pytest.approx(times[1])
     assert choice.predicted_seconds == pytest.approx(max(times))
+
+
+def test_replicated_operands_are_priced_by_default():
+    # The GPT-3 FFN weight, 12288 x 49152 float32 (2.25 GiB), on 8 equal ranks. Free, it ties
+    # with every strategy of the same flops and rows wins; kept in sync, rows pays a third of
+    # 2 * 7/8 of it per product (one all-reduce of its gradient per training step of 3 products),
+    # it per product and a layout that moves less wins.
+    M, K, N, speeds = 8192, 12288, 49152, [100.0] * 8
+    free = auto_layouts(M, K, N, speeds, replication="free", memory_budget=math.inf)
+    assert free.name == "rows"
+    synced = auto_layouts(M, K, N, speeds, memory_budget=math.inf)
+    by_name = {c.name: c for c in synced.candidates}
+    assert by_name["rows"].sync_bytes == 2 * 7 * K * N * 4 // (8 * 3)
+    assert by_name["k_split"].sync_bytes == 0
+    assert synced.name != "rows"
+    assert "keeping the copies of" in synced.reason  # the runner-up's, here cols (A)
+    assert by_name[synced.name].comm_seconds < by_name["rows"].comm_seconds
+    assert by_name["rows"].memory_bytes >= K * N * 4
+
+
+def test_the_memory_budget_leaves_out_layouts_that_do_not_fit():
+    M, K, N, speeds = 8192, 12288, 49152, [100.0] * 8
+    free = auto_layouts(M, K, N, speeds, replication="free", memory_budget=math.inf)
+    assert free.name == "rows"
+    budget = 800 * 2**20  # per rank: B alone is 2.25 GiB, A 384 MiB plus C's share for cols
+    tight = auto_layouts(M, K, N, speeds, replication="free", memory_budget=budget)
+    by_name = {c.name: c for c in tight.candidates}
+    assert not by_name["rows"].fits and not by_name["cols"].fits
+    assert tight.name not in ("rows", "cols") and by_name[tight.name].fits
+    assert by_name[tight.name].memory_bytes <= budget
+    assert "Over the memory budget of 800 MiB per rank: rows, cols" in tight.reason
+    with pytest.raises(ValueError, match=r"fits the memory budget of 1 MiB per rank: the smallest"):
+        auto_layouts(M, K, N, speeds, memory_budget=2**20)
+
+
+def test_the_memory_budget_defaults_to_the_environment_or_a_share_of_the_host(monkeypatch):
+    from osmm_jax._src import config
+
+    monkeypatch.setenv(config.MEMORY_BUDGET, "1GiB")
+    assert config.memory_budget() == 2**30
+    by_name = {c.name: c for c in auto_layouts(8192, 12288, 49152, [1.0] * 8).candidates}
+    assert not by_name["rows"].fits
+    for text, value in (("512 MiB", 2**29), ("1.5e9", 1.5e9), ("none", math.inf), ("0", math.inf)):
+        monkeypatch.setenv(config.MEMORY_BUDGET, text)
+        assert config.memory_budget() == value
+    for bad in ("lots", "-1GiB", "3 parsecs"):
+        monkeypatch.setenv(config.MEMORY_BUDGET, bad)
+        with pytest.raises(ValueError, match="OSMM_MEMORY_BUDGET"):
+            auto_layouts(64, 64, 64, [1.0])
+    monkeypatch.delenv(config.MEMORY_BUDGET)
+    assert 0 < config.memory_budget() < math.inf
+
+
+def test_replication_arguments():
+    assert (
+        auto_layouts(64, 64, 64, [1.0] * 2, replicated_is_free=False).candidates[0].sync_bytes == 0
+    )
+    with pytest.raises(ValueError, match="replication must be one of"):
+        auto_layouts(64, 64, 64, [1.0], replication="cached")
+    with pytest.raises(ValueError, match="contradicts"):
+        auto_layouts(64, 64, 64, [1.0], replication="synced", replicated_is_free=True)
+    with pytest.raises(ValueError, match="memory_budget"):
+        auto_layouts(64, 64, 64, [1.0], memory_budget=0)
+
+
+def test_the_choice_reports_its_distance_from_the_lower_bound():
+    # K-split moves exactly the bound on a K-large product; a 2-D grid on a square one at
+    # P = 4 moves 1.13 times it (SUMMA's volume).
+    k_large = auto_layouts(2048, 65536, 2048, [1.0] * 4, memory_budget=math.inf)
+    assert k_large.name == "k_split"
+    assert k_large.bound_ratio == pytest.approx(1.0, rel=1e-6)
+    square = auto_layouts(
+        8192, 8192, 8192, [1.0] * 4, replication="fetched", memory_budget=math.inf
+    )
+    assert square.name == "grid 2x2"
+    assert square.bound_ratio == pytest.approx(1.13, abs=0.01)
 
 
 def test_grid_weights_are_the_speed_sums_of_grid_rows_and_columns():

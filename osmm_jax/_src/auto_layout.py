@@ -4,23 +4,43 @@
 per rank (GFLOP/s), builds a few candidate strategies with shares proportional
 to the speeds, plans every one with the planner, and returns the
 :class:`LayoutChoice` (layouts of A, B and C, and the ``reason``) of the one
-with the least predicted time::
+with the least predicted time among those that fit the memory budget::
 
-    predicted = max_r flops[r] / (speeds[r] * 1e9)  +  max_r bytes_sent[r] / bandwidth
+    predicted = max_r flops[r] / (speeds[r] * 1e9)
+                + max_r (bytes_sent[r] + sync_bytes) / bandwidth
 
 ``flops`` and ``bytes_sent`` are the plan's own per-rank figures (gets
 included); ``bandwidth`` is bytes/s. Candidates, in this order: ``rows``,
-``cols``, ``k_split`` and ``grid PRxPC`` for every ``P = PR * PC`` with ``PR,
-PC > 1``. By default a replicated operand is taken to be on every rank already
-(free); with ``replicated_is_free=False`` it is split like the other operand
-over K instead, and fetching the pieces a rank lacks is counted.
+``cols``, (with ``"synced"`` replication) ``rows, B split`` and ``cols, A
+split``, ``k_split``, and ``grid PRxPC`` for every ``P = PR * PC`` with ``PR,
+PC > 1``. ``rows`` and ``cols`` hold one operand whole on every rank; how that
+is priced is ``replication``:
+
+* ``"synced"`` (default): the operand is on every rank, as a trained weight is in
+  data-parallel training, and keeping its copies equal costs what the
+  bandwidth-optimal all-reduce of its gradient moves per rank, ``2 (P-1)/P``
+  times its size (in the accumulation type), once per training step, whose
+  three products (forward, and the two backward ones) share it: a third of that
+  per product, ``sync_bytes`` (:data:`PRODUCTS_PER_SYNC`). The same strategies
+  with the operand left split over K and fetched (``rows, B split``, ``cols, A
+  split``) compete with them;
+* ``"free"``: already on every rank, at no cost (an operand that never changes);
+* ``"fetched"``: not replicated at all: split like the other operand over K, and
+  fetching the pieces a rank lacks is counted by the planner.
+
+Every candidate's memory per rank (the largest sum of a rank's A, B and C
+blocks) must fit ``memory_budget`` (default: ``OSMM_MEMORY_BUDGET``, else a
+quarter of the host's physical memory); a replicated operand counts whole.
+Predictions within :data:`TIE_TOLERANCE` of the fastest tie; a tie goes to the
+candidate that moves the fewest bytes, then to the earlier one.
+
+The choice also says how far its communication is from the lower bound of any
+layout (:mod:`osmm_jax._src.comm_bound`): ``LayoutChoice.bound_ratio``.
 
 A guide for large products, not a timer: no latency, no contention, and no
 credit for overlapping sends with GEMMs. The candidates, the caveats and what
 the model says about which dimension to split are in docs/design.md ("Choosing
-layouts"). Pure Python (no JAX, no MPI), deterministic, the same on every rank:
-predictions within :data:`TIE_TOLERANCE` of the fastest tie, and a tie goes to
-the earlier candidate in the order above.
+layouts"). Pure Python (no JAX, no MPI), deterministic, the same on every rank.
 """
 
 from __future__ import annotations
@@ -30,7 +50,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from osmm_jax._src import checks, units
+from osmm_jax._src import checks, comm_bound, config, units
 from osmm_jax._src.layout import Layout
 from osmm_jax._src.planner import Plan, PlanTotals
 
@@ -41,9 +61,18 @@ the conservative end. Across a network, pass the link's rate."""
 
 
 TIE_TOLERANCE = 1e-3
-"""Predictions within this fraction of the fastest tie; a tie goes to the earlier candidate
-(``rows`` before ``cols`` before ``k_split`` before grids), so shares rounded to whole rows
-do not decide between strategies the model cannot tell apart."""
+"""Predictions within this fraction of the fastest tie; a tie goes to the candidate that moves
+the fewest bytes per rank, then to the earlier one (``rows`` before ``cols`` before ``k_split``
+before grids), so shares rounded to whole rows do not decide between strategies the model
+cannot tell apart."""
+
+PRODUCTS_PER_SYNC = 3
+"""Products that share one synchronisation of a replicated operand's copies: a training step
+multiplies by a weight three times (forward, and the two backward products) and all-reduces
+its gradient once."""
+
+REPLICATION = ("synced", "free", "fetched")
+"""How :func:`auto_layouts` prices an operand that ``rows`` / ``cols`` hold on every rank."""
 
 
 class Candidate(NamedTuple):
@@ -51,13 +80,20 @@ class Candidate(NamedTuple):
 
     ``predicted_seconds = compute_seconds + comm_seconds``; ``compute_seconds``
     is the slowest rank's compute time, ``comm_seconds`` the time of the rank
-    that sends the most bytes.
+    that sends the most bytes (``sent_bytes``, the keeping of replicas in sync,
+    ``sync_bytes``, included). ``memory_bytes``: the most operand bytes one rank
+    holds; ``fits``: whether that is within the memory budget (a candidate that
+    does not fit is never chosen).
     """
 
     name: str
     predicted_seconds: float
     compute_seconds: float
     comm_seconds: float
+    sent_bytes: int = 0
+    sync_bytes: int = 0
+    memory_bytes: int = 0
+    fits: bool = True
 
 
 @dataclass(frozen=True)
@@ -72,6 +108,12 @@ class LayoutChoice:
         predicted_seconds: the model's time of one product with these layouts.
         reason: one line saying why it won, against the runner-up.
         candidates: every strategy considered, in the order considered (:class:`Candidate`).
+        bound_ratio: the most one rank sends with these layouts (pieces others get from it,
+            its partials, its share of keeping replicas in sync), in elements, over the most
+            any rank must move with any layout when work and data are shared by speed
+            (:func:`osmm_jax._src.comm_bound.rank_bounds`); 1.0 when neither moves anything.
+            A sender-side count from the plan's totals; ``benchmarks/layout_bounds.py``
+            compares each rank's own gets and sends with the bound exactly.
     """
 
     a: Layout
@@ -81,28 +123,53 @@ class LayoutChoice:
     predicted_seconds: float
     reason: str
     candidates: tuple[Candidate, ...]
+    bound_ratio: float = 1.0
 
 
 def candidate_layouts(
-    M: int, K: int, N: int, speeds, *, replicated_is_free: bool = True
+    M: int,
+    K: int,
+    N: int,
+    speeds,
+    *,
+    replication: str | None = None,
+    replicated_is_free: bool | None = None,
 ) -> tuple[tuple[str, Layout, Layout, Layout], ...]:
-    """Every strategy's ``(name, a, b, c)`` layouts, in the order :func:`auto_layouts` considers them."""
+    """Every strategy's ``(name, a, b, c)`` layouts, in the order :func:`auto_layouts` considers
+    them; ``replication`` (or ``replicated_is_free``) as there."""
     M, K, N = (checks.integer(v, name) for v, name in ((M, "M"), (K, "K"), (N, "N")))
     speeds = checks.speeds(speeds)
+    mode = _replication(replication, replicated_is_free)
+    replicate = mode != "fetched"
     p = len(speeds)
     rows_b = (
-        Layout.replicated((K, N), nranks=p)
-        if replicated_is_free
-        else Layout.rows((K, N), weights=speeds)
+        Layout.replicated((K, N), nranks=p) if replicate else Layout.rows((K, N), weights=speeds)
     )
     cols_a = (
-        Layout.replicated((M, K), nranks=p)
-        if replicated_is_free
-        else Layout.cols((M, K), weights=speeds)
+        Layout.replicated((M, K), nranks=p) if replicate else Layout.cols((M, K), weights=speeds)
     )
     out = [
         ("rows", Layout.rows((M, K), weights=speeds), rows_b, Layout.rows((M, N), weights=speeds)),
         ("cols", cols_a, Layout.cols((K, N), weights=speeds), Layout.cols((M, N), weights=speeds)),
+    ]
+    if mode == "synced":
+        # Holding the operand whole is one choice; leaving it split and fetching what each
+        # rank lacks (about half the bytes of keeping copies in sync) is the other.
+        out += [
+            (
+                "rows, B split",
+                Layout.rows((M, K), weights=speeds),
+                Layout.rows((K, N), weights=speeds),
+                Layout.rows((M, N), weights=speeds),
+            ),
+            (
+                "cols, A split",
+                Layout.cols((M, K), weights=speeds),
+                Layout.cols((K, N), weights=speeds),
+                Layout.cols((M, N), weights=speeds),
+            ),
+        ]
+    out += [
         (
             "k_split",
             Layout.cols((M, K), weights=speeds),
@@ -157,7 +224,9 @@ def auto_layouts(
     *,
     bandwidth: float | None = None,
     itemsize: int = 4,
-    replicated_is_free: bool = True,
+    replication: str | None = None,
+    memory_budget: float | None = None,
+    replicated_is_free: bool | None = None,
 ) -> LayoutChoice:
     """Layouts for ``C[M x N] = A[M x K] @ B[K x N]`` that the cost model predicts fastest.
 
@@ -167,15 +236,20 @@ def auto_layouts(
             rank count is ``len(speeds)``. Shares are proportional to them.
         bandwidth: bytes/s a rank sends; default :data:`DEFAULT_BANDWIDTH`.
         itemsize: bytes per input element (4 for float32, 2 for bfloat16, 8 for float64).
-        replicated_is_free: whether an operand may be taken as already on every
-            rank (see the module docstring); False counts fetching it.
+        replication: ``"synced"`` (default), ``"free"`` or ``"fetched"``: how an
+            operand held on every rank is priced (see the module docstring).
+        memory_budget: operand bytes one rank may hold (``math.inf``: no limit);
+            default ``OSMM_MEMORY_BUDGET``, else a quarter of the host's memory. On a
+            GPU, pass (a share of) the device's memory.
+        replicated_is_free: the older spelling: True is ``"free"``, False ``"fetched"``.
 
     Returns:
         A :class:`LayoutChoice`; the same on every rank given the same arguments.
 
     Raises:
-        ValueError / TypeError: a dimension not positive, bad speeds, bandwidth
-            not positive, itemsize not a positive integer.
+        ValueError / TypeError: a dimension not positive, bad speeds, bandwidth or budget
+            not positive, itemsize not a positive integer, an unknown replication; no
+            candidate fits the memory budget (the message names the smallest need).
     """
     for v, name in ((M, "M"), (K, "K"), (N, "N")):
         if checks.integer(v, name) < 1:
@@ -185,21 +259,65 @@ def auto_layouts(
         DEFAULT_BANDWIDTH if bandwidth is None else bandwidth, "bandwidth"
     )
     itemsize = checks.integer(itemsize, "itemsize", 1)
+    replication = _replication(replication, replicated_is_free)
+    if memory_budget is None:
+        budget = config.memory_budget()
+    elif memory_budget == math.inf:
+        budget = math.inf
+    else:
+        budget = checks.positive_real(memory_budget, "memory_budget")
+    p = len(speeds)
+    accum = max(itemsize, 4)
 
     scored = []
-    for name, a, b, c in candidate_layouts(M, K, N, speeds, replicated_is_free=replicated_is_free):
+    for name, a, b, c in candidate_layouts(M, K, N, speeds, replication=replication):
         # The plan's totals alone (not the cached make_plan(): trial plans must not evict the
         # user's, and their records are never needed).
-        cost = predict(PlanTotals(a, b, c), speeds, bandwidth=bandwidth, itemsize=itemsize)
-        scored.append((cost._replace(name=name), (a, b, c)))
-    fastest = min(s.predicted_seconds for s, _ in scored)
-    pick = next(i for i, (s, _) in enumerate(scored) if _ties(s.predicted_seconds, fastest))
+        totals = PlanTotals(a, b, c)
+        sync = 0
+        if replication == "synced" and p > 1:
+            for layout in (a, b):
+                if layout.is_replicated:
+                    rows, cols = layout.shape
+                    sync += 2 * (p - 1) * rows * cols * accum // (p * PRODUCTS_PER_SYNC)
+        cost = predict(totals, speeds, bandwidth=bandwidth, itemsize=itemsize)
+        sent = max(totals.bytes_sent(itemsize, accum))
+        memory = _memory_bytes((a, b, c), itemsize)
+        cost = cost._replace(
+            name=name,
+            comm_seconds=(sent + sync) / bandwidth,
+            predicted_seconds=cost.compute_seconds + (sent + sync) / bandwidth,
+            sent_bytes=sent,
+            sync_bytes=sync,
+            memory_bytes=memory,
+            fits=memory <= budget,
+        )
+        scored.append((cost, (a, b, c)))
+    fitting = [i for i, (s, _) in enumerate(scored) if s.fits]
+    if not fitting:
+        least = min((s for s, _ in scored), key=lambda s: s.memory_bytes)
+        raise ValueError(
+            f"no layout for {M} x {K} @ {K} x {N} on {p} ranks fits the memory budget of "
+            f"{units.format_bytes(budget)} per rank: the smallest, {least.name}, needs "
+            f"{units.format_bytes(least.memory_bytes)} (raise memory_budget or "
+            f"{config.MEMORY_BUDGET}, or use more ranks)"
+        )
+    fastest = min(scored[i][0].predicted_seconds for i in fitting)
+    tied = [i for i in fitting if _ties(scored[i][0].predicted_seconds, fastest)]
+    pick = min(tied, key=lambda i: (scored[i][0].sent_bytes + scored[i][0].sync_bytes, i))
     best, (a, b, c) = scored[pick]
     rest = sorted(
-        (s for i, (s, _) in enumerate(scored) if i != pick), key=lambda s: s.predicted_seconds
+        (s for i, (s, _) in enumerate(scored) if i != pick and s.fits),
+        key=lambda s: s.predicted_seconds,
     )
     runner_up = rest[0] if rest else None
-    reason = _reason(best, runner_up, replicated_is_free, bandwidth)
+    reason = _reason(best, runner_up, replication, bandwidth)
+    left_out = [s.name for s, _ in scored if not s.fits]
+    if left_out:
+        reason += (
+            f". Over the memory budget of {units.format_bytes(budget)} per rank: "
+            + ", ".join(left_out)
+        )
     # The layouts carry the reason, so the plan of them says why they were chosen.
     a, b, c = (
         dataclasses.replace(x, reason=f"chosen by auto_layouts: {reason}") for x in (a, b, c)
@@ -212,16 +330,63 @@ def auto_layouts(
         predicted_seconds=best.predicted_seconds,
         reason=reason,
         candidates=tuple(s for s, _ in scored),
+        bound_ratio=_bound_ratio(M, K, N, speeds, best, itemsize, accum, replication),
     )
 
 
-def _describe(c: Candidate, replicated_is_free: bool, bandwidth: float) -> str:
+def _replication(replication: str | None, replicated_is_free: bool | None) -> str:
+    if replicated_is_free is not None:
+        if not isinstance(replicated_is_free, bool):
+            raise TypeError(f"replicated_is_free must be True or False, got {replicated_is_free!r}")
+        implied = "free" if replicated_is_free else "fetched"
+        if replication is not None and replication != implied:
+            raise ValueError(
+                f"replication={replication!r} contradicts replicated_is_free={replicated_is_free}"
+            )
+        return implied
+    if replication is None:
+        return "synced"
+    if replication not in REPLICATION:
+        raise ValueError(f"replication must be one of {REPLICATION}, got {replication!r}")
+    return replication
+
+
+def _memory_bytes(layouts, itemsize: int) -> int:
+    """The most operand bytes one rank holds: its A, B and C blocks together."""
+    nranks = layouts[0].nranks
+    most = 0
+    for r in range(nranks):
+        elements = 0
+        for layout in layouts:
+            rows, cols = layout.local_shape(r)
+            elements += rows * cols
+        most = max(most, elements * itemsize)
+    return most
+
+
+def _bound_ratio(M, K, N, speeds, best: Candidate, itemsize, accum, replication) -> float:
+    """The chosen candidate's most elements moved by one rank over the lower bound's most."""
+    bound = max(comm_bound.rank_bounds(M, K, N, speeds))
+    # sent_bytes mixes input (itemsize) and partial (accum) bytes; counting it all at the
+    # smaller size over-states the elements by at most accum / itemsize.
+    moved = (best.sent_bytes + best.sync_bytes) / min(itemsize, accum)
+    if bound <= 0:
+        return 1.0 if moved == 0 else math.inf
+    return moved / bound
+
+
+def _describe(c: Candidate, replication: str, bandwidth: float) -> str:
+    replicated = {"rows": "B", "cols": "A"}.get(c.name) if replication != "fetched" else None
     if c.comm_seconds == 0:
         comm = "no communication"
-        if replicated_is_free and c.name in ("rows", "cols"):
-            comm += f" ({'B' if c.name == 'rows' else 'A'} assumed already on every rank)"
+        if replicated:
+            comm += f" ({replicated} assumed already on every rank)"
     else:
         comm = f"{c.comm_seconds:.3g} s sending {units.format_bytes(c.comm_seconds * bandwidth)}"
+        if c.sync_bytes:
+            comm += (
+                f" (keeping the copies of {replicated} in sync: {units.format_bytes(c.sync_bytes)})"
+            )
     return f"{c.compute_seconds:.3g} s of compute on the slowest rank, {comm}"
 
 
@@ -229,12 +394,12 @@ def _ties(seconds: float, fastest: float) -> bool:
     return seconds <= fastest * (1 + TIE_TOLERANCE)
 
 
-def _reason(best: Candidate, runner_up, replicated_is_free: bool, bandwidth: float) -> str:
-    text = f"{best.name}: {_describe(best, replicated_is_free, bandwidth)}"
+def _reason(best: Candidate, runner_up, replication: str, bandwidth: float) -> str:
+    text = f"{best.name}: {_describe(best, replication, bandwidth)}"
     if runner_up is None:
         return text + " (the only candidate)"
     if _ties(runner_up.predicted_seconds, best.predicted_seconds):
-        versus = f"within {TIE_TOLERANCE:.1%}: a tie, which goes to the earlier candidate"
+        versus = f"within {TIE_TOLERANCE:.1%}: a tie, which goes to the one moving fewer bytes"
     elif math.isinf(runner_up.predicted_seconds):
         versus = "cannot run (a rank with work has speed 0)"
     else:
@@ -242,5 +407,5 @@ def _reason(best: Candidate, runner_up, replicated_is_free: bool, bandwidth: flo
         versus = f"{runner_up.predicted_seconds:.3g} s, +{pct:.0f}%"
     return (
         f"{text}; total {best.predicted_seconds:.3g} s. Runner-up {runner_up.name} ({versus}): "
-        f"{_describe(runner_up, replicated_is_free, bandwidth)}"
+        f"{_describe(runner_up, replication, bandwidth)}"
     )

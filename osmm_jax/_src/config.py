@@ -18,6 +18,49 @@ ValueError. Default: unset (no verification)."""
 
 METHODS = ("one_sided", "allreduce")
 
+MEMORY_BUDGET = "OSMM_MEMORY_BUDGET"
+"""Bytes of its operands one rank may hold, for :func:`osmm_jax.auto_layouts` (which leaves out
+layouts that need more): a number of bytes with an optional binary unit (``"8GiB"``,
+``"512 MiB"``, ``"1.5e9"``); ``0``, ``none`` or ``inf`` for no limit. Default: unset, which is
+:data:`DEFAULT_MEMORY_FRACTION` of the host's physical memory."""
+
+DEFAULT_MEMORY_FRACTION = 0.25
+"""The share of the host's physical memory one rank may use for its operands by default:
+conservative for a few ranks per host. On a GPU pass the device's memory instead."""
+
+_BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str, source: str) -> float:
+    """``"8GiB"``, ``"512 MiB"`` or ``"1.5e9"`` in bytes; ``0``/``none``/``inf``: ``math.inf``."""
+    word = text.strip().lower()
+    if word in ("0", "none", "inf", "unlimited"):
+        return float("inf")
+    number = word.rstrip("kmgtib ")
+    unit = word[len(number) :].strip()
+    try:
+        value = float(number) * _BYTE_UNITS[unit]
+    except (ValueError, KeyError):
+        raise ValueError(
+            f"{source} must be a number of bytes with an optional unit (B, KiB, MiB, GiB, TiB), "
+            f"or 0/none/inf for no limit; got {text!r}"
+        ) from None
+    if not value > 0 or value != value:
+        raise ValueError(f"{source} must be positive, got {text!r}")
+    return value
+
+
+def memory_budget() -> float:
+    """Bytes of operands per rank :func:`osmm_jax.auto_layouts` allows when given none."""
+    text = os.environ.get(MEMORY_BUDGET)
+    if text is not None and text.strip():
+        return parse_bytes(text, MEMORY_BUDGET)
+    try:
+        physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
+        return float("inf")
+    return DEFAULT_MEMORY_FRACTION * physical
+
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
