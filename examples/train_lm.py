@@ -1,7 +1,8 @@
 """Train a small GPT-style character-level language model on osmm_jax, and check it.
 
 Run on 3 ranks: ``mpiexec -n 3 .venv/bin/python examples/train_lm.py --mode dp --check``
-(or ``--mode tp``); ``--mode single`` is one process with stock layers.
+(or ``--mode tp``, or ``--mode jax`` for JAX's own sharding); ``--mode single`` is one
+process with stock layers.
 
 The model (Flax nnx): token embedding plus learned positions, ``--layers``
 pre-LayerNorm Transformer blocks (causal multi-head self-attention, then a
@@ -29,6 +30,14 @@ Modes:
   uneven hidden ``sizes``. Every rank holds the whole batch; embeddings,
   LayerNorms and the output projection are stock layers computed alike on
   every rank, and every gradient is complete on every rank as it comes.
+* ``jax``: JAX's own multi-process sharding, for comparison: stock layers,
+  JAX's distributed runtime over the MPI ranks
+  (``jax.distributed.initialize(cluster_detection_method="mpi4py")``, gloo
+  collectives), one ``jax.jit`` over a one-dimensional ``data`` mesh of every
+  process's device, the batch's sequences split evenly with a
+  ``NamedSharding`` (JAX shards only evenly: ``--batch`` must be a multiple of
+  the number of ranks, and speeds play no part), parameters and optimiser
+  state replicated; JAX inserts the gradient all-reduce.
 * ``single``: one process, stock ``nnx.Linear`` layers: the reference.
 
 ``--check`` also trains the single-process reference on rank 0, from the same
@@ -44,10 +53,9 @@ saves a loss plot on rank 0 when matplotlib is installed.
 At the default size the model is small enough that communication, not
 arithmetic, sets the pace: one process alone is faster than 3 ranks on one
 machine. The example shows that the distributed modes train exactly like one
-process, and lets the methods be compared.
-
-Not included: a comparison with JAX's own sharding (``NamedSharding``) on the
-same model.
+process, and lets the methods be compared with each other and with JAX's own
+sharding. ``benchmarks/lm_step.py`` times the same train step at a size where
+arithmetic dominates, on ranks of unequal speed.
 """
 
 from __future__ import annotations
@@ -161,19 +169,33 @@ def batches(data: np.ndarray, steps: int, batch: int, context: int, seed: int):
         yield windows[:, :-1], windows[:, 1:]
 
 
-def train(model, data, args, *, rows=None, dp=False, comm=None):
-    """Train ``model`` for ``args.steps`` steps; returns (losses per step, seconds of steps 2..N).
+def make_step(model, lr: float, tokens_total: int, *, dp: bool = False, mesh=None):
+    """One jitted adam step of ``model``: returns ``(step, params, opt_state)``.
 
-    ``rows``: the slice of each batch's sequences this rank trains on (all by
-    default). ``dp``: each rank's loss is its share of the global mean, the
-    reported loss the sum over ranks, and ``sync_grads`` sums the gradients
-    that no osmm_jax layer summed.
+    ``step(params, opt_state, x, y)`` takes ``(sequences, context)`` int32
+    inputs and targets and returns ``(params, opt_state, loss)``. ``dp``: the
+    loss is this rank's tokens' cross-entropy summed and divided by
+    ``tokens_total`` (the global token count), and ``sync_grads`` sums the
+    gradients that no osmm_jax layer summed; otherwise the loss is the mean over
+    the tokens given. ``mesh``: JAX's own sharding over every process: params
+    and optimiser state are global arrays replicated over ``mesh``, ``x`` and
+    ``y`` global arrays split by sequences (:func:`shard_batch`), and the mean
+    is over the global batch.
     """
-    tokens_total = args.batch * args.context
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    optimizer = optax.adam(args.lr)
-    opt_state = optimizer.init(params)
-    skip = model if dp else None
+    optimizer = optax.adam(lr)
+    if mesh is None:
+        replicated = None
+        opt_state = optimizer.init(params)
+    else:
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        global_array = _jax_peers().global_array
+        params = jax.tree.map(lambda p: global_array(p.shape, P(), mesh, p), params)
+        replicated = NamedSharding(mesh, P())
+        # Placed as the step returns it: otherwise the second step compiles again.
+        opt_state = jax.jit(optimizer.init, out_shardings=replicated)(params)
 
     def loss_fn(params, x, y):
         logits = nnx.merge(graphdef, params, rest)(x)
@@ -184,16 +206,70 @@ def train(model, data, args, *, rows=None, dp=False, comm=None):
     def step(params, opt_state, x, y):
         loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
         if dp:
-            grads = sync_grads(grads, skip)
+            grads = sync_grads(grads, model)
         updates, opt_state = optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
+        params = optax.apply_updates(params, updates)
+        if replicated is not None:
+            params, opt_state = jax.lax.with_sharding_constraint((params, opt_state), replicated)
+        return params, opt_state, loss
 
+    return step, params, opt_state
+
+
+def _jax_peers():
+    """``benchmarks.common``, which starts JAX's multi-process runtime and builds global
+    arrays for the benchmarks' JAX peers (the repository root is put on ``sys.path`` when this
+    file runs as a script)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from benchmarks import common
+
+    return common
+
+
+def start_jax_sharding():
+    """JAX's multi-process runtime over the MPI ranks (gloo collectives; nothing to start on one
+    process), then a one-dimensional mesh ``data`` of every process's device. Call it on every
+    rank before JAX computes anything."""
+    from jax.sharding import Mesh
+
+    if COMM.Get_size() > 1:
+        _jax_peers().init_jax_distributed()
+    return Mesh(np.array(jax.devices()), ("data",))
+
+
+def shard_batch(x: np.ndarray, mesh):
+    """A global ``(sequences, ...)`` array split evenly by sequences over ``mesh``, from the
+    whole batch ``x`` (the same on every rank): this process contributes its share."""
+    from jax.sharding import PartitionSpec as P
+
+    share = x.shape[0] // COMM.Get_size()
+    rank = COMM.Get_rank()
+    local = jnp.asarray(x[rank * share : (rank + 1) * share])
+    return _jax_peers().global_array(x.shape, P("data"), mesh, local)
+
+
+def train(model, data, args, *, rows=None, dp=False, comm=None, mesh=None):
+    """Train ``model`` for ``args.steps`` steps; returns (losses per step, seconds of steps 2..N).
+
+    ``rows``: the slice of each batch's sequences this rank trains on (all by
+    default). ``dp``: each rank's loss is its share of the global mean, the
+    reported loss the sum over ranks, and ``sync_grads`` sums the gradients
+    that no osmm_jax layer summed. ``mesh``: JAX's own sharding (see
+    :func:`make_step`); the batch is split evenly over it.
+    """
+    step, params, opt_state = make_step(model, args.lr, args.batch * args.context, dp=dp, mesh=mesh)
     losses = []
     start = None
     for i, (x, y) in enumerate(batches(data, args.steps, args.batch, args.context, args.seed)):
         if rows is not None:
             x, y = x[rows], y[rows]
-        params, opt_state, loss = step(params, opt_state, jnp.asarray(x), jnp.asarray(y))
+        if mesh is not None:
+            x, y = shard_batch(x, mesh), shard_batch(y, mesh)
+        else:
+            x, y = jnp.asarray(x), jnp.asarray(y)
+        params, opt_state, loss = step(params, opt_state, x, y)
         losses.append(loss)
         if i == 0:
             jax.block_until_ready(params)
@@ -204,7 +280,8 @@ def train(model, data, args, *, rows=None, dp=False, comm=None):
     seconds = time.perf_counter() - start
     if comm is not None:
         seconds = comm.allreduce(seconds, op=MPI.MAX)
-    losses = np.asarray(jnp.stack(losses), np.float64)
+    # This process's copy of each loss (under JAX's sharding a loss is a global, replicated array).
+    losses = np.asarray([jax.device_get(loss.addressable_data(0)) for loss in losses], np.float64)
     if dp and comm is not None:
         losses = comm.allreduce(losses, op=MPI.SUM)
     return losses, seconds
@@ -212,8 +289,13 @@ def train(model, data, args, *, rows=None, dp=False, comm=None):
 
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=("dp", "tp", "single"), default="dp")
-    parser.add_argument("--method", choices=("one_sided", "allreduce"), default="one_sided")
+    parser.add_argument("--mode", choices=("dp", "tp", "jax", "single"), default="dp")
+    parser.add_argument(
+        "--method",
+        choices=("one_sided", "allreduce"),
+        default="one_sided",
+        help="osmm_jax's method in dp and tp (default one_sided)",
+    )
     parser.add_argument("--check", action="store_true", help="compare with one process (rank 0)")
     parser.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
     parser.add_argument("--batch", type=int, default=24, help="sequences per step (default 24)")
@@ -239,6 +321,8 @@ def _parse(argv):
         parser.error("--d must be a multiple of --heads")
     if args.mode == "dp" and args.batch < size:
         parser.error(f"--batch must be at least the number of ranks ({size}) in dp")
+    if args.mode == "jax" and args.batch % size:
+        parser.error(f"--batch must be a multiple of the number of ranks ({size}) in jax")
     if args.mode == "tp" and args.heads < size:
         parser.error(f"--heads must be at least the number of ranks ({size}) in tp")
     if args.mode == "single" and size != 1:
@@ -283,15 +367,20 @@ def main(argv=None) -> int:
     chars = sorted(set(text))
     data = np.asarray([chars.index(c) for c in text], np.int32)
     vocab = len(chars)
+    # What moves the gradients: osmm_jax's method in dp and tp; JAX's sharding; none.
+    method = {"jax": "NamedSharding", "single": "stock"}.get(args.mode, args.method)
     say(
         f"text: {len(text)} characters of {os.path.dirname(json.__file__)}/*.py, vocabulary {vocab}",
         f"model: d={args.d}, {args.heads} heads, {args.layers} blocks, context {args.context}; "
         f"batch {args.batch} sequences, {args.steps} steps, mode {args.mode}, {size} rank(s), "
-        f"method {args.method}",
+        f"method {method}",
     )
 
-    if args.mode == "single":
+    mesh = start_jax_sharding() if args.mode == "jax" else None
+    if args.mode in ("single", "jax"):
         layers, rows = Layers("single"), None
+        if args.mode == "jax":
+            say(f"sequences per rank: {[args.batch // size] * size} (JAX NamedSharding, even)")
     else:
         speeds = (
             np.asarray(args.speeds)
@@ -317,7 +406,13 @@ def main(argv=None) -> int:
 
     model = build(layers)
     losses, seconds = train(
-        model, data, args, rows=rows, dp=args.mode == "dp", comm=None if size == 1 else COMM
+        model,
+        data,
+        args,
+        rows=rows,
+        dp=args.mode == "dp",
+        comm=None if size == 1 else COMM,
+        mesh=mesh,
     )
     rate = (args.steps - 1) / seconds
     tokens = rate * args.batch * args.context
@@ -342,7 +437,7 @@ def main(argv=None) -> int:
         )
     say(
         f"loss {losses[0]:.4f} -> {losses[-1]:.4f}   {rate:.2f} steps/s   {tokens:,.0f} tokens/s "
-        f"({args.mode}, {args.method}, {size} rank(s))"
+        f"({args.mode}, {method}, {size} rank(s))"
     )
     if args.plot and rank == 0:
         _plot(
@@ -350,7 +445,7 @@ def main(argv=None) -> int:
             losses,
             reference if args.check and args.mode != "single" else None,
             f"char LM, {args.mode} on {size} rank(s)",
-            f"{args.mode} ({args.method})",
+            f"{args.mode} ({method})",
         )
     return 0 if ok else 1
 
