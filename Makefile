@@ -146,7 +146,8 @@ test-mpi: install
 
 # A few minutes: one_sided against the all-reduce baseline, JAX's NamedSharding and shard_map
 # paths, the no-communication floor and one process alone, on every case of
-# benchmarks/README.md; writes benchmarks/results/ (results.md, raw.json, PNG plots).
+# benchmarks/README.md; writes benchmarks/results/ (results.md, raw.json, PNG plots); then the
+# Transformer train step on heterogeneous ranks (lm_step.md, lm_step.png; lm_step.json appended).
 # One case by hand: python -m benchmarks.compare_methods --help (or benchmarks.train_step).
 BENCH_RAW := benchmarks/results/raw.json
 HETERO := -n 3 -bind-to user:0,0,1
@@ -169,6 +170,7 @@ bench: install
 	$(MPIEXEC) -n 2 $(PY) -m benchmarks.watchdog_overhead --size 64 --size 2048 \
 	  --json benchmarks/results/watchdog_overhead.json
 	$(PY) -m benchmarks.report --raw $(BENCH_RAW)
+	$(MPIEXEC) $(HETERO) $(PY) -m benchmarks.lm_step --json benchmarks/results/lm_step.json
 
 # Execute the notebooks headless (they check themselves with assert cells).
 .PHONY: notebooks
@@ -180,11 +182,13 @@ notebooks: install
 example: install
 	$(MPIEXEC) -n 3 $(PY) examples/train_mlp.py
 
-# A character-level GPT on 3 ranks, data then tensor parallel, each checked against one process.
+# A character-level GPT on 3 ranks, data then tensor parallel, then data parallel on JAX's own
+# sharding (NamedSharding, even split), each checked against one process.
 .PHONY: example-lm
 example-lm: install
 	$(MPIEXEC) -n 3 $(PY) examples/train_lm.py --mode dp --steps 40 --check
 	$(MPIEXEC) -n 3 $(PY) examples/train_lm.py --mode tp --steps 40 --check
+	$(MPIEXEC) -n 3 $(PY) examples/train_lm.py --mode jax --steps 40 --check
 
 # ---------------------------------------------------------------------------------------------
 # On a machine with an NVIDIA GPU (see BUILD.md, "GPUs"). MPI comes from the venv's mpich wheel

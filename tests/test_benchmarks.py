@@ -166,3 +166,33 @@ def test_the_gpu_staging_benchmark_runs_on_any_platform():
     rows = [line for line in out.splitlines() if line.startswith("| ") and "ms" not in line]
     methods = [line.split("|")[2].strip() for line in rows if "---" not in line]
     assert methods == ["one_sided", "allreduce", "one GPU alone"] * 2, out
+
+
+def test_the_lm_step_benchmark_runs_and_writes_its_results(tmp_path):
+    """lm_step at a tiny size on 3 ranks: every step is timed, its first loss agreed with one
+    process's, the aggregate limit is measured, and the Markdown table and plot are written."""
+    raw = tmp_path / "lm_step.json"
+    out = _mpirun(
+        3,
+        "benchmarks.lm_step",
+        *("--batch", "6", "--context", "8", "--d", "16", "--heads", "4", "--layers", "1"),
+        *("--chars", "4000", "--repeats", "1", "--out", str(tmp_path), "--json", str(raw)),
+    )
+    (record,) = json.loads(raw.read_text())
+    names = [e["name"] for e in record["entries"]]
+    assert names == [
+        "osmm DP, speed-weighted (one_sided)",
+        "osmm TP, speed-weighted (one_sided)",
+        "all-reduce DP, even (allreduce)",
+        "JAX NamedSharding DP, even",
+        "no-communication floor (speed-weighted rows)",
+        "one process, whole batch (every rank at once)",
+    ], out
+    assert all(e["seconds"] > 0 and e["tokens_per_s"] > 0 for e in record["entries"])
+    assert len(record["alone_seconds_per_rank"]) == 3
+    assert 0 < record["aggregate_limit_s"] <= min(record["alone_seconds_per_rank"])
+    assert set(record["ratios"]) >= {"even_allreduce_over_dp", "dp_over_limit", "tp_over_limit"}
+    text = (tmp_path / "lm_step.md").read_text()
+    for part in ("load average", "aggregate limit", "speed-weighted DP ÷ aggregate limit"):
+        assert part in text, text
+    assert (tmp_path / "lm_step.png").stat().st_size > 1000

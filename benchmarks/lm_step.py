@@ -1,0 +1,396 @@
+"""Time one train step of the character-level Transformer (examples/train_lm.py) on ranks of
+unequal speed: speed-weighted osmm_jax data and tensor parallelism against an even split with
+an all-reduce and against JAX's own sharding, and against the aggregate limit.
+
+Run with heterogeneous ranks (ranks 0 and 1 share core 0, rank 2 has core 1 alone)::
+
+    .venv/bin/mpiexec -n 3 -bind-to user:0,0,1 .venv/bin/python -m benchmarks.lm_step \\
+        --json benchmarks/results/lm_step.json
+
+The step is train_lm's own (``make_step``: forward, backward and an adam update in one
+``jax.jit``), on one batch of ``--batch`` sequences of ``--context`` characters, every rank
+starting from the same parameters. Timed side by side in the same run (interleaved in shuffled
+rounds, a barrier before each step, the slowest rank's time; medians after one checked call and
+one warm-up call each):
+
+* ``osmm DP, speed-weighted (one_sided)``: train_lm's ``dp`` mode, sequences per rank in
+  proportion to the measured GEMM rates (``osmm_jax.balance``);
+* ``osmm TP, speed-weighted (one_sided)``: ``tp`` mode, heads and MLP hidden features per rank
+  in proportion to the same rates;
+* ``all-reduce DP, even (allreduce)``: ``dp`` mode with equal sequences per rank and osmm_jax's
+  mpi4jax all-reduce method (what DistributedDataParallel does);
+* ``JAX NamedSharding DP, even``: ``jax`` mode (equal sequences, replicated parameters, JAX's
+  gradient all-reduce over gloo);
+* ``no-communication floor (speed-weighted rows)``: every rank runs the stock model on its
+  ``dp`` sequences alone, nothing summed (the split's own imbalance, without communication);
+* ``one process, whole batch (every rank at once)``: every rank runs the stock model on the
+  whole batch by itself, at the same time as the others (so ranks sharing a core share it as
+  they do in the distributed steps); its row is the slowest rank's time, and each rank's own
+  median ``T_r`` gives the aggregate limit.
+
+Aggregate limit: ``L = 1 / sum_r (1 / T_r)`` seconds, the step time if the whole step's work
+were split over the ranks in proportion to each rank's measured rate for this very step
+(``1 / T_r`` steps per second) with no communication at all; equivalently
+``T_r / sum_i (T_r / T_i)`` for any rank r: one rank's time for the whole step divided by the
+sum of the speed ratios. (``aggregate_limit_gemm_s`` is the same with the ratios taken from the
+GEMM rates instead: fastest rank's ``T`` times its rate over the sum of the rates.)
+
+Before timing, each step's first loss is checked against the one-process loss (float32
+tolerance); a mismatch stops the run. Rank 0 prints the table and writes ``lm_step.md`` (date,
+machine, binding, load average, the table, the ratios to the targets) and ``lm_step.png`` into
+``--out``; ``--json`` appends the raw record. The default size (d=256, 2 blocks, 48 sequences
+of 128 characters, about 64 GFLOP per step) is where arithmetic dominates the step on this
+project's 2-core machine; at train_lm's default size communication does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import os
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from mpi4py import MPI
+
+import osmm_jax as om
+from benchmarks import common
+from benchmarks.common import COMM, RANK, SIZE
+
+RTOL, ATOL = 1e-4, 1e-5  # first-step loss against one process, as train_lm --check
+LEARNING_RATE = 3e-3
+WARMUP = 1  # warm-up calls per step after the checked (compiling) call
+
+DP = "osmm DP, speed-weighted (one_sided)"
+TP = "osmm TP, speed-weighted (one_sided)"
+EVEN = "all-reduce DP, even (allreduce)"
+JAX = "JAX NamedSharding DP, even"
+FLOOR = "no-communication floor (speed-weighted rows)"
+ALONE = "one process, whole batch (every rank at once)"
+
+
+def _load_train_lm():
+    """examples/train_lm.py as a module (examples/ is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "train_lm.py"
+    spec = importlib.util.spec_from_file_location("train_lm", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+lm = _load_train_lm()
+
+
+def step_flops(tokens: int, d: int, n_layers: int, context: int, vocab: int) -> float:
+    """Model FLOPs of one train step: 3x the forward products (forward, and the two backward
+    products of each); per token and block 24·d² (q, k, v, projection, MLP 4·d) and 4·context·d
+    (attention scores and weighted sum, whole square), plus 2·d·vocab for the output layer."""
+    forward = n_layers * (24 * d * d + 4 * context * d) + 2 * d * vocab
+    return 3.0 * tokens * forward
+
+
+def _rows(sizes) -> slice:
+    first = sum(sizes[:RANK])
+    return slice(first, first + sizes[RANK])
+
+
+def _own_times(fn, into: list):
+    """``fn``, also appending this rank's own seconds per call to ``into``."""
+
+    def run(*args):
+        start = time.perf_counter()
+        out = jax.block_until_ready(fn(*args))
+        into.append(time.perf_counter() - start)
+        return out
+
+    return run
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=48, help="sequences per step (default 48)")
+    parser.add_argument("--context", type=int, default=128, help="characters per sequence")
+    parser.add_argument("--d", type=int, default=256, help="model width (default 256)")
+    parser.add_argument("--heads", type=int, default=8, help="attention heads (default 8)")
+    parser.add_argument("--layers", type=int, default=2, help="Transformer blocks (default 2)")
+    parser.add_argument("--chars", type=int, default=200_000, help="at most this much text")
+    parser.add_argument("--repeats", type=int, default=9, help="timed rounds (default 9)")
+    parser.add_argument("--label", default="lm_step", help="the case's name in the record")
+    parser.add_argument("--json", help="append the raw record to this JSON file (rank 0)")
+    parser.add_argument(
+        "--out",
+        default=str(common.RESULTS_DIR),
+        help="folder for lm_step.md and lm_step.png (default benchmarks/results)",
+    )
+    args = parser.parse_args(argv)
+    if args.batch % SIZE or args.batch < SIZE:
+        parser.error(f"--batch must be a positive multiple of the number of ranks ({SIZE})")
+    if args.heads < SIZE or args.d % args.heads:
+        parser.error(f"--heads must be at least {SIZE} and divide --d")
+    return args
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    started = time.time()
+    load_start = os.getloadavg()
+    mesh = lm.start_jax_sharding()  # before JAX computes anything
+    speeds = om.profile_speeds(size=1024, repeats=5, progress=False)
+    rss_start = common.peak_rss_mib()
+
+    text = lm.load_text(args.chars)
+    chars = sorted(set(text))
+    data = np.asarray([chars.index(c) for c in text], np.int32)
+    vocab = len(chars)
+    x, y = next(lm.batches(data, 1, args.batch, args.context, 0))
+    tokens = args.batch * args.context
+
+    def build(layers):
+        return lm.GPT(vocab, args.context, args.d, args.heads, args.layers, layers, nnx.Rngs(0))
+
+    def stock_step(rows):
+        step, params, opt_state = lm.make_step(build(lm.Layers("single")), LEARNING_RATE, tokens)
+        return step, (params, opt_state, jnp.asarray(x[rows]), jnp.asarray(y[rows]))
+
+    def dp_step(sizes, method):
+        layers = lm.Layers("dp", row_sizes=[s * args.context for s in sizes], method=method)
+        step, params, opt_state = lm.make_step(build(layers), LEARNING_RATE, tokens, dp=True)
+        rows = _rows(sizes)
+        return step, (params, opt_state, jnp.asarray(x[rows]), jnp.asarray(y[rows]))
+
+    weighted = om.balance(args.batch, speeds, min_rows=1).sizes
+    even = [args.batch // SIZE] * SIZE
+    heads = om.balance(args.heads, speeds, min_rows=1).sizes
+    hidden = om.balance(4 * args.d, speeds, min_rows=1).sizes
+    tp_layers = lm.Layers("tp", head_sizes=heads, mlp_sizes=hidden, method="one_sided")
+    tp_step, tp_params, tp_opt = lm.make_step(build(tp_layers), LEARNING_RATE, tokens)
+    jax_step, jax_params, jax_opt = lm.make_step(
+        build(lm.Layers("single")), LEARNING_RATE, tokens, mesh=mesh
+    )
+    fns = {
+        DP: dp_step(weighted, "one_sided"),
+        TP: (tp_step, (tp_params, tp_opt, jnp.asarray(x), jnp.asarray(y))),
+        EVEN: dp_step(even, "allreduce"),
+        JAX: (
+            jax_step,
+            (jax_params, jax_opt, lm.shard_batch(x, mesh), lm.shard_batch(y, mesh)),
+        ),
+        FLOOR: stock_step(_rows(weighted)),
+        ALONE: stock_step(slice(None)),
+    }
+
+    # The first call of each step compiles it; its loss is checked against one process's.
+    losses = {}
+    for name, (fn, fn_args) in fns.items():
+        loss = jax.device_get(fn(*fn_args)[2].addressable_data(0))
+        losses[name] = float(COMM.allreduce(float(loss)) if name in (DP, EVEN) else loss)
+    reference = losses[ALONE]
+    wrong = [
+        name
+        for name in (DP, TP, EVEN, JAX)
+        if not abs(losses[name] - reference) <= RTOL * abs(reference) + ATOL
+    ]
+    if wrong:
+        if RANK == 0:
+            print(f"first-step loss differs from one process's ({reference:.6f}): ", end="")
+            print(", ".join(f"{n}: {losses[n]:.6f}" for n in wrong), flush=True)
+        return 1
+
+    own = []
+    fns[ALONE] = (_own_times(fns[ALONE][0], own), fns[ALONE][1])
+    times = common.interleaved_times(fns, args.repeats, warmup=WARMUP)
+    alone = COMM.allgather(float(np.median(own[WARMUP:])))
+    limit = 1.0 / sum(1.0 / t for t in alone)
+    fastest = int(np.argmax(speeds))
+    limit_gemm = alone[fastest] * speeds[fastest] / float(np.sum(speeds))
+
+    flops = step_flops(tokens, args.d, args.layers, args.context, vocab)
+    entries = common.summarise(times, flops)
+    for e in entries:
+        e["tokens_per_s"] = tokens / e["seconds"]
+    seconds = {e["name"]: e["seconds"] for e in entries}
+    ratios = {
+        "even_allreduce_over_dp": seconds[EVEN] / seconds[DP],
+        "even_allreduce_over_tp": seconds[EVEN] / seconds[TP],
+        "jax_over_dp": seconds[JAX] / seconds[DP],
+        "dp_over_limit": seconds[DP] / limit,
+        "tp_over_limit": seconds[TP] / limit,
+        "even_allreduce_over_limit": seconds[EVEN] / limit,
+        "floor_over_limit": seconds[FLOOR] / limit,
+    }
+    record = {
+        "case": "lm_step",
+        "label": args.label,
+        "title": (
+            f"{args.label}: char-LM Transformer train step, d={args.d}, {args.heads} heads, "
+            f"{args.layers} blocks, {args.batch}x{args.context} tokens, float32, {SIZE} ranks "
+            f"({common.binding_cached})"
+        ),
+        "ranks": SIZE,
+        "machine": common.machine(),
+        "binding": common.binding_cached,
+        "model": {
+            "d": args.d,
+            "heads": args.heads,
+            "layers": args.layers,
+            "context": args.context,
+            "batch": args.batch,
+            "vocab": vocab,
+            "params": int(sum(p.size for p in jax.tree.leaves(fns[ALONE][1][0]))),
+        },
+        "repeats": args.repeats,
+        "warmup": WARMUP,
+        "speeds_gflops": [float(s) for s in speeds],
+        "sequences_weighted": list(weighted),
+        "sequences_even": even,
+        "heads_per_rank": list(heads),
+        "mlp_hidden_per_rank": list(hidden),
+        "step_gflop": flops / 1e9,
+        "first_step_loss": losses,
+        "entries": entries,
+        "alone_seconds_per_rank": alone,
+        "aggregate_limit_s": limit,
+        "aggregate_limit_gemm_s": limit_gemm,
+        "ratios": ratios,
+        "load_average": {"start": list(load_start), "end": list(os.getloadavg())},
+        "utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "wall_s": COMM.allreduce(time.time() - started, op=MPI.MAX),
+        **common.memory_fields(rss_start),
+    }
+    record["notes"] = _notes(record)
+    common.print_table(record, baseline=DP)
+    common.save(record, args.json)
+    if RANK == 0:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "lm_step.md").write_text(markdown(record))
+        plot(record, out / "lm_step.png")
+        print(f"\nwrote {out / 'lm_step.md'} and {out / 'lm_step.png'} ({record['wall_s']:.0f} s)")
+    return 0
+
+
+def _notes(record: dict) -> list[str]:
+    r, limit = record["ratios"], record["aggregate_limit_s"]
+    alone = ", ".join(f"{t * 1e3:.0f}" for t in record["alone_seconds_per_rank"])
+    return [
+        f"The even all-reduce step takes {r['even_allreduce_over_dp']:.2f}x the speed-weighted "
+        f"DP step's time (target >= 1.2) and {r['even_allreduce_over_tp']:.2f}x the speed-weighted "
+        f"TP step's; DP takes {r['dp_over_limit']:.2f}x the aggregate limit and TP "
+        f"{r['tp_over_limit']:.2f}x (target <= 1.15); JAX NamedSharding takes "
+        f"{r['jax_over_dp']:.2f}x DP's time.",
+        f"Aggregate limit {limit * 1e3:.0f} ms = 1 / sum(1 / T_r), T_r = each rank's own median "
+        f"time for the whole step alone, all ranks at once: {alone} ms (from GEMM rates instead: "
+        f"{record['aggregate_limit_gemm_s'] * 1e3:.0f} ms).",
+        "Speeds (GFLOP/s): "
+        + ", ".join(f"{s:.1f}" for s in record["speeds_gflops"])
+        + f"; sequences per rank {record['sequences_weighted']} (even {record['sequences_even']}),"
+        f" heads {record['heads_per_rank']}, MLP hidden {record['mlp_hidden_per_rank']}.",
+    ]
+
+
+def markdown(record: dict) -> str:
+    """lm_step.md: where and when, the table of medians, the ratios against the targets."""
+    m, r, limit = record["model"], record["ratios"], record["aggregate_limit_s"]
+    load = record["load_average"]
+    busy = max(load["start"][0], load["end"][0]) > (os.cpu_count() or 1)
+    bind = record["binding"]
+    bind_option = "" if bind == "unbound" or "+" in bind else f" -bind-to user:{bind}"
+    lines = [
+        "# Transformer train step on ranks of unequal speed",
+        "",
+        f"`mpiexec -n {record['ranks']}{bind_option} python -m benchmarks.lm_step` "
+        f"({record['wall_s']:.0f} s), {record['utc']}, {record['machine']}; "
+        f"CPUs per rank {record['binding']}; load average (1, 5, 15 min) "
+        + " / ".join(f"{v:.2f}" for v in load["start"])
+        + " at the start, "
+        + " / ".join(f"{v:.2f}" for v in load["end"])
+        + " at the end.",
+        "",
+    ]
+    if busy:
+        lines += [
+            "**The load average exceeded the number of cores: other work shared the machine "
+            "and these timings are not representative.**",
+            "",
+        ]
+    lines += [
+        f"Model: examples/train_lm.py's GPT, d={m['d']}, {m['heads']} heads, {m['layers']} "
+        f"blocks, vocabulary {m['vocab']}, {m['params']:,} parameters, float32; one adam step "
+        f"on {m['batch']} sequences of {m['context']} characters "
+        f"({record['step_gflop']:.1f} GFLOP of products). Medians of {record['repeats']} "
+        f"interleaved rounds after warm-up; each round's time is the slowest rank's.",
+        "",
+        "| step | median (ms) | tokens/s | GFLOP/s | ÷ aggregate limit |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for e in record["entries"]:
+        lines.append(
+            f"| {e['name']} | {e['seconds'] * 1e3:.1f} | {e['tokens_per_s']:,.0f} | "
+            f"{e['gflops']:.1f} | {e['seconds'] / limit:.2f} |"
+        )
+    lines.append(
+        f"| aggregate limit (no communication, split by speed) | {limit * 1e3:.1f} | | | 1.00 |"
+    )
+    targets = [
+        ("even all-reduce DP ÷ speed-weighted DP", r["even_allreduce_over_dp"], ">=", 1.2),
+        ("speed-weighted DP ÷ aggregate limit", r["dp_over_limit"], "<=", 1.15),
+        ("even all-reduce DP ÷ speed-weighted TP", r["even_allreduce_over_tp"], ">=", 1.2),
+        ("speed-weighted TP ÷ aggregate limit", r["tp_over_limit"], "<=", 1.15),
+    ]
+    lines += [
+        "",
+        "| target (time ratio) | measured | required | met |",
+        "| --- | ---: | --- | --- |",
+    ]
+    for text, value, sign, bound in targets:
+        ok = value >= bound if sign == ">=" else value <= bound
+        lines.append(f"| {text} | {value:.2f} | {sign} {bound} | {'yes' if ok else '**no**'} |")
+    lines += ["", *[f"- {note}" for note in record["notes"]], ""]
+    return "\n".join(lines)
+
+
+def plot(record: dict, path: Path) -> None:
+    """lm_step.png: median time per step (bars, with the middle half of the rounds as whiskers)
+    and the aggregate limit (dashed line)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    names = [e["name"] for e in record["entries"]]
+    medians = np.asarray([e["seconds"] for e in record["entries"]]) * 1e3
+    quartiles = np.asarray([np.percentile(e["times"], [25, 75]) for e in record["entries"]]) * 1e3
+    colors = ["tab:blue" if "osmm" in n else "tab:gray" for n in names]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    ax.barh(
+        names,
+        medians,
+        color=colors,
+        xerr=np.abs(quartiles.T - medians),
+        error_kw={"elinewidth": 1, "capsize": 3},
+    )
+    limit = record["aggregate_limit_s"] * 1e3
+    ax.axvline(limit, color="tab:red", linestyle="--", label=f"aggregate limit {limit:.0f} ms")
+    ax.invert_yaxis()
+    ax.set_xlabel("median step time (ms); whiskers: 25th-75th percentile of rounds")
+    ax.set_title(textwrap.fill(record["title"], 100), fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
