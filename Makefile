@@ -147,7 +147,9 @@ test-mpi: install
 # A few minutes: one_sided against the all-reduce baseline, JAX's NamedSharding and shard_map
 # paths, the no-communication floor and one process alone, on every case of
 # benchmarks/README.md; writes benchmarks/results/ (results.md, raw.json, PNG plots); then the
-# Transformer train step on heterogeneous ranks (lm_step.md, lm_step.png; lm_step.json appended).
+# Transformer train step on heterogeneous ranks (lm_step.md, lm_step.png; lm_step.json appended);
+# planner_scaling and layout_bounds need no MPI (plan building cost; auto_layouts' picks against
+# the communication lower bound).
 # One case by hand: python -m benchmarks.compare_methods --help (or benchmarks.train_step).
 BENCH_RAW := benchmarks/results/raw.json
 HETERO := -n 3 -bind-to user:0,0,1
@@ -166,6 +168,7 @@ bench: install
 	$(MPIEXEC) -n 4 $(PY) -m benchmarks.compare_methods --case grid --size 2048 --peers \
 	  --label grid --json $(BENCH_RAW)
 	$(PY) -m benchmarks.planner_scaling
+	$(PY) -m benchmarks.layout_bounds
 	rm -f benchmarks/results/watchdog_overhead.json
 	$(MPIEXEC) -n 2 $(PY) -m benchmarks.watchdog_overhead --size 64 --size 2048 \
 	  --json benchmarks/results/watchdog_overhead.json
