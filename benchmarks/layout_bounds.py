@@ -41,13 +41,14 @@ GFLOPS_PER_UNIT = 15000.0
 BANDWIDTH = 12.5e9
 MEMORY_BUDGET = 16 * 2**30
 TARGET = 1.5
+ACCUM_BYTES = 4  # float32 inputs, partials and gradients
 
 
 def moved_with_sync(plan, choice_candidate, nranks: int) -> list[float]:
     """Elements each rank moves with ``plan``, its share of keeping replicas in sync included."""
     from osmm_jax._src import comm_bound
 
-    sync = choice_candidate.sync_bytes / 4  # float32 gradients
+    sync = choice_candidate.sync_bytes / ACCUM_BYTES
     return [m + sync for m in comm_bound.moved_elements(plan)]
 
 

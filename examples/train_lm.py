@@ -20,7 +20,7 @@ Modes:
   proportion to speed (``osmm_jax.balance`` on ``osmm_jax.profile_speeds()``,
   or ``--speeds``); every dense layer is ``osmm_jax.flax.Linear`` with
   ``row_sizes`` counting each rank's tokens, so its kernel and bias gradients
-  arrive summed over ranks; ``osmm_jax.flax.sync_grads`` sums the rest
+  arrive summed over ranks; ``osmm_jax.flax.value_and_grad`` sums the rest
   (embeddings, positions, LayerNorms). Each rank's loss is its tokens'
   cross-entropy summed and divided by the global token count.
 * ``tp``: tensor parallel. In every block the query, key and value
@@ -74,7 +74,8 @@ from flax import nnx
 from mpi4py import MPI
 
 import osmm_jax as om
-from osmm_jax.flax import ColumnParallelLinear, Linear, RowParallelLinear, sync_grads
+import osmm_jax.flax as om_flax
+from osmm_jax.flax import ColumnParallelLinear, Linear, RowParallelLinear
 
 COMM = MPI.COMM_WORLD
 RTOL, ATOL = 1e-4, 1e-5  # float32 agreement of each step's loss with the reference
@@ -175,8 +176,8 @@ def make_step(model, lr: float, tokens_total: int, *, dp: bool = False, mesh=Non
     ``step(params, opt_state, x, y)`` takes ``(sequences, context)`` int32
     inputs and targets and returns ``(params, opt_state, loss)``. ``dp``: the
     loss is this rank's tokens' cross-entropy summed and divided by
-    ``tokens_total`` (the global token count), and ``sync_grads`` sums the
-    gradients that no osmm_jax layer summed; otherwise the loss is the mean over
+    ``tokens_total`` (the global token count), and ``osmm_jax.flax.value_and_grad``
+    sums the gradients that no osmm_jax layer summed; otherwise the loss is the mean over
     the tokens given. ``mesh``: JAX's own sharding over every process: params
     and optimiser state are global arrays replicated over ``mesh``, ``x`` and
     ``y`` global arrays split by sequences (:func:`shard_batch`), and the mean
@@ -202,11 +203,14 @@ def make_step(model, lr: float, tokens_total: int, *, dp: bool = False, mesh=Non
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
         return jnp.sum(losses) / tokens_total if dp else jnp.mean(losses)
 
+    # Data parallel: osmm_jax's value_and_grad gives the global loss's gradients, the osmm_jax
+    # layers' summed by their products and every other one (embeddings, positions, LayerNorms)
+    # summed in one fused transfer.
+    value_and_grad = om_flax.value_and_grad if dp else jax.value_and_grad
+
     @jax.jit
     def step(params, opt_state, x, y):
-        loss, grads = jax.value_and_grad(loss_fn)(params, x, y)
-        if dp:
-            grads = sync_grads(grads, model)
+        loss, grads = value_and_grad(loss_fn)(params, x, y)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         if replicated is not None:
@@ -255,8 +259,8 @@ def train(model, data, args, *, rows=None, dp=False, comm=None, mesh=None):
 
     ``rows``: the slice of each batch's sequences this rank trains on (all by
     default). ``dp``: each rank's loss is its share of the global mean, the
-    reported loss the sum over ranks, and ``sync_grads`` sums the gradients
-    that no osmm_jax layer summed. ``mesh``: JAX's own sharding (see
+    reported loss the sum over ranks, and ``osmm_jax.flax.value_and_grad``
+    sums the gradients that no osmm_jax layer summed. ``mesh``: JAX's own sharding (see
     :func:`make_step`); the batch is split evenly over it.
     """
     step, params, opt_state = make_step(model, args.lr, args.batch * args.context, dp=dp, mesh=mesh)

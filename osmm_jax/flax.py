@@ -32,7 +32,10 @@ in one fused transfer::
 
     loss, grads = value_and_grad(loss_fn)(params, x_local)   # inside jax.jit
 
-or, by hand, :func:`sync_grads` sums exactly those, given the paths of the
+(it refuses, rather than guess, a data-parallel layer reached through
+``nn.remat`` / ``scan`` / a ``jit`` inside the loss / a cast of the pytree
+parameters, and a tensor-parallel layer on the communicator it sums over), or,
+by hand, :func:`sync_grads` sums exactly those, given the paths of the
 osmm_jax layers (:func:`summed_paths`, or the nnx model itself)::
 
     skip = summed_paths(model, x_local)          # once; linen: init's inputs
@@ -449,6 +452,7 @@ class _TensorParallelLinear(nnx.Linear):
         )
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
+        unsummed_grads.note_tensor_parallel((kernel, bias), dot.comm)
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
         y = dot.product(inputs, kernel, sizes, private)
         if bias is not None:
@@ -609,27 +613,29 @@ def _under(names: tuple, prefixes) -> bool:
 
 # -- noticing un-summed gradients (see osmm_jax._src.unsummed_grads) -----------------------------
 
-_OSMM_LAYERS_NNX: tuple = ()  # filled below, once the tensor-parallel classes exist
-
 
 def _linen_differentiated(module, kernel, bias, *, data_parallel: bool) -> None:
-    """A linen osmm_jax layer's parameters are being differentiated (or not): record that its
-    path is covered in its model's record; a data-parallel layer also notes the differentiation."""
+    """A linen osmm_jax layer's parameters may be being differentiated: record that its path is
+    covered in its model's record; a data-parallel layer also notes the differentiation, a
+    tensor-parallel one reports its communicator (see :mod:`osmm_jax._src.unsummed_grads`)."""
+    if not data_parallel:
+        unsummed_grads.note_tensor_parallel((kernel, bias), module.comm)
     if module.scope is None or not unsummed_grads.differentiated((kernel, bias)):
         if data_parallel:
             unsummed_grads.note_differentiated((kernel, bias), lambda: None)
         return
-    root = module.scope.root
+    path = tuple(module.scope.path)
+    root = _linen_root(module, path)
+    if root is None:  # the model cannot be seen from here: nothing to judge it by
+        return
     record = unsummed_grads.model_record(root)
     if "params" not in record:
         import jax
 
-        variables = root.variables()
-        tree = variables.get("params", {}) if hasattr(variables, "get") else {}
-        flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+        flat = jax.tree_util.tree_flatten_with_path(_linen_params(root))[0]
         record["params"] = [_path_names(path) for path, _ in flat]
         record["covered"] = set()
-    record["covered"].add(tuple(module.scope.path))
+    record["covered"].add(path)
     if data_parallel:
         unsummed_grads.note_differentiated(
             (kernel, bias),
@@ -643,6 +649,41 @@ def _linen_differentiated(module, kernel, bias, *, data_parallel: bool) -> None:
         )
 
 
+def _linen_params(scope) -> dict:
+    variables = scope.variables()
+    return variables.get("params", {}) if hasattr(variables, "get") else {}
+
+
+def _linen_holds(scope, path: tuple) -> bool:
+    tree = _linen_params(scope)
+    for name in path:
+        if not hasattr(tree, "get") or name not in tree:
+            return False
+        tree = tree[name]
+    return True
+
+
+def _linen_root(module, path: tuple):
+    """The root scope of the model ``module`` belongs to: its own scope's root, unless a lifted
+    transformation (``nn.remat``, ``nn.scan``, ...) gave it one of its own; then the root of a
+    calling module's scope on the stack that holds ``path``. None if none is found."""
+    import sys
+
+    root = module.scope.root
+    if not path or _linen_holds(root, path):
+        return root
+    frame = sys._getframe(2)
+    for _ in range(64):
+        if frame is None:
+            break
+        caller = frame.f_locals.get("self")
+        if isinstance(caller, nn.Module) and caller.scope is not None:
+            if _linen_holds(caller.scope.root, path):
+                return caller.scope.root
+        frame = frame.f_back
+    return None
+
+
 def _nnx_unsummed(layer):
     """For a differentiated nnx data-parallel layer: the function naming the parameters of its
     model outside osmm_jax layers. The model is the largest ``nnx.Module`` among the local
@@ -650,6 +691,9 @@ def _nnx_unsummed(layer):
     step differentiates); none found: the layer alone, nothing outside it."""
     import sys
 
+    for known in unsummed_grads.known_models():
+        if id(layer) in known.get("node_ids", ()):
+            return lambda record=known: record["unsummed"]
     root, size = layer, 1
     frame = sys._getframe(2)
     seen: set[int] = set()
@@ -665,6 +709,7 @@ def _nnx_unsummed(layer):
         frame = frame.f_back
     record = unsummed_grads.model_record(root)
     if "unsummed" not in record:
+        record["node_ids"] = {id(node) for _, node in nnx.iter_graph(root)}
         covered = [
             tuple(path) for path, node in nnx.iter_graph(root) if isinstance(node, _OSMM_LAYERS_NNX)
         ]
@@ -770,13 +815,20 @@ def value_and_grad(
     Args:
         fun: the loss function; with ``has_aux``, returns ``(loss, aux)``.
         argnums: the argument(s) holding the parameters to differentiate (not the batch: an
-            input's gradient is each rank's own rows').
+            input's gradient is each rank's own rows'); all nnx modules or all pytrees.
         has_aux, comm, method: as for ``jax.value_and_grad`` / :func:`sync_grads`.
 
     Returns a function with ``fun``'s arguments returning ``(value, grads)`` (``value`` is
     this rank's loss, or ``(loss, aux)``), usable inside ``jax.jit`` / ``nnx.jit``.
-    """
 
+    Raises ``ValueError`` while tracing, instead of summing anything twice, when it cannot
+    tell which gradients a product already summed: for pytree arguments, a data-parallel
+    layer must receive its parameters as they are in the argument (not through ``nn.remat``
+    / ``jax.checkpoint``, ``scan``, a ``jit`` inside ``fun`` or a dtype cast: there use
+    ``jax.value_and_grad`` with :func:`sync_grads` and :func:`summed_paths`); and a
+    tensor-parallel layer may not share ``comm`` (its shards differ from rank to rank; in
+    2-D parallelism pass the replicas' communicator).
+    """
     many = not isinstance(argnums, int)
     nums = tuple(argnums) if many else (argnums,)
 
@@ -787,19 +839,52 @@ def value_and_grad(
                     f"osmm_jax.flax.value_and_grad: argnums {argnums!r} names argument {i} "
                     f"but the function got {len(args)} positional arguments"
                 )
-        if any(isinstance(args[i], nnx.Module) for i in nums):
-            with unsummed_grads.collecting(lambda _: None):
+        modules = [isinstance(args[i], nnx.Module) for i in nums]
+        if any(modules) and not all(modules):
+            raise ValueError(
+                "osmm_jax.flax.value_and_grad: differentiate either nnx modules or pytrees of "
+                "parameters, not both in one call"
+            )
+        if all(modules):
+            tensor_parallel: list = []
+            with unsummed_grads.collecting(
+                lambda kind, value: (
+                    tensor_parallel.append(value) if kind == "tensor_parallel" else None
+                )
+            ):
                 value, grads = nnx.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(
                     *args, **kwargs
                 )
+            _check_tensor_parallel(tensor_parallel, comm)
             parts = list(grads) if many else [grads]
             for slot, i in enumerate(nums):
-                skip = summed_paths(args[i]) if isinstance(args[i], nnx.Module) else ()
-                parts[slot] = sync_grads(parts[slot], skip, comm=comm, method=method)
+                parts[slot] = sync_grads(parts[slot], args[i], comm=comm, method=method)
             return value, (tuple(parts) if many else parts[0])
         return _pytree_value_and_grad(fun, nums, many, has_aux, comm, method, args, kwargs)
 
     return differentiate
+
+
+def _check_tensor_parallel(comms: list, comm) -> None:
+    """Refuse to sum gradients over ``comm`` when a differentiated tensor-parallel layer shares
+    its ranks: their shards are different parameters, not copies."""
+    if not comms:
+        return
+    from mpi4py import MPI
+
+    from osmm_jax._src import communicators
+
+    mine = communicators.private_comm(comm)
+    for layer_comm in comms:
+        same = MPI.Comm.Compare(communicators.private_comm(layer_comm), mine)
+        if same in (MPI.IDENT, MPI.CONGRUENT):
+            raise ValueError(
+                "osmm_jax.flax.value_and_grad: a tensor-parallel layer is differentiated on "
+                "the communicator whose gradients it would sum; its shards are different "
+                "parameters on each rank. Tensor parallelism alone needs no summing (use "
+                "jax.value_and_grad / nnx.value_and_grad); with data parallelism across "
+                "tensor-parallel groups, pass comm=<the communicator of the replicas>"
+            )
 
 
 def _pytree_value_and_grad(fun, nums, many, has_aux, comm, method, args, kwargs):
@@ -809,28 +894,36 @@ def _pytree_value_and_grad(fun, nums, many, has_aux, comm, method, args, kwargs)
 
     summed: set[int] = set()  # positions, over the differentiated arguments' leaves
     strays: list = []
+    tensor_parallel: list = []
 
     def traced(*inner_args):
         leaves = [leaf for i in nums for leaf in jax.tree_util.tree_leaves(inner_args[i])]
         position = {id(leaf): j for j, leaf in enumerate(leaves)}
+        ours = next((leaf._trace for leaf in leaves if isinstance(leaf, jax.core.Tracer)), None)
 
-        def claim(param):
-            j = position.get(id(param))
-            if j is None or leaves[j] is not param:
-                strays.append(param)
-            else:
+        def report(kind, value):
+            if kind == "tensor_parallel":
+                tensor_parallel.append(value)
+                return
+            j = position.get(id(value))
+            if j is not None and leaves[j] is value:
                 summed.add(j)
+            elif ours is not None and unsummed_grads.derived_from(value, ours):
+                strays.append(value)  # ours, but not as a leaf: its gradient cannot be placed
 
-        with unsummed_grads.collecting(claim):
+        with unsummed_grads.collecting(report):
             return fun(*inner_args, **kwargs)
 
     value, grads = jax.value_and_grad(traced, argnums=nums, has_aux=has_aux)(*args)
     if strays:
         raise ValueError(
-            "osmm_jax.flax.value_and_grad: an osmm_jax data-parallel layer's parameters are "
-            "differentiated but are not leaves of the arguments in argnums "
-            f"{nums if many else nums[0]}: pass the parameters as a differentiated argument"
+            "osmm_jax.flax.value_and_grad: an osmm_jax data-parallel layer receives its "
+            "parameters through a transformation of the differentiated arguments (nn.remat / "
+            "jax.checkpoint, scan, a jit inside the loss, or a dtype cast), so which gradients "
+            "its product already sums cannot be told; use jax.value_and_grad with "
+            "osmm_jax.flax.sync_grads(grads, summed_paths(model, ...)) there"
         )
+    _check_tensor_parallel(tensor_parallel, comm)
     flat = [jax.tree_util.tree_flatten(g) for g in grads]
     leaves = [leaf for g_leaves, _ in flat for leaf in g_leaves]
     index = [j for j in range(len(leaves)) if j not in summed]
@@ -854,4 +947,5 @@ def grad(fun, argnums: int | Sequence[int] = 0, *, has_aux: bool = False, comm=N
     return differentiate
 
 
+# The nnx layers whose parameters osmm_jax handles (data- and tensor-parallel).
 _OSMM_LAYERS_NNX = (Linear, _TensorParallelLinear)

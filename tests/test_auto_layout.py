@@ -180,7 +180,13 @@ def test_the_memory_budget_defaults_to_the_environment_or_a_share_of_the_host(mo
     assert config.memory_budget() == 2**30
     by_name = {c.name: c for c in auto_layouts(8192, 12288, 49152, [1.0] * 8).candidates}
     assert not by_name["rows"].fits
-    for text, value in (("512 MiB", 2**29), ("1.5e9", 1.5e9), ("none", math.inf), ("0", math.inf)):
+    for text, value in (
+        ("512 MiB", 2**29),
+        ("1.5e9", 1.5e9),
+        ("none", math.inf),
+        ("0", math.inf),
+        ("0 B", math.inf),
+    ):
         monkeypatch.setenv(config.MEMORY_BUDGET, text)
         assert config.memory_budget() == value
     for bad in ("lots", "-1GiB", "3 parsecs"):

@@ -95,3 +95,8 @@ def test_the_benchmark_table():
     assert rows[0]["chosen_ratio"] == pytest.approx(1.0, rel=1e-6)
     table = layout_bounds.markdown(report)
     assert "| K-large (256 x 8192 x 256) | 4 | equal | k_split | 1.00 |" in table
+
+
+def test_one_entry_per_matrix():
+    with pytest.raises(ValueError, match="one entry each"):
+        moved_lower_bound(8, (4, 4, 4), (1, 1, 1, 1))

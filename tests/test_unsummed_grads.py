@@ -145,3 +145,72 @@ def test_value_and_grad_on_one_rank_equals_jax():
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
     with pytest.raises(ValueError, match="argnums 2 names argument 2"):
         om_flax.value_and_grad(lambda p, x: model.apply(p, x), argnums=2)(params, X)
+
+
+class _Remat(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return nn.remat(om_flax.Dense)(3, row_sizes=[4])(nn.LayerNorm()(x)).sum()
+
+
+def test_a_step_through_remat_is_judged_too():
+    model, params = _linen(_Remat())
+    messages = _warnings(lambda: jax.jit(jax.grad(lambda p: model.apply(p, X)))(params))
+    assert len(messages) == 1 and "'LayerNorm_0/bias'" in messages[0]
+
+
+def test_value_and_grad_refuses_what_it_cannot_place_rather_than_summing_twice():
+    remat, remat_params = _linen(_Remat())
+    with pytest.raises(ValueError, match="through a transformation"):
+        jax.jit(om_flax.grad(lambda p: remat.apply(p, X)))(remat_params)
+    model, params = _linen(_WithNorm())
+
+    def cast(p):
+        return model.apply(jax.tree.map(lambda a: a.astype(jnp.bfloat16), p), X)
+
+    with pytest.raises(ValueError, match="dtype cast"):
+        om_flax.grad(cast)(params)
+    # The sync_grads route works there.
+    skip = om_flax.summed_paths(remat, X)
+    grads = jax.jit(lambda p: om_flax.sync_grads(jax.grad(lambda p: remat.apply(p, X))(p), skip))(
+        remat_params
+    )
+    assert set(grads["params"]) == {"LayerNorm_0", "CheckpointDense_0"}
+
+
+def test_value_and_grad_refuses_tensor_parallel_layers_on_its_own_communicator():
+    class _Tensor(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return om_flax.ColumnParallelDense(3, sizes=[3])(nn.LayerNorm()(x)).sum()
+
+    model, params = _linen(_Tensor())
+    with pytest.raises(ValueError, match="tensor-parallel layer"):
+        jax.jit(om_flax.grad(lambda p: model.apply(p, X)))(params)
+
+    class _NnxTensor(nnx.Module):
+        def __init__(self):
+            self.dense = om_flax.ColumnParallelLinear(4, 3, sizes=[3], rngs=nnx.Rngs(0))
+
+        def __call__(self, x):
+            return self.dense(x).sum()
+
+    with pytest.raises(ValueError, match="tensor-parallel layer"):
+        om_flax.grad(lambda m: m(X))(_NnxTensor())
+    with pytest.raises(ValueError, match="either nnx modules or pytrees"):
+        om_flax.grad(lambda m, p: m(X), argnums=(0, 1))(_NnxTensor(), params)
+
+
+def test_a_refused_step_is_refused_again_and_points_at_the_caller():
+    model, params = _linen(_WithNorm())
+    step = jax.jit(jax.grad(lambda p: model.apply(p, X)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", om_flax.UnsummedGradientsWarning)
+        for _ in range(2):
+            with pytest.raises(om_flax.UnsummedGradientsWarning):
+                step(params)
+    unsummed_grads.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.jit(jax.grad(lambda p: model.apply(p, X)))(params)
+    assert [w.filename for w in caught] == [__file__]

@@ -29,8 +29,11 @@ is priced is ``replication``:
   fetching the pieces a rank lacks is counted by the planner.
 
 Every candidate's memory per rank (the largest sum of a rank's A, B and C
-blocks) must fit ``memory_budget`` (default: ``OSMM_MEMORY_BUDGET``, else a
-quarter of the host's physical memory); a replicated operand counts whole.
+blocks; a replicated operand counts whole; the transient buffers of a product,
+pieces fetched and partials for other ranks, are not counted) must fit
+``memory_budget`` (default: ``OSMM_MEMORY_BUDGET``, else a quarter of the
+host's physical memory: on hosts of unequal memory give the same budget
+everywhere, since the choice must be the same on every rank).
 Predictions within :data:`TIE_TOLERANCE` of the fastest tie; a tie goes to the
 candidate that moves the fewest bytes, then to the earlier one.
 
@@ -81,9 +84,11 @@ class Candidate(NamedTuple):
     ``predicted_seconds = compute_seconds + comm_seconds``; ``compute_seconds``
     is the slowest rank's compute time, ``comm_seconds`` the time of the rank
     that sends the most bytes (``sent_bytes``, the keeping of replicas in sync,
-    ``sync_bytes``, included). ``memory_bytes``: the most operand bytes one rank
-    holds; ``fits``: whether that is within the memory budget (a candidate that
-    does not fit is never chosen).
+    ``sync_bytes``, included; ``sent_elements``: the same rank's in elements).
+    ``memory_bytes``: the most operand bytes one rank holds (its own A, B and C
+    blocks; input pieces it fetches and partials it computes for other ranks come
+    on top, for the time of the product); ``fits``: whether that is within the
+    memory budget (a candidate that does not fit is never chosen).
     """
 
     name: str
@@ -94,6 +99,7 @@ class Candidate(NamedTuple):
     sync_bytes: int = 0
     memory_bytes: int = 0
     fits: bool = True
+    sent_elements: int = 0
 
 
 @dataclass(frozen=True)
@@ -282,6 +288,7 @@ def auto_layouts(
                     sync += 2 * (p - 1) * rows * cols * accum // (p * PRODUCTS_PER_SYNC)
         cost = predict(totals, speeds, bandwidth=bandwidth, itemsize=itemsize)
         sent = max(totals.bytes_sent(itemsize, accum))
+        sent_elements = max(totals.bytes_sent(1, 1))
         memory = _memory_bytes((a, b, c), itemsize)
         cost = cost._replace(
             name=name,
@@ -291,6 +298,7 @@ def auto_layouts(
             sync_bytes=sync,
             memory_bytes=memory,
             fits=memory <= budget,
+            sent_elements=sent_elements,
         )
         scored.append((cost, (a, b, c)))
     fitting = [i for i, (s, _) in enumerate(scored) if s.fits]
@@ -367,9 +375,7 @@ def _memory_bytes(layouts, itemsize: int) -> int:
 def _bound_ratio(M, K, N, speeds, best: Candidate, itemsize, accum, replication) -> float:
     """The chosen candidate's most elements moved by one rank over the lower bound's most."""
     bound = max(comm_bound.rank_bounds(M, K, N, speeds))
-    # sent_bytes mixes input (itemsize) and partial (accum) bytes; counting it all at the
-    # smaller size over-states the elements by at most accum / itemsize.
-    moved = (best.sent_bytes + best.sync_bytes) / min(itemsize, accum)
+    moved = best.sent_elements + best.sync_bytes / accum
     if bound <= 0:
         return 1.0 if moved == 0 else math.inf
     return moved / bound

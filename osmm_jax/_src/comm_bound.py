@@ -40,12 +40,13 @@ def moved_lower_bound(
 
     Returns ``sum_i (x_i - o_i)`` at the optimum (0 when what it owns already suffices).
     """
+    sizes, owned = list(sizes), list(owned)
+    if len(sizes) != 3 or len(owned) != 3:
+        raise ValueError("sizes and owned need one entry each for A, B and C")
     if multiply_adds <= 0:
         return 0.0
     sizes = [float(s) for s in sizes]
     owned = [min(float(o), s) for o, s in zip(owned, sizes)]
-    if len(sizes) != 3 or len(owned) != 3:
-        raise ValueError("sizes and owned need one entry each for A, B and C")
     # Work in logarithms: V**2 overflows nothing there, and the constraint is a sum.
     target = 2 * math.log(multiply_adds)
     if sum(math.log(s) if s > 0 else -math.inf for s in sizes) < target * (1 - 1e-12):

@@ -19,9 +19,10 @@ __all__ = [
     "abstract_token",
     "apply_primitive",
     "get_token_effect",
-    "is_differentiation_tracer",
+    "is_differentiation_trace",
     "is_staging_trace",
     "no_trace_active",
+    "parent_trace",
     "ordered_effect",
     "recover_failed_runtime_tokens",
     "registered_ffi_targets",
@@ -33,10 +34,15 @@ __all__ = [
 JAXPR_TRACE_EVENT: str = dispatch.JAXPR_TRACE_EVENT
 
 
-def is_differentiation_tracer(value) -> bool:
-    """Whether ``value`` is a tracer of reverse- or forward-mode differentiation (jax.grad,
-    jax.vjp, jax.jvp, jax.linearize)."""
-    return isinstance(value, (ad.JVPTracer, ad.LinearizeTracer))
+def is_differentiation_trace(trace) -> bool:
+    """Whether ``trace`` is one of reverse- or forward-mode differentiation (jax.grad, jax.vjp,
+    jax.jvp, jax.linearize)."""
+    return isinstance(trace, (ad.JVPTrace, ad.LinearizeTrace))
+
+
+def parent_trace(trace):
+    """The trace ``trace`` was started inside (None for the outermost)."""
+    return getattr(trace, "parent_trace", None)
 
 
 def is_staging_trace(trace) -> bool:

@@ -22,7 +22,9 @@ MEMORY_BUDGET = "OSMM_MEMORY_BUDGET"
 """Bytes of its operands one rank may hold, for :func:`osmm_jax.auto_layouts` (which leaves out
 layouts that need more): a number of bytes with an optional binary unit (``"8GiB"``,
 ``"512 MiB"``, ``"1.5e9"``); ``0``, ``none`` or ``inf`` for no limit. Default: unset, which is
-:data:`DEFAULT_MEMORY_FRACTION` of the host's physical memory."""
+:data:`DEFAULT_MEMORY_FRACTION` of the host's physical memory. Layouts must be the same on
+every rank: on hosts with unequal memory, set it (or pass ``memory_budget``) to the same value
+everywhere."""
 
 DEFAULT_MEMORY_FRACTION = 0.25
 """The share of the host's physical memory one rank may use for its operands by default:
@@ -45,8 +47,10 @@ def parse_bytes(text: str, source: str) -> float:
             f"{source} must be a number of bytes with an optional unit (B, KiB, MiB, GiB, TiB), "
             f"or 0/none/inf for no limit; got {text!r}"
         ) from None
+    if value == 0:
+        return float("inf")
     if not value > 0 or value != value:
-        raise ValueError(f"{source} must be positive, got {text!r}")
+        raise ValueError(f"{source} must be positive (or 0 for no limit), got {text!r}")
     return value
 
 

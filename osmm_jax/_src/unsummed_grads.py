@@ -70,11 +70,22 @@ _collecting: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
 )
 
 
+def _traces(value):
+    """The traces ``value`` is a tracer of, innermost first (none for a concrete value)."""
+    trace = value._trace if isinstance(value, jax.core.Tracer) else None
+    while trace is not None:
+        yield trace
+        trace = compat.parent_trace(trace)
+
+
 def _trace_of(value):
-    """The trace differentiating ``value``, or None when ``value`` is not being differentiated."""
-    if isinstance(value, jax.core.Tracer) and compat.is_differentiation_tracer(value):
-        return value._trace
-    return None
+    """The innermost trace differentiating ``value``, or None when nothing differentiates it.
+
+    A parameter reached through ``jax.checkpoint`` (``nn.remat``), ``scan`` or a ``jit`` inside
+    the differentiated function is a tracer of that inner trace, started inside the
+    differentiating one: it counts as differentiated too.
+    """
+    return next((t for t in _traces(value) if compat.is_differentiation_trace(t)), None)
 
 
 def _staged(trace) -> bool:
@@ -88,8 +99,9 @@ def _staged(trace) -> bool:
 
 @contextlib.contextmanager
 def collecting(callback: Callable):
-    """Within the block, data-parallel layers hand their differentiated parameters to
-    ``callback`` (one call per parameter) instead of noting them."""
+    """Within the block, osmm_jax layers report to ``callback`` instead of noting anything:
+    ``callback("data_parallel", param)`` per differentiated parameter of a data-parallel layer,
+    ``callback("tensor_parallel", comm)`` per tensor-parallel layer call."""
     token = _collecting.set(callback)
     try:
         yield
@@ -110,7 +122,8 @@ def note_differentiated(
 
     ``prepare`` is called then, while the layer's call is still on the stack, and returns the
     function that names the model's parameters outside osmm_jax layers; that one is called at
-    most once, when the verdict is given.
+    most once, when the verdict is given. Inside :func:`collecting`, the parameters go to its
+    callback instead, as ``("data_parallel", param)``.
     """
     found = differentiated(params)
     current = _trace_of(found[0]) if found else None
@@ -120,9 +133,23 @@ def note_differentiated(
     callback = _collecting.get()
     if callback is not None:
         for p in found:
-            callback(p)
+            callback("data_parallel", p)
         return
     _state.notes.append(_Note(weakref.ref(current), _staged(current), prepare()))
+
+
+def note_tensor_parallel(params: Iterable, comm) -> None:
+    """Called by a tensor-parallel layer with its parameters and communicator: inside
+    :func:`collecting`, differentiated ones go to its callback as ``("tensor_parallel",
+    comm)`` (their shards must not be summed over the ranks that share the layer)."""
+    callback = _collecting.get()
+    if callback is not None and differentiated(params):
+        callback("tensor_parallel", comm)
+
+
+def derived_from(value, trace) -> bool:
+    """Whether ``value`` is a tracer of ``trace`` or of a trace started inside it."""
+    return any(t is trace for t in _traces(value))
 
 
 def model_record(root) -> dict:
@@ -133,6 +160,11 @@ def model_record(root) -> dict:
         entry = (root, {})
         _state.models[id(root)] = entry
     return entry[1]
+
+
+def known_models() -> list[dict]:
+    """The records :func:`model_record` holds now."""
+    return [record for _, record in _state.models.values()]
 
 
 def note_synced() -> None:
@@ -153,24 +185,44 @@ def _judge(notes: list[_Note]) -> None:
         names.extend(n for n in note.unsummed() if n not in names)
     if not names:
         return
-    with _warned_lock:
-        if _warned:
-            return
-        _warned = True
     shown = ", ".join(repr(n) for n in names[:4]) + (
         f" and {len(names) - 4} more" if len(names) > 4 else ""
     )
-    warnings.warn(
-        "osmm_jax.flax: a training step differentiates osmm_jax data-parallel layers, whose "
-        "gradients arrive summed over ranks, but the model's other parameters "
-        f"({shown}) get this rank's gradient alone and osmm_jax.flax.sync_grads was not "
-        "called on them: applying them trains each rank on its own rows and the replicas "
-        "drift apart. Use osmm_jax.flax.value_and_grad (or grad), or call sync_grads on the "
-        "gradients in the same function. If you sum them another way, silence this with "
-        "warnings.filterwarnings('ignore', category=osmm_jax.flax.UnsummedGradientsWarning).",
-        UnsummedGradientsWarning,
-        stacklevel=3,
-    )
+    try:
+        warnings.warn(
+            "osmm_jax.flax: a training step differentiates osmm_jax data-parallel layers, whose "
+            "gradients arrive summed over ranks, but the model's other parameters "
+            f"({shown}) get this rank's gradient alone and osmm_jax.flax.sync_grads was not "
+            "called on them: applying them trains each rank on its own rows and the replicas "
+            "drift apart. Use osmm_jax.flax.value_and_grad (or grad), or call sync_grads on the "
+            "gradients in the same function. If you sum them another way, silence this with "
+            "warnings.filterwarnings('ignore', category=osmm_jax.flax.UnsummedGradientsWarning).",
+            UnsummedGradientsWarning,
+            stacklevel=_user_stacklevel(),
+        )
+    except UnsummedGradientsWarning:
+        # Refused (an "error" filter). JAX keeps the traced function all the same: drop its
+        # caches, so that calling the step again traces it again and is refused again.
+        jax.clear_caches()
+        raise
+    # Latched only once the warning was given: under an "error" filter the raise above refuses
+    # the step, and a retried step is refused again.
+    with _warned_lock:
+        _warned = True
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first caller outside osmm_jax, JAX and Flax (the user's line
+    that traced or ran the step), for ``warnings.warn`` called from :func:`_judge`."""
+    import sys
+
+    frame, level = sys._getframe(2), 2  # 1: _judge's own frame, as warnings.warn counts
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not name.startswith(("osmm_jax.", "jax.", "jaxlib.", "flax.", "contextlib")):
+            return level
+        frame, level = frame.f_back, level + 1
+    return 2
 
 
 def _judge_eager(keep=None) -> None:

@@ -412,19 +412,26 @@ def test_applying_unsummed_gradients_warns_once_and_can_be_refused():
     unsummed_grads.reset()
 
 
-def test_value_and_grad_refuses_parameters_outside_its_arguments():
+def test_value_and_grad_leaves_layers_it_does_not_differentiate_to_their_own_grad():
     sizes = _row_sizes()
     tokens = jnp.asarray(np.random.default_rng(14).integers(0, 7, sum(sizes)), jnp.int32)
-    ours = _DataParallel(tuple(sizes))
-    params = _DataParallel().init(jax.random.key(4), tokens)
-    t = tokens[_mine(sizes)]
+    mine = _mine(sizes)
+    ours, stock = _DataParallel(tuple(sizes)), _DataParallel()
+    params = stock.init(jax.random.key(4), tokens)
+    t = tokens[mine]
 
     def outer(p):
-        # The parameters come from the closure of an outer grad, not from value_and_grad's own.
-        return om_flax.value_and_grad(lambda scale: scale * jnp.sum(ours.apply(p, t)))(1.0)[0]
+        # value_and_grad differentiates only `scale`; the layer's parameters belong to the
+        # outer jax.grad, which gets the Dense gradients summed by the product as usual.
+        _, d_scale = om_flax.value_and_grad(lambda scale: scale * jnp.sum(ours.apply(p, t)))(1.0)
+        return d_scale
 
-    with pytest.raises(ValueError, match="not leaves of the arguments in argnums 0"):
-        jax.grad(outer)(params)
+    d_scale = jax.jit(outer)(params)
+    whole = float(jnp.sum(stock.apply(params, tokens)))
+    np.testing.assert_allclose(float(d_scale), whole, rtol=1e-5)  # summed over ranks
+    d_params = jax.jit(jax.grad(outer))(params)
+    ref = jax.grad(lambda p: jnp.sum(stock.apply(p, tokens)))(params)
+    _close(d_params["params"]["Dense_0"]["kernel"], ref["params"]["Dense_0"]["kernel"])
 
 
 @pytest.mark.ranks(4, reason="two replicas of a two-rank tensor-parallel group")
