@@ -5,7 +5,10 @@ Each (case, P) is measured in a fresh child process, so its peak memory is its o
 seconds cover building the layouts and the plan (``Plan(...)`` directly, not the cached
 ``make_plan``), the memory is the child's peak resident set minus what it held before building.
 Wall-clock seconds are reported with the process's CPU seconds, which say more when other
-work shares the machine.
+work shares the machine. For a plan, the record also says how even it is (measured after the
+timed build): the busiest rank's flops over the mean (``flops_ratio``), its modelled time over
+the mean (``balance_ratio``, :meth:`Plan.balance`) and the bytes all ranks send
+(``total_bytes``).
 
 Cases (M = K = N = ``--dim``):
 
@@ -103,9 +106,14 @@ def measure_one(case: str, nranks: int, dim: int, repeats: int) -> dict:
         if i == 0:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
             if hasattr(result, "multiplies"):
+                # Outside the timed region: how even the plan is (see Plan.balance).
+                flops = result.flops
                 counts = {
                     "multiplies": len(result.multiplies),
                     "transfers": len(result.transfers),
+                    "flops_ratio": max(flops) * len(flops) / sum(flops) if sum(flops) else 1.0,
+                    "balance_ratio": result.balance().ratio,
+                    "total_bytes": sum(result.bytes_sent()),
                 }
             else:
                 counts = {"chosen": result.name}
@@ -163,10 +171,15 @@ def run_all(args) -> dict:
             record = _run_child(case, nranks, args)
             results.append(record)
             if "seconds" in record:
+                balance = (
+                    f"  busiest {record['balance_ratio']:.3f}x mean"
+                    if "balance_ratio" in record
+                    else ""
+                )
                 print(
                     f"{case:8s} P={nranks:6d}  {record['seconds']:9.3f} s  "
                     f"(cpu {record['cpu_seconds']:.3f} s)  "
-                    f"{record['peak_mib']:9.1f} MiB  (load {_load()})",
+                    f"{record['peak_mib']:9.1f} MiB{balance}  (load {_load()})",
                     flush=True,
                 )
             else:

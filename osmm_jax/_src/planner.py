@@ -14,10 +14,14 @@ For each cell and each rank that must end up with ``C[m, n]``:
 * a C owner that also owns both input pieces computes the cell for itself;
 * the other C owners are served by ONE rank that delivers the cell by
   one-sided RMA: one of the self-serving owners if there are any (so no cell is
-  computed twice just to save a send), otherwise the candidate (an owner of A,
+  computed twice just to save a send), otherwise a candidate (an owner of A,
   B or C) that moves the fewest elements (inputs it lacks, fetched by ``get``,
-  plus results it must send); ties go to the least loaded rank, then the
-  lowest rank.
+  plus results it must send). Among equally cheap candidates the choice
+  minimises the busiest rank's modelled time, its flops at its speed plus the
+  bytes it sends at the link's bandwidth (see :func:`choose_servers`): on equal
+  2-D grids every rank then does the same work, as in SUMMA or stationary-C,
+  at no more traffic. The plan knows no measured speeds; it takes them from
+  the layouts (:func:`rank_speeds`).
 
 Partials a rank delivers to the same C rectangle of the same target are summed
 locally first, so each (origin, target, C cell) pair costs one transfer: a
@@ -36,6 +40,7 @@ import functools
 import gc
 import hashlib
 import itertools
+import math
 import operator
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -45,6 +50,14 @@ from typing import Any, NamedTuple
 from osmm_jax._src.layout import Interval, Layout
 
 FLOAT32_BYTES = 4
+
+NOMINAL_SPEED = 100e9
+"""Flops/s the balance model gives a rank of relative speed 1 (XLA's CPU dot measured 90-160
+GFLOP/s here). Only its ratio to :data:`NOMINAL_BANDWIDTH` steers the plan."""
+
+NOMINAL_BANDWIDTH = 5e9
+"""Bytes/s the balance model gives every rank's outgoing link (one-sided accumulates measured
+4-10 GiB/s between ranks of one machine; the same default as :func:`osmm_jax.auto_layouts`)."""
 
 
 def _size(iv: Interval) -> int:
@@ -126,6 +139,45 @@ class LocalUpdate:
     rows: Interval
     cols: Interval
     inner: tuple[Interval, ...]
+
+
+def rank_speeds(a: Layout, b: Layout, c: Layout) -> tuple[float, ...]:
+    """The relative speed (mean 1) the planner assumes for each rank: its share of C's area.
+
+    A plan is a function of its layouts alone (equal layouts, equal plan, on every rank and in
+    every cache), so it is not told the ranks' measured speeds. Layouts made from speeds
+    (:func:`osmm_jax.balance`, :func:`osmm_jax.auto_layouts`) already carry them: each rank's
+    block of the output is in proportion to its speed, and stationary-C work (each rank
+    computes its own block of C) is then balanced. So a rank's speed is taken as its C area
+    over the mean; when C is replicated, from A's areas, then B's; equal when every operand is
+    replicated or uniform. A rank with an empty block is taken as a hundredth of the mean, so
+    it is given work only when nothing cheaper is possible. Equal-sized 2-D grids therefore
+    balance plain flops.
+    """
+    nranks = a.nranks
+    for layout in (c, a, b):
+        if layout.is_replicated:
+            continue
+        areas = [_area(layout, r) for r in range(nranks)]
+        total = sum(areas)
+        if total:
+            return tuple(max(x * nranks / total, 0.01) for x in areas)
+    return (1.0,) * nranks
+
+
+class Balance(NamedTuple):
+    """The modelled time of each rank of a plan (see :meth:`Plan.balance`).
+
+    ``compute[r]`` is rank ``r``'s flops at its speed, ``communicate[r]`` its bytes sent at the
+    link's bandwidth, ``seconds[r]`` their sum; ``busiest`` the rank with the largest sum and
+    ``ratio`` that sum over the mean (1.0 when nothing is done).
+    """
+
+    compute: tuple[float, ...]
+    communicate: tuple[float, ...]
+    seconds: tuple[float, ...]
+    busiest: int
+    ratio: float
 
 
 class Plan:
@@ -254,6 +306,38 @@ class Plan:
             self.transfers, self.nranks, "sender", _nbytes(input_itemsize, accum_itemsize)
         )
 
+    @functools.cached_property
+    def speeds(self) -> tuple[float, ...]:
+        """The relative speed (mean 1) the plan was balanced for: see :func:`rank_speeds`."""
+        return rank_speeds(self.a, self.b, self.c)
+
+    def balance(
+        self,
+        speeds=None,
+        bandwidth: float = NOMINAL_BANDWIDTH,
+        input_itemsize: int = FLOAT32_BYTES,
+        accum_itemsize: int = FLOAT32_BYTES,
+    ) -> Balance:
+        """Each rank's modelled time: its flops at its speed plus its :meth:`bytes_sent` at
+        ``bandwidth`` bytes/s, the quantity whose maximum the planner keeps low.
+
+        ``speeds`` are flops/s per rank; by default :attr:`speeds` times :data:`NOMINAL_SPEED`.
+        """
+        if speeds is None:
+            speeds = [s * NOMINAL_SPEED for s in self.speeds]
+        if len(speeds) != self.nranks:
+            raise ValueError(f"{len(speeds)} speeds for a plan over {self.nranks} ranks")
+        compute = tuple(
+            (f / s if s > 0 else float("inf")) if f else 0.0 for f, s in zip(self.flops, speeds)
+        )
+        communicate = tuple(b / bandwidth for b in self.bytes_sent(input_itemsize, accum_itemsize))
+        seconds = tuple(x + y for x, y in zip(compute, communicate))
+        busiest = max(range(self.nranks), key=lambda r: (seconds[r], -r))
+        mean = sum(seconds) / self.nranks
+        return Balance(
+            compute, communicate, seconds, busiest, seconds[busiest] / mean if mean else 1.0
+        )
+
     def plot(self, **kwargs):
         """A matplotlib Figure of the A, B and C tilings and the bytes each rank sends to each
         other rank; see :func:`osmm_jax.plot_plan` (needs matplotlib: the ``plot`` extra)."""
@@ -346,6 +430,13 @@ class Plan:
             f"  A: {self.a.kind}   B: {self.b.kind}   C: {self.c.kind}",
             f"  total {sum(self.flops) / 1e9:.3f} GFLOP, {sum(self.bytes_sent()) / 2**20:.2f} MiB sent (float32)",
         ]
+        balance = self.balance()
+        r = balance.busiest
+        lines.append(
+            f"  balance: busiest rank {r} at {balance.ratio:.2f}\u00d7 the mean "
+            f"(flops {balance.compute[r]:.3g} s + bytes {balance.communicate[r]:.3g} s at "
+            f"{NOMINAL_SPEED / 1e9:g} GFLOP/s x relative speed, {NOMINAL_BANDWIDTH / 1e9:g} GB/s)"
+        )
         reasons = {self.a.reason, self.b.reason, self.c.reason}
         if len(reasons) == 1 and reasons != {""}:  # chosen together, e.g. by auto_layouts
             lines.append(f"  {reasons.pop()}")
@@ -668,16 +759,40 @@ def server_candidates(
 
 
 def choose_servers(
-    cells: Cells, assignment: Assignment, unserved: list[Unserved], compute_at_inputs: bool = False
+    cells: Cells,
+    assignment: Assignment,
+    unserved: list[Unserved],
+    compute_at_inputs: bool = False,
+    speeds: tuple[float, ...] | None = None,
 ) -> None:
     """Pass 3: one server per unserved cell, added to ``assignment`` (in place).
 
-    The server is the candidate (:func:`server_candidates`) that moves the fewest elements
-    (:func:`moved`), ties going to the least-loaded rank, then the lowest. Cells with a single
-    cheapest candidate are placed first, so that ties are broken knowing the work nobody can
-    avoid (on a 2x2 grid this balances flops 2:2:2:2 instead of 1:3:2:2 at the same bytes).
-    """
+    Each cell may only go to a candidate (:func:`server_candidates`) that moves the fewest
+    elements (:func:`moved`), so the total traffic is the least this cell-by-cell choice can
+    give. Among those equally cheap candidates the choice balances the ranks' modelled time,
+    ``flops / speed + bytes sent / bandwidth`` (as :meth:`Plan.balance` reports it; ``speeds``
+    are the relative speeds of :func:`rank_speeds`, equal when omitted; the bandwidth is
+    :data:`NOMINAL_BANDWIDTH` against :data:`NOMINAL_SPEED`):
 
+    1. cells with a single cheapest candidate are placed first (work nobody can avoid);
+    2. the tied cells each go to the candidate with the largest shortfall (mean time minus its
+       time so far) relative to the tied work it could still take, so that a rank only a few
+       cells can feed gets them before ranks with many options; the cells a tight rank can
+       take come first, then the largest (on a square 2-D grid this alone mostly reproduces
+       stationary-C's perfect balance);
+    3. while the busiest rank can hand one of its tied cells to another candidate, directly or
+       along a chain of ranks that each pass one of theirs on, so that it finishes sooner and
+       every rank involved whose time grows still finishes before the busiest did, it does;
+    4. the result is compared with giving each tied cell in turn to its least-loaded
+       candidate, and kept only if its busiest rank finishes sooner and the traffic it really
+       makes (a piece fetched once per rank, partials of one C rectangle summed before they
+       are sent) is no more.
+
+    Ties go to the lower rank; every step is the same arithmetic on the same inputs, so all
+    ranks make the same choice.
+    """
+    nranks = cells.nranks
+    speeds = (1.0,) * nranks if speeds is None else speeds
     memo: dict = {}
 
     def costs(cell: Unserved) -> list[tuple[int, int]]:
@@ -733,23 +848,225 @@ def choose_servers(
         if len(best) == 1:
             unique.append((cell, best[0]))
         else:
-            tied.append((cell, best))
+            tied.append((cell, sorted(best)))
 
     load, products, deliveries = assignment.load, assignment.products, assignment.deliveries
+    per_byte = NOMINAL_SPEED / NOMINAL_BANDWIDTH * FLOAT32_BYTES  # flops per element sent
+    inverse_speed = [1.0 / s for s in speeds]
 
-    def least_loaded(best: list[int]) -> int:
-        return min(best, key=lambda p: (load[p], p))
+    def charges(cell: Unserved, server: int) -> list[tuple[int, float]]:
+        """The time ``server`` serving ``cell`` adds to each rank, in flops at relative speed
+        1: the flops on ``server``, each input it lacks on the owner it is fetched from (as
+        :func:`emit_schedule` picks it), its partials on itself."""
+        mi, ki, ni, self_serving, remaining = cell
+        m, k, n = m_sizes[mi], k_sizes[ki], n_sizes[ni]
+        owners_a, owners_b = a_owners[mi][ki], b_owners[ki][ni]
+        own = 0.0 if server in self_serving else 2 * m * k * n * inverse_speed[server]
+        sent = m * n * (len(remaining) - (server in remaining))
+        out = [(server, own + sent * per_byte)]
+        if server not in (owners_a if len(owners_a) <= 8 else _as_set(owners_a, memo)):
+            out.append((owners_a[0], m * k * per_byte))
+        if server not in (owners_b if len(owners_b) <= 8 else _as_set(owners_b, memo)):
+            out.append((owners_b[0], k * n * per_byte))
+        return out
 
-    # Unique cheapest first (their server is already known), then ties, by the load so far.
-    for cell, server in itertools.chain(
-        unique, ((cell, least_loaded(best)) for cell, best in tied)
-    ):
+    def place(cell: Unserved, server: int) -> None:
         key = (server, cell.mi, cell.ki, cell.ni)
         if key not in products:
             load[server] += cells.flops(cell.mi, cell.ki, cell.ni)
         products[key] = True
         for r in cell.remaining:
             deliveries[(server, r, cell.mi, cell.ni)].append(cell.ki)
+
+    # The time each rank has so far: the flops serve_self gave it, then the unique cells.
+    times = [f * s for f, s in zip(load, inverse_speed)]
+    for cell, server in unique:
+        place(cell, server)
+        for r, t in charges(cell, server):
+            times[r] += t
+    if not tied:
+        return
+
+    # Step 2: shortfall-first greedy over the tied cells.
+    base_times = list(times)
+    options = [{p: charges(cell, p) for p in best} for cell, best in tied]
+    potential = [0.0] * nranks  # tied time each rank could still be given
+    total = sum(times)
+    for option in options:
+        cheapest_total = math.inf
+        for p, charge in option.items():
+            potential[p] += charge[0][1]
+            whole = 0.0
+            for _, t in charge:
+                whole += t
+            cheapest_total = min(cheapest_total, whole)
+        total += cheapest_total
+    mean = total / nranks
+    # Cells a tight rank (one whose possible tied work barely covers its shortfall) can take
+    # come first, while the others still have room elsewhere; then the largest first.
+    slack = [room / (mean - t) if mean > t else math.inf for room, t in zip(potential, times)]
+    sizes = [m_sizes[cell[0]] * k_sizes[cell[1]] * n_sizes[cell[2]] for cell, _ in tied]
+    tightest = [min(slack[p] for p in best) for _, best in tied]
+    order = sorted(range(len(tied)), key=lambda i: (tightest[i], -sizes[i]))
+    chosen = [0] * len(tied)
+    for i in order:
+        option = options[i]
+        server, best_key = -1, None
+        for p in option:  # candidates in rank order
+            room = potential[p]
+            key = (-(mean - times[p]) / room if room > 0 else 0.0, times[p])
+            if best_key is None or key < best_key:
+                server, best_key = p, key
+        chosen[i] = server
+        for p, charge in option.items():
+            potential[p] -= charge[0][1]
+        for r, t in option[server]:
+            times[r] += t
+
+    # Step 3: the busiest rank hands a tied cell on, directly or along a chain of ranks that
+    # each pass one on (found breadth-first), while the busiest rank involved finishes sooner.
+    held: list[list[int]] = [[] for _ in range(nranks)]
+    for i, server in enumerate(chosen):
+        held[server].append(i)
+
+    def change(i: int, source: int, target: int, into: dict[int, float]) -> None:
+        for r, t in options[i][source]:
+            into[r] = into.get(r, 0.0) - t
+        for r, t in options[i][target]:
+            into[r] = into.get(r, 0.0) + t
+
+    def shorter_chain(busiest: int, limit: float):
+        """The moves ``[(cell, from, to), ...]`` of the first chain from ``busiest`` after
+        which ``busiest`` finishes sooner and every other rank it touches either does not
+        finish later or still finishes below ``limit`` (so the number of ranks at the largest
+        time only falls: the search ends), and the change in each touched rank's time; or
+        None."""
+        parent: dict[int, tuple[int, int]] = {busiest: (-1, -1)}
+        frontier = [busiest]
+        while frontier:
+            following = []
+            for u in frontier:
+                for i in held[u]:
+                    for p in options[i]:
+                        if p in parent:
+                            continue
+                        parent[p] = (u, i)
+                        following.append(p)
+                        if times[p] + options[i][p][0][1] >= limit:
+                            continue  # the last rank of this chain would not finish sooner
+                        moves, v = [], p
+                        while v != busiest:
+                            w, j = parent[v]
+                            moves.append((j, w, v))
+                            v = w
+                        after: dict[int, float] = {}
+                        for j, w, v in moves:
+                            change(j, w, v, after)
+                        if times[busiest] + after[busiest] < limit and all(
+                            d <= 0 or times[r] + d < limit for r, d in after.items()
+                        ):
+                            return moves, after
+            frontier = following
+        return None
+
+    for _ in range(4 * len(tied)):
+        busiest = max(range(nranks), key=lambda r: (times[r], -r))
+        found = shorter_chain(busiest, times[busiest] * (1 - 1e-9))
+        if found is None:
+            break
+        moves, after = found
+        for r, d in after.items():
+            times[r] += d
+        for i, source, target in moves:
+            held[source].remove(i)
+            held[target].append(i)
+            chosen[i] = target
+
+    # Step 4: the model above counts every fetch and partial once per cell, but a rank fetches a
+    # piece once for all its cells and sums the partials of one C rectangle before sending. So
+    # the choices are compared with giving each tied cell, in turn, to the least-loaded of its
+    # candidates; the balanced ones stand only if they finish sooner and move no more.
+    plain = []
+    plain_load = list(load)
+    for cell, best in tied:
+        server = min(best, key=lambda p: (plain_load[p], p))
+        if (server, cell.mi, cell.ki, cell.ni) not in products:
+            plain_load[server] += 2 * m_sizes[cell.mi] * k_sizes[cell.ki] * n_sizes[cell.ni]
+        plain.append(server)
+    if plain != chosen:
+        plain_times = base_times
+        for option, server in zip(options, plain):
+            for r, t in option[server]:
+                plain_times[r] += t
+        if max(plain_times) <= max(times) or _more_traffic(
+            cells, unique, tied, chosen, plain, memo
+        ):
+            chosen = plain
+    for (cell, _best), server in zip(tied, chosen):
+        place(cell, server)
+
+
+def _more_traffic(
+    cells: Cells,
+    placed: list[tuple[Unserved, int]],
+    tied: list[tuple[Unserved, list[int]]],
+    servers: list[int],
+    other: list[int],
+    memo: dict,
+) -> bool:
+    """Whether serving the ``tied`` cells by ``servers`` makes more transfer elements than by
+    ``other``, given the ``placed`` cells' transfers, counting as :func:`emit_schedule` makes
+    them: one fetch of an input piece per rank, one partial per target and C rectangle.
+
+    Only the fetches and partials of cells whose server differs can differ; the rest (placed
+    cells, and tied cells served alike) only decide which of those are already made.
+    """
+    a_owners, b_owners = cells.a_owners, cells.b_owners
+    m_sizes = [_size(iv) for iv in cells.m]
+    k_sizes = [_size(iv) for iv in cells.k]
+    n_sizes = [_size(iv) for iv in cells.n]
+
+    def transfers(cell: Unserved, server: int) -> list[tuple[tuple[int, ...], int]]:
+        mi, ki, ni, _self_serving, remaining = cell
+        out = []
+        if server not in _lookup(a_owners[mi][ki], memo):
+            out.append(((server, -1, mi, ki), m_sizes[mi] * k_sizes[ki]))
+        if server not in _lookup(b_owners[ki][ni], memo):
+            out.append(((server, -2, ki, ni), k_sizes[ki] * n_sizes[ni]))
+        result = m_sizes[mi] * n_sizes[ni]
+        out.extend(((server, r, mi, ni), result) for r in remaining if r != server)
+        return out
+
+    made: list[dict] = [{}, {}]
+    for (cell, _best), first, second in zip(tied, servers, other):
+        if first != second:
+            for choice, server in zip(made, (first, second)):
+                choice.update(transfers(cell, server))
+    wanted = made[0].keys() | made[1].keys()
+    # Which of those the other cells make anyway: a key is only built when it could match
+    # (whether the server lacks the piece need not be checked: a key in ``wanted`` is a fetch
+    # of a piece that server lacks).
+    made_anyway = set()
+    common = itertools.chain(
+        placed,
+        (
+            (cell, first)
+            for (cell, _), first, second in zip(tied, servers, other)
+            if first == second
+        ),
+    )
+    for (mi, ki, ni, _self_serving, remaining), server in common:
+        for key in ((server, -1, mi, ki), (server, -2, ki, ni)):
+            if key in wanted:
+                made_anyway.add(key)
+        for r in remaining:
+            key = (server, r, mi, ni)
+            if r != server and key in wanted:
+                made_anyway.add(key)
+    first_total, second_total = (
+        sum(size for key, size in choice.items() if key not in made_anyway) for choice in made
+    )
+    return first_total > second_total
 
 
 def emit_schedule(
@@ -828,7 +1145,7 @@ def _schedule(a: Layout, b: Layout, c: Layout, compute_at_inputs: bool = False):
     with _collector_paused():
         cells = cut_cells(a, b, c)
         assignment, unserved = serve_self(cells)
-        choose_servers(cells, assignment, unserved, compute_at_inputs)
+        choose_servers(cells, assignment, unserved, compute_at_inputs, rank_speeds(a, b, c))
         del unserved  # freed before the schedule's records are made
         return emit_schedule(cells, assignment)
 
@@ -858,7 +1175,7 @@ class PlanTotals:
         with _collector_paused():
             cells = cut_cells(a, b, c)
             assignment, unserved = serve_self(cells)
-            choose_servers(cells, assignment, unserved)
+            choose_servers(cells, assignment, unserved, speeds=rank_speeds(a, b, c))
             del unserved
             # Each rank's load is the flops of the distinct products it was given.
             self.flops = tuple(assignment.load)
