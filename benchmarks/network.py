@@ -15,7 +15,7 @@ tests/test_multihost.py runs), with ``--peers`` (the mpi4jax all-reduce and JAX'
 NamedSharding / shard_map over gloo are always timed in the same run) and with
 ``--progress off,thread``: one_sided with osmm_jax's own progress thread and without it,
 overlap on and off, interleaved in the same rounds (plain ``one_sided`` runs under the
-default, ``OSMM_PROGRESS=auto``). MPICH's own progress thread
+default ``OSMM_PROGRESS``, ``off``). MPICH's own progress thread
 (``MPIR_CVAR_ASYNC_PROGRESS=1``) is process-wide, so it gets a job of its own
 (``--mpich-async``, on the first path only), with osmm_jax's thread off.
 
@@ -104,8 +104,6 @@ def run_one(
         settings.update(MPIR_CVAR_ASYNC_PROGRESS="1", OSMM_PROGRESS="off")
     elif module == "benchmarks.compare_methods":
         args += ["--progress", "off,thread"]
-    else:
-        settings["OSMM_PROGRESS"] = progress
     mpiexec = [str(MPIEXEC), "-hosts", host_list, "-launcher", "ssh"]
     mpiexec += ["-launcher-exec", str(netns.LAUNCHER), "-iface", "eth0"]
     for name, value in settings.items():
@@ -168,8 +166,8 @@ def report(records: list[dict], out_dir: Path, elapsed: float) -> None:
         "",
         "Written by `sudo .venv/bin/python -m benchmarks.network`"
         f" ({elapsed / 60:.1f} min). Each row: one job (interleaved rounds, medians of the"
-        " slowest rank); a ratio > 1 means one_sided is faster. `auto` is the default"
-        " (`OSMM_PROGRESS`), `thread` osmm_jax's progress thread during every reduce, `off`"
+        " slowest rank); a ratio > 1 means one_sided is faster. `default` is `OSMM_PROGRESS`"
+        " unset (`off`), `thread` osmm_jax's progress thread during every reduce, `off`"
         " none; `MPIR_CVAR_ASYNC_PROGRESS=1` is MPICH's own progress thread (its own job).",
         "",
         "| case | path | one_sided entry | ÷ allreduce | ÷ NamedSharding | ms |",
@@ -251,7 +249,7 @@ def main(argv=None) -> int:
     if unknown:
         parser.error(f"unknown case or path: {unknown}")
     mpich = [c for c in args.mpich_async.split(",") if c in cases]
-    jobs = [(c, p, "auto") for c in cases for p in paths]
+    jobs = [(c, p, "default") for c in cases for p in paths]
     # MPICH's thread spins for the whole program: one path shows what it costs.
     jobs += [(c, paths[0], "mpich-async") for c in mpich]
     out_dir = Path(args.out)

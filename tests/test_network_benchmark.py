@@ -29,7 +29,7 @@ def _record(progress: str) -> dict:
 
 
 def test_ratios_are_speed_ups_over_the_peers():
-    rows = {name: (a, n) for name, a, n in network.ratios(_record("auto"))}
+    rows = {name: (a, n) for name, a, n in network.ratios(_record("default"))}
     assert rows["one_sided"] == pytest.approx((1.3, 1.2))
     assert rows["one_sided, progress off"] == pytest.approx((1.04, 0.96))
     assert "allreduce" not in rows
@@ -37,8 +37,8 @@ def test_ratios_are_speed_ups_over_the_peers():
 
 def test_report_writes_markdown_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
-    network.report([_record("auto"), _record("mpich-async")], tmp_path, 60.0)
+    network.report([_record("default"), _record("mpich-async")], tmp_path, 60.0)
     text = (tmp_path / "network.md").read_text()
-    assert "| k_split | tcp | one_sided, progress auto | 1.30 | 1.20 | 100.0 |" in text
+    assert "| k_split | tcp | one_sided, progress default | 1.30 | 1.20 | 100.0 |" in text
     assert "MPIR_CVAR_ASYNC_PROGRESS=1" in text
     assert (tmp_path / "network.png").stat().st_size > 0

@@ -1,8 +1,9 @@
 """The MPI progress knob: OSMM_PROGRESS / OSMM_PROGRESS_INTERVAL_US and the native setting.
 
 One process (MPI initialised by mpi4py, no other rank): the environment is parsed with clear
-errors, the native setting follows set_progress, and the default is ``auto`` (a thread polls
-only during reduce epochs whose communicator reaches other ranks through the network). The
+errors, the native setting follows set_progress, and the default is ``off`` (``auto``: a
+thread polls only during reduce epochs whose communicator reaches other ranks through the
+network; ``thread``: during every reduce epoch). The
 collective side, products under every mode, is in tests/mpi/test_progress.py.
 """
 
@@ -13,10 +14,10 @@ import pytest
 from osmm_jax._src import config, native
 
 
-def test_defaults_are_auto_and_continuous_polling(monkeypatch):
+def test_defaults_are_off_and_continuous_polling(monkeypatch):
     monkeypatch.delenv(config.PROGRESS, raising=False)
     monkeypatch.delenv(config.PROGRESS_INTERVAL_US, raising=False)
-    assert config.progress_mode() == "auto"
+    assert config.progress_mode() == "off"
     assert config.progress_interval_us() == 0
     monkeypatch.setenv(config.PROGRESS, " Thread ")
     monkeypatch.setenv(config.PROGRESS_INTERVAL_US, "250")

@@ -93,7 +93,7 @@ struct PollerState {
   MPI_Comm comm = MPI_COMM_NULL;  // the communicator of the latest epoch opened
   bool stopping = false;
   std::thread thread;
-  std::atomic<int> mode{static_cast<int>(ProgressMode::kAuto)};
+  std::atomic<int> mode{static_cast<int>(ProgressMode::kOff)};
   std::atomic<int64_t> interval_us{0};
   std::atomic<int64_t> polls{0};
 };

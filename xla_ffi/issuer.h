@@ -55,7 +55,7 @@ enum class ProgressMode : int {
 };
 
 struct ProgressSettings {
-  ProgressMode mode = ProgressMode::kAuto;
+  ProgressMode mode = ProgressMode::kOff;
   int64_t interval_us = 0;
 };
 

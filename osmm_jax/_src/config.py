@@ -161,13 +161,15 @@ computing its GEMMs makes none, so without help the partials it receives wait fo
 fence. ``thread``: a native thread polls MPI (MPI_Iprobe) during every reduce epoch; ``auto``:
 only during epochs whose communicator has ranks on other nodes (or ``MPIR_CVAR_NOLOCAL=1``),
 where over shared memory the origin does all the work and polling would only cost CPU;
-``off``: never. Any other value is a ValueError. Default: ``auto`` (BUILD.md, "MPI progress
-over a network", has the measurements)."""
+``off``: never (the closing fence moves what is left). Any other value is a ValueError.
+Default: ``off``: where the ranks' GEMMs fill the cores, the thread's polling and the
+overlapped transfers cost the GEMMs more than they save (BUILD.md, "MPI progress over a
+network", has the measurements)."""
 
 PROGRESS_MODES = ("off", "thread", "auto")
 """The values of ``OSMM_PROGRESS``, in the order of their native codes (0, 1, 2)."""
 
-DEFAULT_PROGRESS = "auto"
+DEFAULT_PROGRESS = "off"
 
 PROGRESS_INTERVAL_US = "OSMM_PROGRESS_INTERVAL_US"
 """Microseconds the progress thread sleeps between two polls: a whole number >= 0 (``0``: poll
@@ -183,7 +185,7 @@ def check_progress(mode, source: str = "progress") -> str:
 
 
 def progress_mode() -> str:
-    """``OSMM_PROGRESS``: ``"auto"`` (default when unset or blank), ``"thread"`` or ``"off"``."""
+    """``OSMM_PROGRESS``: ``"off"`` (default when unset or blank), ``"thread"`` or ``"auto"``."""
     text = os.environ.get(PROGRESS, "").strip().lower() or DEFAULT_PROGRESS
     return check_progress(text, PROGRESS)
 
