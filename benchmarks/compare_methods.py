@@ -29,6 +29,9 @@ interleaved A B C ..., each round's time being the slowest rank's; medians repor
 * ``one_sided`` (overlap on, the default chunk size) and ``one_sided, overlap off``
   (``chunk_bytes=0``; only when the plan sends anything);
 * ``allreduce``, the mpi4jax baseline;
+* with ``--progress off,thread,...``, ``one_sided, progress <mode>`` (and ``..., overlap off,
+  progress <mode>``) for each mode: who makes MPI progress during the reduce
+  (``OSMM_PROGRESS``; plain ``one_sided`` keeps the environment's setting);
 * ``floor``: this rank's GEMMs alone, no communication;
 * ``reference``: rank 0 doing the whole product alone;
 * with ``--peers``, JAX's own multi-process path on the same ranks (gloo collectives):
@@ -131,6 +134,22 @@ def matmul_fn(plan, method, chunk_bytes=None):
     return jax.jit(lambda x, y: om.matmul(x, y, plan, method=method, chunk_bytes=chunk_bytes))
 
 
+def with_progress(fn, mode: str):
+    """``fn`` run with the native progress ``mode`` (config.PROGRESS), the setting in force
+    restored after each call: interleaved entries can then differ in that alone."""
+    from osmm_jax._src import native
+
+    def run(*args):
+        previous = native.progress_settings()[0]
+        native.set_progress(mode)
+        try:
+            return jax.block_until_ready(fn(*args))
+        finally:
+            native.set_progress(previous)
+
+    return run
+
+
 def measured_bytes(fn, args) -> list[int]:
     """RMA bytes every rank's operations moved in one more call of ``fn``."""
     before = om.stats()["rma_bytes"]
@@ -149,6 +168,11 @@ def run_case(args, dims, speeds, rss_start) -> dict:
     fns = {"one_sided": (matmul_fn(plan, "one_sided"), (a, b))}
     if plan.has_deliveries:
         fns["one_sided, overlap off"] = (matmul_fn(plan, "one_sided", chunk_bytes=0), (a, b))
+    for mode in args.progress.split(",") if args.progress else ():
+        fns[f"one_sided, progress {mode}"] = (with_progress(fns["one_sided"][0], mode), (a, b))
+        if plan.has_deliveries:
+            off = fns["one_sided, overlap off"][0]
+            fns[f"one_sided, overlap off, progress {mode}"] = (with_progress(off, mode), (a, b))
     fns["allreduce"] = (matmul_fn(plan, "allreduce"), (a, b))
     uniform_plan = None
     if args.split == "both" and args.case != "grid":
@@ -236,6 +260,11 @@ def main(argv=None) -> None:
     parser.add_argument("--n", type=int)
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--split", choices=("uniform", "speed", "both"), default="uniform")
+    parser.add_argument(
+        "--progress",
+        help="comma-separated OSMM_PROGRESS modes (off,thread,auto): one more one_sided "
+        "entry (overlap on and off) per mode",
+    )
     common.add_run_arguments(
         parser, peers_help="also time JAX's multi-process path", label_default=None
     )

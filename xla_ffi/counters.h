@@ -20,6 +20,7 @@ struct Counters {
   std::atomic<int64_t> agreements{0};    // agreement collectives run (first call of a signature)
   std::atomic<int64_t> staged_bytes{0};  // bytes copied between device buffers and host memory
   std::atomic<int64_t> staging_ns{0};    // wall time of those copies, synchronisation included
+  std::atomic<int64_t> closing_fence_ns{0};  // wall time in reduce epochs' closing fences
 
   // Histogram of RMA epoch latencies (opening fence to closing fence, seconds): counts per
   // bucket, not cumulative; the last bucket is +Inf. Lock-free, so recording never blocks.

@@ -41,6 +41,8 @@ nb::dict Stats() {
   d["agreements"] = c.agreements.load();
   d["staged_bytes"] = c.staged_bytes.load();
   d["staging_seconds"] = static_cast<double>(c.staging_ns.load()) * 1e-9;
+  d["closing_fence_seconds"] = static_cast<double>(c.closing_fence_ns.load()) * 1e-9;
+  d["progress_polls"] = osmm::ProgressPolls();
   d["windows"] = osmm::LiveWindowCount();
   d["window_bytes"] = osmm::LiveWindowBytes();
   return d;
@@ -61,6 +63,7 @@ void FreeWindows() {
     // Collective and possibly slow: let other Python threads run meanwhile.
     nb::gil_scoped_release release;
     osmm::GlobalIssuer().Stop();  // nothing may still be issuing into a window being freed
+    osmm::StopProgress();         // nor polling a communicator being freed
     xla::ffi::Error err = osmm::FreeWindows();
     if (err.failure()) message = err.message();
   }
@@ -86,6 +89,19 @@ void SetWatchdog(double timeout_seconds, bool raise) {
 nb::tuple WatchdogSettings() {
   const osmm::WatchdogSettings s = osmm::GetWatchdogSettings();
   return nb::make_tuple(s.timeout_seconds, s.raise);
+}
+
+void SetProgress(int64_t mode, int64_t interval_us) {
+  if (mode < 0 || mode > static_cast<int64_t>(osmm::ProgressMode::kAuto)) {
+    throw std::invalid_argument("progress mode must be 0 (off), 1 (thread) or 2 (auto)");
+  }
+  osmm::SetProgressSettings(
+      osmm::ProgressSettings{static_cast<osmm::ProgressMode>(mode), interval_us});
+}
+
+nb::tuple ProgressSettings() {
+  const osmm::ProgressSettings s = osmm::GetProgressSettings();
+  return nb::make_tuple(static_cast<int64_t>(s.mode), s.interval_us);
 }
 
 std::string DescribeRanks(int64_t handle, const std::string& headline) {
@@ -121,7 +137,9 @@ NB_MODULE(_osmm_ffi, m) {
         "Dict of FFI target name -> capsule, for jax.ffi.register_ffi_target (cpu, api 1).");
   m.def("stats", &Stats,
         "This process's counters since start: rma_ops, rma_bytes, sent_bytes, accumulates, "
-        "puts, gets, fences, calls (RMA epochs), agreements; staged_bytes and staging_seconds "
+        "puts, gets, fences, calls (RMA epochs), agreements; closing_fence_seconds (time in reduce "
+        "epochs' closing fences), progress_polls "
+        "(MPI polls of the progress thread); staged_bytes and staging_seconds "
         "(device <-> host copies of the GPU handlers); the live windows and their window_bytes.");
   m.def("latency_histogram", &LatencyHistogram,
         "RMA epoch latencies: (bucket upper bounds in s, per-bucket counts, +Inf last; sum in s).");
@@ -138,6 +156,11 @@ NB_MODULE(_osmm_ffi, m) {
         "bound); `raise_error`: fail the call where the step allows it instead of ending the "
         "job. Starts the watchdog thread.");
   m.def("watchdog_settings", &WatchdogSettings, "(timeout_seconds, raise_error) in force.");
+  m.def("set_progress", &SetProgress, nb::arg("mode"), nb::arg("interval_us"),
+        "MPI progress during reduce epochs: mode 0 (off), 1 (a thread polls during every "
+        "epoch) or 2 (auto: only epochs whose communicator spans more than one node); the "
+        "thread polls every `interval_us` microseconds (0: continuously).");
+  m.def("progress_settings", &ProgressSettings, "(mode, interval_us) in force.");
   m.def("describe_ranks", &DescribeRanks, nb::arg("comm"), nb::arg("headline"),
         "A report of where every rank of the communicator with handle `comm` is (read through "
         "the watchdog's side channel, waiting at most 2 s for each rank), under `headline`.");

@@ -34,6 +34,7 @@ struct ReduceEpoch {
   int64_t itemsize = 0;
   int64_t local_elements = 0;
   bool async = false;
+  bool progress = false;              // the progress poller runs for this epoch (issuer.h)
   std::vector<Record> records;        // every chunk's records, chunk by chunk
   std::vector<int64_t> chunk_ends;    // records of chunk i: [chunk_ends[i-1], chunk_ends[i])
   std::vector<int64_t> chunk_sizes;   // elements of each chunk's buffer
@@ -276,6 +277,7 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
   }
   epoch.start_time = MPI_Wtime();
   epoch.next_chunk = 1;
+  epoch.progress = call.size > 1 && WantsProgress(CommUsesNetwork(private_comm));
   ReduceEpoch* open = nullptr;
   {
     EpochTable& t = Epochs();
@@ -283,6 +285,7 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
     t.open.emplace_back(key, std::make_unique<ReduceEpoch>(std::move(epoch)));
     open = t.open.back().second.get();
   }
+  if (open->progress) BeginProgress(open->private_comm);
   call_scope.Release();
   if (open->header != nullptr && open->size > 1) {
     // The next rank's header, to check at the finish that it runs this call too.
@@ -349,8 +352,14 @@ ffi::Error ReduceFinish(BufferOps& ops, ffi::AnyBuffer local, ffi::Result<ffi::A
        n != epoch->local_elements || !SameDims(local, *out))) {
     problem = "osmm_reduce_finish: local and out must match the epoch's dtype and C block";
   }
+  // The closing fence makes progress itself.
+  if (epoch->progress) EndProgress();
+  const double closing_start = MPI_Wtime();
   ffi::Error closing = Fence(epoch->win, epoch->private_comm, MPI_MODE_NOSUCCEED,
                              "osmm_reduce_finish: closing MPI_Win_fence");
+  // What the closing fence waited (for other ranks, and for transfers still in flight).
+  GlobalCounters().closing_fence_ns.fetch_add(
+      static_cast<int64_t>((MPI_Wtime() - closing_start) * 1e9), std::memory_order_relaxed);
   RecordEpochLatency(MPI_Wtime() - epoch->start_time);
   std::byte* received = epoch->window_base;
   const int64_t window_bytes = epoch->window_bytes;
@@ -408,6 +417,7 @@ ffi::Error CloseAbandonedReduce(BufferOps& ops, uint64_t comm_key) {
                           epoch->win);
     }
   }
+  if (epoch->progress) EndProgress();
   ffi::Error closing = Fence(epoch->win, epoch->private_comm, MPI_MODE_NOSUCCEED,
                              "closing an abandoned reduce epoch: MPI_Win_fence");
   ffi::Error cleared = ops.ZeroWindow(epoch->window_base, epoch->window_bytes);

@@ -28,6 +28,7 @@ namespace {
 struct CommEntry {
   uint64_t comm_key = 0;
   MPI_Comm dup = MPI_COMM_NULL;
+  bool network = false;  // some ranks of `dup` are not on this rank's node
 };
 
 struct Cache {
@@ -214,18 +215,45 @@ ffi::Error PrivateComm(MPI_Comm comm, MPI_Comm* out) {
     if (int rc = MPI_Comm_dup(comm, &dup); rc != MPI_SUCCESS) return MpiError(rc, "MPI_Comm_dup");
   }
   MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
+  // Which ranks share this rank's node (collective over `dup`, like the duplication): the
+  // others are reached through the network, where RMA needs the target's progress.
+  bool network = false;
+  {
+    BlockingStep blocking(Step::kCommDup, comm);
+    MPI_Comm node = MPI_COMM_NULL;
+    int size = 0;
+    int node_size = 0;
+    if (int rc = MPI_Comm_split_type(dup, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+        rc != MPI_SUCCESS) {
+      return MpiError(rc, "MPI_Comm_split_type");
+    }
+    MPI_Comm_size(dup, &size);
+    MPI_Comm_size(node, &node_size);
+    MPI_Comm_free(&node);
+    network = node_size < size;
+  }
   if (ffi::Error err = OpenStatusChannel(comm, dup); err.failure()) return err;
   bool reused = false;
   for (CommEntry& e : cache.comms) {
     if (e.comm_key == key) {
       e.dup = dup;
+      e.network = network;
       reused = true;
       break;
     }
   }
-  if (!reused) cache.comms.push_back(CommEntry{key, dup});
+  if (!reused) cache.comms.push_back(CommEntry{key, dup, network});
   *out = dup;
   return ffi::Error::Success();
+}
+
+bool CommUsesNetwork(MPI_Comm private_comm) {
+  Cache& cache = GlobalCache();
+  std::lock_guard<std::mutex> lock(cache.mu);
+  for (const CommEntry& e : cache.comms) {
+    if (e.dup == private_comm && e.dup != MPI_COMM_NULL) return e.network;
+  }
+  return false;
 }
 
 ffi::Error FreeWindows() {

@@ -102,6 +102,12 @@ void AddWindowReleaseHook(void (*hook)(std::byte* base, int64_t bytes));
 // one remaining collective on `comm` from the handlers.
 ffi::Error PrivateComm(MPI_Comm comm, MPI_Comm* out);
 
+// Whether `private_comm` (a duplicate made by PrivateComm) has ranks that this rank reaches
+// through the network module: fewer ranks share this rank's node (MPI_COMM_TYPE_SHARED, found
+// once when the duplicate is made) than the communicator has. Under MPICH's
+// MPIR_CVAR_NOLOCAL=1 every rank counts as a node of its own. False for unknown communicators.
+bool CommUsesNetwork(MPI_Comm private_comm);
+
 // Frees every cached window, in creation order (identical on all ranks), then the private
 // communicators, in creation order. Collective over all communicators that own windows.
 // Idempotent; once MPI is finalised it only forgets the handles.

@@ -199,3 +199,55 @@ def on_timeout() -> str:
     """``OSMM_ON_TIMEOUT``: ``"abort"`` (default when unset or blank) or ``"raise"``."""
     text = os.environ.get(ON_TIMEOUT, "").strip().lower() or "abort"
     return check_on_timeout(text, ON_TIMEOUT)
+
+
+PROGRESS = "OSMM_PROGRESS"
+"""Who makes MPI progress while a one_sided reduce is in flight. Over a network (MPICH's OFI or
+UCX netmod on TCP) MPI_Accumulate is completed by the target rank inside MPI calls, and a rank
+computing its GEMMs makes none, so without help the partials it receives wait for its closing
+fence. ``thread``: a native thread polls MPI (MPI_Iprobe) during every reduce epoch; ``auto``:
+only during epochs whose communicator has ranks on other nodes (or ``MPIR_CVAR_NOLOCAL=1``),
+where over shared memory the origin does all the work and polling would only cost CPU;
+``off``: never (the closing fence moves what is left). Any other value is a ValueError.
+Default: ``off``: where the ranks' GEMMs fill the cores, the thread's polling and the
+overlapped transfers cost the GEMMs more than they save (BUILD.md, "MPI progress over a
+network", has the measurements)."""
+
+PROGRESS_MODES = ("off", "thread", "auto")
+"""The values of ``OSMM_PROGRESS``, in the order of their native codes (0, 1, 2)."""
+
+DEFAULT_PROGRESS = "off"
+
+PROGRESS_INTERVAL_US = "OSMM_PROGRESS_INTERVAL_US"
+"""Microseconds the progress thread sleeps between two polls: a whole number >= 0 (``0``: poll
+continuously, yielding the CPU in between). Any other value is a ValueError. Default: 0."""
+
+DEFAULT_PROGRESS_INTERVAL_US = 0
+
+
+def check_progress(mode, source: str = "progress") -> str:
+    if mode not in PROGRESS_MODES:
+        raise ValueError(f"{source} must be one of {PROGRESS_MODES}, got {mode!r}")
+    return mode
+
+
+def progress_mode() -> str:
+    """``OSMM_PROGRESS``: ``"off"`` (default when unset or blank), ``"thread"`` or ``"auto"``."""
+    text = os.environ.get(PROGRESS, "").strip().lower() or DEFAULT_PROGRESS
+    return check_progress(text, PROGRESS)
+
+
+def progress_interval_us() -> int:
+    """``OSMM_PROGRESS_INTERVAL_US``, or the default when unset or blank."""
+    text = os.environ.get(PROGRESS_INTERVAL_US, "").strip()
+    if not text:
+        return DEFAULT_PROGRESS_INTERVAL_US
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(
+            f"{PROGRESS_INTERVAL_US} must be a whole number of microseconds >= 0, got {text!r}"
+        )
+    return value

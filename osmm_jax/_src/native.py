@@ -24,6 +24,7 @@ from types import ModuleType
 
 import jax
 
+from osmm_jax._src import config
 from osmm_jax._src.log import get_logger
 
 try:
@@ -149,6 +150,32 @@ def free_windows() -> None:
     if "cuda" in MODULES:
         MODULES["cuda"].free_staging()
 
+
+# -- MPI progress during reduce epochs (xla_ffi/issuer.h) ---------------------------------------
+
+
+def set_progress(mode: str, interval_us: int | None = None) -> None:
+    """Who makes MPI progress while a one_sided reduce is in flight: ``"off"``, ``"thread"``
+    (a native thread polls MPI during every reduce epoch) or ``"auto"`` (only during epochs
+    whose communicator spans more than one node); ``interval_us``: the thread's sleep between
+    polls (None: keep the current one). Takes effect from the next epoch. See
+    ``config.PROGRESS``."""
+    config.check_progress(mode)
+    if interval_us is None:
+        interval_us = progress_settings()[1]
+    if isinstance(interval_us, bool) or not isinstance(interval_us, int) or interval_us < 0:
+        raise ValueError(f"interval_us must be an int >= 0, got {interval_us!r}")
+    _osmm_ffi.set_progress(config.PROGRESS_MODES.index(mode), interval_us)
+
+
+def progress_settings() -> tuple[str, int]:
+    """The progress ``(mode, interval_us)`` in force."""
+    mode, interval_us = _osmm_ffi.progress_settings()
+    return config.PROGRESS_MODES[mode], int(interval_us)
+
+
+# From the environment at import (OSMM_PROGRESS, OSMM_PROGRESS_INTERVAL_US).
+set_progress(config.progress_mode(), config.progress_interval_us())
 
 # -- the watchdog (xla_ffi/watchdog.h) ----------------------------------------------------------
 

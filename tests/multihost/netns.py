@@ -9,6 +9,12 @@ CPUs, memory, file system and (unless the launcher gives each its own, see ``ns-
 its hostname; what they do not share is the network stack, so MPI between them must go
 over TCP like between real hosts.
 
+Each host also gets a hosts file (``/etc/netns/<name>/hosts``, which ``ip netns exec``
+mounts over ``/etc/hosts`` in that namespace) naming every host of the set by its namespace's
+name, as a cluster's DNS would: programs that find their peers by host name (JAX's
+distributed runtime and gloo) then reach them over ``eth0`` (when the launcher gives each
+host its own hostname, see ``ns-launch``).
+
 The prefix is ``osmm-<pid>-`` (the pid of the process that made the set), so two runs at
 once do not touch each other's hosts; :func:`remove_stale` deletes the sets left behind by
 processes that no longer exist (a run killed before it could clean up), and
@@ -43,6 +49,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+NETNS_ETC = Path("/etc/netns")  # per-namespace files that `ip netns exec` mounts over /etc
 SUBNET = "10.78.0"  # private, and used only inside namespaces made here
 PREFIX_RE = re.compile(r"^osmm-(\d+|manual)-")
 MANUAL = "osmm-manual-"
@@ -112,6 +119,16 @@ def _delete(name: str) -> None:
         with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
     subprocess.run(["ip", "netns", "delete", name], capture_output=True)
+    shutil.rmtree(NETNS_ETC / name, ignore_errors=True)
+
+
+def _write_hosts_files(names: tuple[str, ...], addresses: tuple[str, ...]) -> None:
+    """Every host's /etc/hosts: localhost, then every host of the set by name."""
+    text = "127.0.0.1 localhost\n::1 localhost\n"
+    text += "".join(f"{a} {n}\n" for n, a in zip(names, addresses))
+    for name in names:
+        (NETNS_ETC / name).mkdir(parents=True, exist_ok=True)
+        (NETNS_ETC / name / "hosts").write_text(text)
 
 
 def remove(prefix: str) -> None:
@@ -156,6 +173,7 @@ def create(count: int, prefix: str | None = None) -> Hosts:
             _ip("-n", bridge, "link", "set", f"veth{i}", "master", "br0", "up")
             _ip("-n", name, "addr", "add", f"{address}/24", "dev", "eth0")
             _ip("-n", name, "link", "set", "eth0", "up")
+        _write_hosts_files(names, addresses)
     except BaseException:
         remove(prefix)
         raise
