@@ -149,7 +149,7 @@ test-mpi: install
 # benchmarks/README.md; writes benchmarks/results/ (results.md, raw.json, PNG plots); then the
 # Transformer train step on heterogeneous ranks (lm_step.md, lm_step.png; lm_step.json appended);
 # planner_scaling and layout_bounds need no MPI (plan building cost; auto_layouts' picks against
-# the communication lower bound).
+# the communication lower bound); then bench-network (below).
 # One case by hand: python -m benchmarks.compare_methods --help (or benchmarks.train_step).
 BENCH_RAW := benchmarks/results/raw.json
 HETERO := -n 3 -bind-to user:0,0,1
@@ -174,6 +174,16 @@ bench: install
 	  --json benchmarks/results/watchdog_overhead.json
 	$(PY) -m benchmarks.report --raw $(BENCH_RAW)
 	$(MPIEXEC) $(HETERO) $(PY) -m benchmarks.lm_step --json benchmarks/results/lm_step.json
+	@$(MAKE) --no-print-directory bench-network
+
+# one_sided against the all-reduce baseline and JAX's NamedSharding over TCP between emulated
+# hosts (network namespaces) and with MPIR_CVAR_NOLOCAL, per progress option, overlap on and
+# off (network.md, network.png). Needs root and iproute2; skipped, saying so, otherwise.
+.PHONY: bench-network
+bench-network: install
+	@if [ "$$(id -u)" = 0 ] && command -v ip >/dev/null 2>&1; then \
+	  timeout 600 $(PY) -m benchmarks.network; \
+	else echo "bench-network skipped: network namespaces need root and iproute2's ip"; fi
 
 # Execute the notebooks headless (they check themselves with assert cells).
 .PHONY: notebooks
