@@ -215,6 +215,7 @@ def plot(records: list[dict], path: Path) -> None:
         ax.tick_params(labelsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None) -> int:
