@@ -633,7 +633,11 @@ def _linen_differentiated(module, kernel, bias, *, data_parallel: bool) -> None:
         import jax
 
         flat = jax.tree_util.tree_flatten_with_path(_linen_params(root))[0]
-        record["params"] = [_path_names(path) for path, _ in flat]
+        # Only parameters being differentiated can carry an un-summed gradient (a frozen one,
+        # e.g. outside the trained subset of a fine-tuning, has none).
+        record["params"] = [
+            _path_names(path) for path, leaf in flat if unsummed_grads.differentiated((leaf,))
+        ]
         record["covered"] = set()
     record["covered"].add(path)
     if data_parallel:
@@ -716,7 +720,9 @@ def _nnx_unsummed(layer):
         record["unsummed"] = [
             "/".join(map(str, path))
             for path, node in nnx.iter_graph(root)
-            if isinstance(node, nnx.Param) and not _under(tuple(path), covered)
+            if isinstance(node, nnx.Param)
+            and not _under(tuple(path), covered)
+            and unsummed_grads.differentiated((node.get_value(),))
         ]
     return lambda: record["unsummed"]
 
