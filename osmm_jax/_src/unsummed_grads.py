@@ -51,7 +51,7 @@ class _Note:
 
     trace: weakref.ref  # the differentiating trace (JVP / linearize)
     staged: bool  # inside a jit trace: judged when that trace ends
-    unsummed: Callable[[], Iterable[str]]  # the model's parameters outside data-parallel layers
+    unsummed: Callable[[], Iterable[str]]  # differentiated parameters outside osmm_jax layers
 
 
 class _State(threading.local):
@@ -121,9 +121,9 @@ def note_differentiated(
     received) at every call; does something only when they are being differentiated.
 
     ``prepare`` is called then, while the layer's call is still on the stack, and returns the
-    function that names the model's parameters outside osmm_jax layers; that one is called at
-    most once, when the verdict is given. Inside :func:`collecting`, the parameters go to its
-    callback instead, as ``("data_parallel", param)``.
+    function that names the model's differentiated parameters outside osmm_jax layers; that
+    one is called at most once, when the verdict is given. Inside :func:`collecting`, the
+    parameters go to its callback instead, as ``("data_parallel", param)``.
     """
     found = differentiated(params)
     current = _trace_of(found[0]) if found else None
@@ -174,7 +174,8 @@ def note_synced() -> None:
 
 
 def _judge(notes: list[_Note]) -> None:
-    """Warn (once per process) if any note's model has parameters outside data-parallel layers."""
+    """Warn (once per process) if any note's model has differentiated parameters outside
+    osmm_jax layers."""
     global _warned
     if not _state.notes and compat.no_trace_active():
         _state.models.clear()
