@@ -4,6 +4,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <utility>
@@ -91,7 +92,9 @@ struct PollerState {
   std::condition_variable wake;   // an epoch opened, or stopping
   int open = 0;                   // epochs open (Begin without End)
   MPI_Comm comm = MPI_COMM_NULL;  // the communicator of the latest epoch opened
-  bool stopping = false;
+  // The running poller's own stop flag: a poller started while an older one is being joined
+  // gets a fresh flag, so the older one still sees its stop.
+  std::shared_ptr<bool> stop;
   std::thread thread;
   std::atomic<int> mode{static_cast<int>(ProgressMode::kOff)};
   std::atomic<int64_t> interval_us{0};
@@ -103,11 +106,11 @@ PollerState& Poller() {
   return *state;
 }
 
-void PollLoop(PollerState* s) {
+void PollLoop(PollerState* s, std::shared_ptr<bool> stop) {
   std::unique_lock<std::mutex> lock(s->mu);
   for (;;) {
-    s->wake.wait(lock, [s] { return s->stopping || s->open > 0; });
-    if (s->stopping) return;
+    s->wake.wait(lock, [s, &stop] { return *stop || s->open > 0; });
+    if (*stop) return;
     const MPI_Comm comm = s->comm;
     lock.unlock();
     // Only probes, never receives: nothing is sent on the private communicators outside
@@ -155,12 +158,12 @@ void BeginProgress(MPI_Comm comm) {
   PollerState& s = Poller();
   std::lock_guard<std::mutex> lock(s.mu);
   if (!s.thread.joinable()) {
-    s.stopping = false;
-    s.thread = std::thread(PollLoop, &s);
+    s.stop = std::make_shared<bool>(false);
+    s.thread = std::thread(PollLoop, &s, s.stop);
   }
   s.open += 1;
   s.comm = comm;
-  s.wake.notify_one();
+  s.wake.notify_all();
 }
 
 void EndProgress() {
@@ -175,9 +178,9 @@ void StopProgress() {
   {
     std::lock_guard<std::mutex> lock(s.mu);
     if (!s.thread.joinable()) return;
-    s.stopping = true;
+    *s.stop = true;
     s.open = 0;
-    s.wake.notify_one();
+    s.wake.notify_all();
     thread = std::move(s.thread);
   }
   thread.join();

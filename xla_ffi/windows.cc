@@ -225,6 +225,7 @@ ffi::Error PrivateComm(MPI_Comm comm, MPI_Comm* out) {
     int node_size = 0;
     if (int rc = MPI_Comm_split_type(dup, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
         rc != MPI_SUCCESS) {
+      MPI_Comm_free(&dup);
       return MpiError(rc, "MPI_Comm_split_type");
     }
     MPI_Comm_size(dup, &size);
