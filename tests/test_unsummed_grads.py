@@ -219,19 +219,11 @@ def test_a_refused_step_is_refused_again_and_points_at_the_caller():
 def test_frozen_parameters_are_not_named():
     # Only the data-parallel layer is trained: the LayerNorm's gradient is never applied, so a
     # step without sync_grads is right and nothing is said.
-    class _Partly(nnx.Module):
-        def __init__(self):
-            self.norm = nnx.LayerNorm(4, rngs=nnx.Rngs(0))
-            self.dense = om_flax.Linear(4, 3, row_sizes=[4], rngs=nnx.Rngs(1))
-
-        def __call__(self, x):
-            return self.dense(self.norm(x)).sum()
-
     only_dense = nnx.All(nnx.Param, nnx.PathContains("dense"))
     messages = _warnings(
         lambda: nnx.jit(
             lambda m: nnx.grad(lambda m: m(X), argnums=nnx.DiffState(0, only_dense))(m)
-        )(_Partly())
+        )(_NnxWithNorm())
     )
     assert messages == []
     model, params = _linen(_WithNorm())

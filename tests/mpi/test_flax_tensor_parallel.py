@@ -293,18 +293,26 @@ def test_sync_grads_makes_data_parallel_training_match_one_process():
     jax.tree.map(_close, grads(params, tokens[mine]), ref)
 
 
+class _NnxNormDense(nnx.Module):
+    """A LayerNorm (a parameter outside the osmm_jax layers) then a dense layer."""
+
+    def __init__(self, dense):
+        self.norm = nnx.LayerNorm(IN, rngs=nnx.Rngs(0))
+        self.dense = dense
+
+
+def _nnx_models(sizes):
+    """The model with an osmm_jax data-parallel dense layer, and with the stock one."""
+    ours = _NnxNormDense(om_flax.Linear(IN, OUT, row_sizes=sizes, rngs=nnx.Rngs(1)))
+    return ours, _NnxNormDense(nnx.Linear(IN, OUT, rngs=nnx.Rngs(1)))
+
+
 def test_sync_grads_nnx_model_and_one_process():
     sizes = _row_sizes()
     x = jnp.asarray(np.random.default_rng(10).standard_normal((sum(sizes), IN)), jnp.float32)
     mine = _mine(sizes)
 
-    class Model(nnx.Module):
-        def __init__(self, dense):
-            self.norm = nnx.LayerNorm(IN, rngs=nnx.Rngs(0))
-            self.dense = dense
-
-    ours = Model(om_flax.Linear(IN, OUT, row_sizes=sizes, rngs=nnx.Rngs(1)))
-    stock = Model(nnx.Linear(IN, OUT, rngs=nnx.Rngs(1)))
+    ours, stock = _nnx_models(sizes)
 
     def loss(m, x):
         return jnp.sum(jnp.tanh(m.dense(m.norm(x)))) / sum(sizes)
@@ -367,13 +375,7 @@ def test_value_and_grad_nnx_with_aux_matches_one_process():
     x = jnp.asarray(np.random.default_rng(12).standard_normal((sum(sizes), IN)), jnp.float32)
     mine = _mine(sizes)
 
-    class Model(nnx.Module):
-        def __init__(self, dense):
-            self.norm = nnx.LayerNorm(IN, rngs=nnx.Rngs(0))
-            self.dense = dense
-
-    ours = Model(om_flax.Linear(IN, OUT, row_sizes=sizes, rngs=nnx.Rngs(1)))
-    stock = Model(nnx.Linear(IN, OUT, rngs=nnx.Rngs(1)))
+    ours, stock = _nnx_models(sizes)
 
     def loss(m, x):
         y = jnp.tanh(m.dense(m.norm(x)))
