@@ -72,7 +72,11 @@ _collecting: contextvars.ContextVar[Callable | None] = contextvars.ContextVar(
 
 def _traces(value):
     """The traces ``value`` is a tracer of, innermost first (none for a concrete value)."""
-    trace = value._trace if isinstance(value, jax.core.Tracer) else None
+    yield from _chain(value._trace if isinstance(value, jax.core.Tracer) else None)
+
+
+def _chain(trace):
+    """``trace`` and the traces it was started inside, innermost first."""
     while trace is not None:
         yield trace
         trace = compat.parent_trace(trace)
@@ -90,11 +94,7 @@ def _trace_of(value):
 
 def _staged(trace) -> bool:
     """Whether ``trace`` runs inside a trace that stages a program out (jit, scan, ...)."""
-    while trace is not None:
-        if compat.is_staging_trace(trace):
-            return True
-        trace = getattr(trace, "parent_trace", None)
-    return False
+    return any(compat.is_staging_trace(t) for t in _chain(trace))
 
 
 @contextlib.contextmanager
