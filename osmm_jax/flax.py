@@ -671,21 +671,28 @@ def _linen_root(module, path: tuple):
     """The root scope of the model ``module`` belongs to: its own scope's root, unless a lifted
     transformation (``nn.remat``, ``nn.scan``, ...) gave it one of its own; then the root of a
     calling module's scope on the stack that holds ``path``. None if none is found."""
-    import sys
-
     root = module.scope.root
     if not path or _linen_holds(root, path):
         return root
-    frame = sys._getframe(2)
-    for _ in range(64):
-        if frame is None:
-            break
+    for frame in _caller_frames():
         caller = frame.f_locals.get("self")
         if isinstance(caller, nn.Module) and caller.scope is not None:
             if _linen_holds(caller.scope.root, path):
                 return caller.scope.root
-        frame = frame.f_back
     return None
+
+
+def _caller_frames(limit: int = 64):
+    """The frames of the calls on the stack, from the osmm_jax layer's caller outwards (at most
+    ``limit``): where the model a layer belongs to is found while it is traced."""
+    import sys
+
+    frame = sys._getframe(3)  # 0: here, 1: the finder, 2: the layer's hook, 3: its caller
+    for _ in range(limit):
+        if frame is None:
+            return
+        yield frame
+        frame = frame.f_back
 
 
 def _nnx_unsummed(layer):
@@ -693,24 +700,18 @@ def _nnx_unsummed(layer):
     model outside osmm_jax layers. The model is the largest ``nnx.Module`` among the local
     variables of the calls on the stack whose graph holds ``layer`` (the module the training
     step differentiates); none found: the layer alone, nothing outside it."""
-    import sys
-
     for known in unsummed_grads.known_models():
         if id(layer) in known.get("node_ids", ()):
             return lambda record=known: record["unsummed"]
     root, size = layer, 1
-    frame = sys._getframe(2)
     seen: set[int] = set()
-    for _ in range(64):
-        if frame is None:
-            break
+    for frame in _caller_frames():
         for value in list(frame.f_locals.values()):
             if isinstance(value, nnx.Module) and id(value) not in seen and value is not layer:
                 seen.add(id(value))
                 nodes = [node for _, node in nnx.iter_graph(value)]
                 if len(nodes) > size and any(node is layer for node in nodes):
                     root, size = value, len(nodes)
-        frame = frame.f_back
     record = unsummed_grads.model_record(root)
     if "unsummed" not in record:
         record["node_ids"] = {id(node) for _, node in nnx.iter_graph(root)}
