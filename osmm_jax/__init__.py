@@ -39,6 +39,7 @@ _PUBLIC = {
     "Layout": "osmm_jax._src.layout",
     "split_sizes": "osmm_jax._src.layout",
     "Plan": "osmm_jax._src.planner",
+    "RankPlan": "osmm_jax._src.planner",
     "LocalMultiply": "osmm_jax._src.planner",
     "LocalUpdate": "osmm_jax._src.planner",
     "Transfer": "osmm_jax._src.planner",
@@ -77,6 +78,7 @@ __all__ = [
     "LocalUpdate",
     "MethodSelector",
     "Plan",
+    "RankPlan",
     "Rebalancer",
     "SpeedProfile",
     "Transfer",
@@ -126,7 +128,7 @@ if TYPE_CHECKING:
     from osmm_jax._src.log import enable_logging
     from osmm_jax._src.matmul import matmul
     from osmm_jax._src.metrics import start_metrics, write_metrics
-    from osmm_jax._src.planner import LocalMultiply, LocalUpdate, Plan, Transfer
+    from osmm_jax._src.planner import LocalMultiply, LocalUpdate, Plan, RankPlan, Transfer
     from osmm_jax._src.plot import plot_layout, plot_plan
     from osmm_jax._src.rebalance import Rebalancer
     from osmm_jax._src.speeds import SpeedProfile, declared_speeds, profile_speeds

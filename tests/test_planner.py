@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from collections import defaultdict
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -13,21 +13,20 @@ from strategies import products
 
 from osmm_jax._src.layout import Layout
 from osmm_jax._src.planner import (
-    Assignment,
-    Cells,
+    EVERYONE,
+    Decision,
     LocalMultiply,
     LocalUpdate,
+    Plan,
+    PlanFacts,
     Transfer,
-    Unserved,
     backward_plans,
-    choose_servers,
+    cells_of_rank,
+    combine_facts,
     cut_cells,
-    emit_schedule,
+    decide,
     make_plan,
-    moved,
     per_rank_totals,
-    serve_self,
-    server_candidates,
 )
 
 
@@ -316,11 +315,11 @@ def test_data_parallel_weight_gradient_moves_like_a_ring_allreduce():
     assert list(plan.flops) == [2 * n * n * b.local_shape(r)[0] for r in range(4)]
 
 
-# -- the passes of the schedule, one at a time -------------------------------------------------
+# -- the decisions, one cell at a time ------------------------------------------------------------
 #
 # EXAMPLE: 2 ranks, A (4x6) split by rows 1:3, B (6x5) by rows 2:4, C (4x5) by columns 3:2.
-# M is cut at A's rows, K at B's rows, N at C's columns; no C owner has both inputs except
-# for two cells, one per rank.
+# M is cut at A's rows, K at B's rows, N at C's columns: cell (mi, ki, ni) has its A piece on
+# rank mi, its B piece on rank ki and its C piece on rank ni.
 
 
 def _example_layouts():
@@ -331,219 +330,217 @@ def _example_layouts():
     )
 
 
-EXAMPLE_UNSERVED = [
-    Unserved(0, 1, 0, (), (0,)),
-    Unserved(0, 0, 1, (), (1,)),
-    Unserved(0, 1, 1, (), (1,)),
-    Unserved(1, 0, 0, (), (0,)),
-    Unserved(1, 1, 0, (), (0,)),
-    Unserved(1, 0, 1, (), (1,)),
-]
-
-
-def test_cut_cells_cuts_at_every_shared_boundary_and_tables_the_owners():
+def test_cut_cells_cuts_at_every_shared_boundary_and_looks_up_the_owners():
     cells = cut_cells(*_example_layouts())
     assert (cells.m, cells.k, cells.n) == (((0, 1), (1, 4)), ((0, 2), (2, 6)), ((0, 3), (3, 5)))
-    assert cells.a_owners == (((0,), (0,)), ((1,), (1,)))  # [mi][ki]
-    assert cells.b_owners == (((0,), (0,)), ((1,), (1,)))  # [ki][ni]
-    assert cells.c_owners == (((0,), (1,)), ((0,), (1,)))  # [mi][ni]
+    assert [[cells.a_owner(mi, ki) for ki in range(2)] for mi in range(2)] == [[0, 0], [1, 1]]
+    assert [[cells.b_owner(ki, ni) for ni in range(2)] for ki in range(2)] == [[0, 0], [1, 1]]
+    assert [[cells.c_owner(mi, ni) for ni in range(2)] for mi in range(2)] == [[0, 1], [0, 1]]
     assert cells.nranks == 2
     assert cells.flops(1, 1, 0) == 2 * 3 * 4 * 3
-    # A replicated operand: every rank owns every piece.
+    # A replicated operand: every rank holds every piece.
     rep = cut_cells(
         Layout.replicated((2, 3), nranks=2),
         Layout.replicated((3, 2), nranks=2),
         Layout.rows((2, 2), nranks=2),
     )
     assert (rep.m, rep.k, rep.n) == (((0, 1), (1, 2)), ((0, 3),), ((0, 2),))
-    assert rep.a_owners == (((0, 1),), ((0, 1),)) and rep.c_owners == (((0,),), ((1,),))
+    assert rep.a_owner(1, 0) == EVERYONE and rep.c_owner(1, 0) == 1
 
 
-def test_serve_self_assigns_owners_with_both_inputs_and_lists_the_rest():
-    assignment, unserved = serve_self(cut_cells(*_example_layouts()))
-    assert assignment.products == {(0, 0, 0, 0): True, (1, 1, 1, 1): True}
-    assert assignment.deliveries == {(0, 0, 0, 0): [0], (1, 1, 1, 1): [1]}
-    assert assignment.load == [2 * 1 * 2 * 3, 2 * 3 * 4 * 2]
-    assert unserved == EXAMPLE_UNSERVED  # in (mi, ni, ki) order
+@settings(max_examples=300, deadline=None)
+@given(products())
+def test_owner_lookups_are_the_layouts_owners(layouts):
+    a, b, c = layouts
+    cells = cut_cells(a, b, c)
+    for index, layout, rows, cols in (
+        (cells.a, a, cells.m, cells.k),
+        (cells.b, b, cells.k, cells.n),
+        (cells.c, c, cells.m, cells.n),
+    ):
+        for r in rows:
+            for col in cols:
+                owners = layout.owners(r, col)
+                expected = EVERYONE if layout.is_replicated else owners[0]
+                assert len(owners) == (layout.nranks if layout.is_replicated else 1)
+                assert index.at(r[0], col[0]) == expected
 
 
-def test_serve_self_makes_the_lowest_owner_primary_and_keeps_partly_served_cells():
-    # Everything replicated: both ranks compute the one cell, rank 0's copy is primary.
-    assignment, unserved = serve_self(
-        cut_cells(*(Layout.replicated((2, 2), nranks=2) for _ in range(3)))
-    )
-    assert assignment.products == {(0, 0, 0, 0): True, (1, 0, 0, 0): False}
-    assert assignment.deliveries == {(0, 0, 0, 0): [0], (1, 1, 0, 0): [0]}
-    assert assignment.load == [16, 16] and unserved == []
-    # A replicated C, A split by rows: the A owner serves itself; the other C owner waits.
-    assignment, unserved = serve_self(
-        cut_cells(
-            Layout.rows((2, 2), nranks=2),
-            Layout.replicated((2, 2), nranks=2),
-            Layout.replicated((2, 2), nranks=2),
-        )
-    )
-    assert assignment.products == {(0, 0, 0, 0): False, (1, 1, 0, 0): False}
-    assert unserved == [Unserved(0, 0, 0, (0,), (1,)), Unserved(1, 0, 0, (1,), (0,))]
-
-
-def test_moved_counts_missing_inputs_and_results_to_send():
+def test_a_c_owner_holding_both_inputs_computes_the_cell_itself():
     cells = cut_cells(*_example_layouts())
-    cell = EXAMPLE_UNSERVED[0]  # A[0:1, 2:6] on rank 0, B[2:6, 0:3] on rank 1, C owner 0
-    assert moved(cells, cell, 0) == 4 * 3  # gets B, keeps the result
-    assert moved(cells, cell, 1) == 1 * 4 + 1 * 3  # gets A, sends the result to rank 0
-    # A self-serving candidate still sends the cell to the other C owners.
-    rep = cut_cells(
+    assert decide(cells, 0, 0, 0) == Decision((0,), -1, 0, 0, 0, 0)
+    assert decide(cells, 1, 1, 1) == Decision((1,), -1, 1, 1, 1, 1)
+    # Everything replicated: every rank computes the cell; rank 0's copy is primary.
+    everything = cut_cells(*(Layout.replicated((2, 2), nranks=2) for _ in range(3)))
+    assert decide(everything, 0, 0, 0) == Decision((EVERYONE,), -1, 0, EVERYONE, EVERYONE, EVERYONE)
+    # A replicated C, A split by rows: the A owner computes it and delivers it to the others.
+    rep_c = cut_cells(
         Layout.rows((2, 2), nranks=2),
         Layout.replicated((2, 2), nranks=2),
         Layout.replicated((2, 2), nranks=2),
     )
-    assert moved(rep, Unserved(0, 0, 0, (0,), (1,)), 0) == 2
+    assert decide(rep_c, 1, 0, 0) == Decision((1,), 1, 1, 1, EVERYONE, EVERYONE)
 
 
-def test_server_candidates():
+def test_decide_picks_the_server_that_moves_the_fewest_elements():
     cells = cut_cells(*_example_layouts())
-    both_on_0 = EXAMPLE_UNSERVED[1]  # A and B pieces on rank 0, C on rank 1
-    split = EXAMPLE_UNSERVED[0]  # A on 0, B on 1, C on 0
-    assert server_candidates(cells, both_on_0) == {0, 1}
-    assert server_candidates(cells, both_on_0, compute_at_inputs=True) == {0}
-    assert server_candidates(cells, split, compute_at_inputs=True) == {0, 1}  # nobody has both
-    assert server_candidates(cells, Unserved(0, 0, 0, (1,), (0,))) == (1,)  # self-serving only
+    # Cell (0, 1, 0): A[0:1, 2:6] on rank 0, B[2:6, 0:3] on rank 1, C owner 0. Rank 0 would
+    # get B (12 elements); rank 1 gets A (4) and sends the 1x3 result: 7.
+    assert decide(cells, 0, 1, 0).server == 1
+    # Cell (1, 0, 0): A on 1, B on 0, C on 0. The C owner gets A (6); rank 1 would get B (6)
+    # and send 9.
+    assert decide(cells, 1, 0, 0).server == 0
+    # With compute_at_inputs, a rank holding both inputs computes even when the C owner
+    # would move less: here rank 0 holds both, and sending its 4x4 result costs 16 > 8.
+    a = Layout.rows((4, 1), sizes=[4, 0])
+    b = Layout.rows((1, 4), sizes=[1, 0])
+    c = Layout.rows((4, 4), sizes=[0, 4])
+    cells = cut_cells(a, b, c)
+    assert decide(cells, 0, 0, 0).server == 1
+    assert decide(cells, 0, 0, 0, compute_at_inputs=True).server == 0
 
 
-def test_choose_servers_picks_the_cheapest_server_and_delivers_to_the_c_owners():
-    cells = cut_cells(*_example_layouts())
-    assignment, unserved = serve_self(cells)
-    choose_servers(cells, assignment, unserved)
-    assert assignment.products == {
-        (0, 0, 0, 0): True,
-        (1, 1, 1, 1): True,
-        (1, 0, 1, 0): True,
-        (0, 0, 0, 1): True,
-        (1, 0, 1, 1): True,
-        (0, 1, 0, 0): True,
-        (1, 1, 1, 0): True,
-        (1, 1, 0, 1): True,
-    }
-    assert assignment.deliveries == {
-        (0, 0, 0, 0): [0],
-        (1, 1, 1, 1): [1, 0],
-        (1, 0, 0, 0): [1],
-        (0, 1, 0, 1): [0],
-        (1, 1, 0, 1): [1],
-        (0, 0, 1, 0): [0],
-        (1, 0, 1, 0): [1],
-    }
-    assert assignment.load == [56, 184] and sum(assignment.load) == 2 * 4 * 6 * 5
-
-
-def _tie_cells() -> Cells:
-    # One C cell owned by rank 2, K cut in two: A[:, 0:1] and A[:, 1:2] on rank 0,
-    # B[0:1, :] on rank 1 and B[1:2, :] on rank 0.
-    return Cells(
-        m=((0, 1),),
-        k=((0, 1), (1, 2)),
-        n=((0, 1),),
-        a_owners=(((0,), (0,)),),
-        b_owners=(((1,),), ((0,),)),
-        c_owners=(((2,),),),
-        nranks=3,
+def test_ties_go_to_the_c_owner_then_take_turns():
+    # Equal 2x2 grids: the cells whose three owners differ cost the same on each (one piece
+    # in, one out, all the same size): the C owner computes them, as in stationary C.
+    n = 8
+    cells = cut_cells(*(Layout.grid((n, n), (2, 2)) for _ in range(3)))
+    d = decide(cells, 0, 1, 0)  # A on 1, B on 2, C on 0
+    assert (d.a_owner, d.b_owner, d.c_owner, d.server) == (1, 2, 0, 0)
+    # K much larger than M and N: the C owner would get two big pieces; the A and B owners
+    # tie, and take turns by the cell's position.
+    cells = cut_cells(
+        Layout.grid((4, 64), (2, 2)), Layout.grid((64, 4), (2, 2)), Layout.grid((4, 4), (2, 2))
     )
+    assert decide(cells, 0, 1, 0).server == 2  # ranks (1, 2) tied, turn 1
+    assert decide(cells, 1, 0, 1).server == 1  # ranks (1, 2) tied, turn 0
 
 
-def _big_tie_cells(size: int) -> Cells:
-    # _tie_cells() with every interval ``size`` long: the flops of a cell (2 size^3) outweigh
-    # its traffic in the balance model, as they do in real products.
-    s = size
-    return Cells(
-        m=((0, s),),
-        k=((0, s), (s, 2 * s)),
-        n=((0, s),),
-        a_owners=(((0,), (0,)),),
-        b_owners=(((1,),), ((0,),)),
-        c_owners=(((2,),),),
-        nranks=3,
+def test_example_schedule_gets_once_and_sums_partials_per_rectangle():
+    plan = make_plan(*_example_layouts())
+    assert plan.transfers == (
+        Transfer("get", "A", 0, 1, (1, 4), (0, 2)),
+        Transfer("get", "A", 1, 0, (0, 1), (2, 6)),  # once, for two cells
+        Transfer("get", "B", 1, 0, (0, 2), (3, 5)),
+        # Two K cells: any rectangle may receive several contributions, so accumulate.
+        Transfer("accumulate", "C", 0, 1, (0, 1), (3, 5), ((0, 2),)),
+        Transfer("accumulate", "C", 1, 0, (0, 1), (0, 3), ((2, 6),)),
+        Transfer("accumulate", "C", 1, 0, (1, 4), (0, 3), ((2, 6),)),
     )
-
-
-@pytest.mark.parametrize(
-    ("load", "server"),
-    [
-        # The least-loaded rank takes the cell.
-        ([5, 0, 3], 1),
-        ([4, 4, 1], 2),
-        # Equal loads: the C owner, which sends no partial (its fetches are charged to the
-        # owners it reads from), so the busiest rank finishes soonest.
-        ([0, 0, 0], 2),
-    ],
-)
-def test_choose_servers_gives_a_tie_to_the_rank_that_needs_the_work(load, server):
-    cells = _big_tie_cells(1000)
-    cell_flops = cells.flops(0, 0, 0)
-    tied = Unserved(0, 0, 0, (), (2,))  # every rank moves 2 size^2 elements
-    assert len({moved(cells, tied, p) for p in range(3)}) == 1
-    assignment = Assignment({}, defaultdict(list), [x * cell_flops for x in load])
-    choose_servers(cells, assignment, [tied])
-    assert assignment.products == {(server, 0, 0, 0): True}
-    assert assignment.deliveries == {(server, 2, 0, 0): [0]}
-
-
-def test_choose_servers_places_untied_cells_before_tied_ones():
-    # The tied cell comes first in the list, but rank 0 must first take the cell only it
-    # serves cheaply; the tie then goes to a rank with no work yet, not to rank 0.
-    cells = _big_tie_cells(1000)
-    cell_flops = cells.flops(0, 0, 0)
-    assignment = Assignment({}, defaultdict(list), [0, 0, 0])
-    choose_servers(cells, assignment, [Unserved(0, 0, 0, (), (2,)), Unserved(0, 1, 0, (), (2,))])
-    assert (0, 0, 1, 0) in assignment.products and (0, 0, 0, 0) not in assignment.products
-    assert sorted(assignment.load) == [0, cell_flops, cell_flops]
-
-
-def test_emit_schedule_fetches_missing_inputs_and_accumulates_shared_rectangles():
-    cells = _tie_cells()
-    assignment = Assignment(
-        {(1, 0, 0, 0): True, (0, 0, 1, 0): True},
-        defaultdict(list, {(1, 2, 0, 0): [0], (0, 2, 0, 0): [1]}),
-        [2, 2, 0],
+    assert plan.local_updates == (
+        LocalUpdate(0, (0, 1), (0, 3), ((0, 2),)),
+        LocalUpdate(0, (1, 4), (0, 3), ((0, 2),)),
+        LocalUpdate(1, (0, 1), (3, 5), ((2, 6),)),
+        LocalUpdate(1, (1, 4), (3, 5), ((0, 2), (2, 6))),
     )
-    multiplies, transfers, local_updates = emit_schedule(cells, assignment)
-    assert multiplies == (
-        LocalMultiply(0, (0, 1), (1, 2), (0, 1), 0, 0, True),
-        LocalMultiply(1, (0, 1), (0, 1), (0, 1), 0, 1, True),
-    )
-    assert transfers == (
-        Transfer("get", "A", 1, 0, (0, 1), (0, 1)),
-        Transfer("accumulate", "C", 0, 2, (0, 1), (0, 1), ((1, 2),)),
-        Transfer("accumulate", "C", 1, 2, (0, 1), (0, 1), ((0, 1),)),
-    )
-    assert local_updates == ()
+    assert [(m.rank, m.rows, m.inner, m.cols, m.a_source, m.b_source) for m in plan.multiplies] == [
+        (0, (0, 1), (0, 2), (0, 3), 0, 0),
+        (0, (0, 1), (0, 2), (3, 5), 0, 0),
+        (0, (1, 4), (0, 2), (0, 3), 1, 0),
+        (1, (0, 1), (2, 6), (0, 3), 0, 1),
+        (1, (0, 1), (2, 6), (3, 5), 0, 1),
+        (1, (1, 4), (0, 2), (3, 5), 1, 0),
+        (1, (1, 4), (2, 6), (0, 3), 1, 1),
+        (1, (1, 4), (2, 6), (3, 5), 1, 1),
+    ]
+    assert sum(plan.flops) == 2 * 4 * 6 * 5
 
 
-def test_emit_schedule_puts_sole_contributions_in_rotated_order_and_sorts_local_updates():
-    # Rank 2 holds A and B and computes both rows of C: row 0 is rank 0's, row 1 rank 1's.
-    # Rank 2's deliveries start at the next rank (0), then 1; each is the only contribution
-    # to its rectangle, so a put. Rank 0 also adds a product of its own into its block.
-    cells = Cells(
-        m=((0, 1), (1, 2)),
-        k=((0, 1),),
-        n=((0, 1),),
-        a_owners=(((0, 2),), ((2,),)),
-        b_owners=(((0, 2),),),
-        c_owners=(((0,),), ((1,),)),
-        nranks=3,
+def test_a_product_with_one_k_cell_puts_and_rotates_targets():
+    # Rank 2 holds all of A and B and computes every row of C: row 0 is rank 0's, row 1
+    # rank 1's, each the only contribution to its rectangle (one K cell), so a put; rank 2's
+    # deliveries start at the next rank (0), then 1.
+    a = Layout.rows((2, 1), sizes=[0, 0, 2])
+    b = Layout.rows((1, 1), sizes=[0, 0, 1])
+    c = Layout.rows((2, 1), sizes=[1, 1, 0])
+    plan = make_plan(a, b, c)
+    assert plan.transfers == (
+        Transfer("put", "C", 2, 0, (0, 1), (0, 1), ((0, 1),)),
+        Transfer("put", "C", 2, 1, (1, 2), (0, 1), ((0, 1),)),
     )
-    assignment = Assignment(
-        {(2, 1, 0, 0): True, (2, 0, 0, 0): False, (0, 0, 0, 0): True},
-        defaultdict(list, {(2, 1, 1, 0): [0], (0, 0, 0, 0): [0]}),
-        [2, 0, 4],
+    assert plan.local_updates == ()
+
+
+# -- one rank's part of a plan ---------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(products())
+def test_rank_plans_are_exactly_the_whole_plans_records(layouts):
+    plan = Plan(*layouts)
+    parts = [plan.for_rank(r) for r in range(plan.nranks)]
+    assert [m for p in parts for m in p.multiplies] == list(plan.multiplies)
+    assert [u for p in parts for u in p.local_updates] == list(plan.local_updates)
+    gets = [t for t in plan.transfers if t.op == "get" and t.matrix != "C"]
+    deliveries = [t for t in plan.transfers if t.op != "get"]
+    assert [t for p in parts for t in p.gets] == gets
+    assert Counter(t for p in parts for t in p.served) == Counter(gets)
+    assert [t for p in parts for t in p.deliveries] == deliveries
+    assert Counter(t for p in parts for t in p.received) == Counter(deliveries)
+    assert [t for p in parts for t in p.gathers] == list(plan.gathers)
+    assert Counter(t for p in parts for t in p.gathered) == Counter(plan.gathers)
+    assert tuple(p.flops for p in parts) == plan.flops
+    for sizes in ((4, 4), (2, 8)):
+        assert tuple(p.bytes_sent(*sizes) for p in parts) == plan.bytes_sent(*sizes)
+        assert tuple(p.bytes_issued(*sizes) for p in parts) == plan.bytes_issued(*sizes)
+    assert combine_facts(p.facts for p in parts) == plan.facts
+    assert tuple(plan.exposes(r) for r in range(plan.nranks)) == tuple(p.exposes for p in parts)
+
+
+def test_a_rank_plan_visits_only_the_cells_it_owns_a_piece_of():
+    # K-split over P ranks has P^2 cells; one rank's part comes from the 2P - 1 it owns.
+    p = 256
+    shape = (p * 4, p * 4)
+    a, b, c = (
+        Layout.cols(shape, nranks=p),
+        Layout.rows(shape, nranks=p),
+        Layout.rows(shape, nranks=p),
     )
-    multiplies, transfers, local_updates = emit_schedule(cells, assignment)
-    assert [(m.rank, m.rows) for m in multiplies] == [(0, (0, 1)), (2, (0, 1)), (2, (1, 2))]
-    assert transfers == (Transfer("put", "C", 2, 1, (1, 2), (0, 1), ((0, 1),)),)
-    assert local_updates == (LocalUpdate(0, (0, 1), (0, 1), ((0, 1),)),)
-    assignment.deliveries[(2, 0, 0, 0)].append(0)
-    _, transfers, _ = emit_schedule(cells, assignment)
-    assert [(t.op, t.target) for t in transfers] == [("accumulate", 0), ("put", 1)]
+    plan = Plan(a, b, c)
+    assert len(plan.cells.m) * len(plan.cells.k) == p * p
+    assert len(cells_of_rank(plan.cells, a, b, c, 7)) == 2 * p - 1
+    part = plan.for_rank(7)
+    assert len(part.deliveries) == len(part.received) == p - 1 and not part.gets
+    assert part.flops == 2 * (p * 4) * 4 * (p * 4)
+    # On a 16 x 16 grid a rank's part comes from its own row and column of blocks.
+    grid = [Layout.grid(shape, (16, 16)) for _ in range(3)]
+    plan = Plan(*grid)
+    assert len(cells_of_rank(plan.cells, *grid, 7)) == 3 * 16 - 2
+    part = plan.for_rank(7)
+    assert len(part.multiplies) == 16 and len(part.gets) == 30 and not part.deliveries
+
+
+def test_plan_for_one_rank_needs_no_mpi():
+    code = (
+        "import sys, osmm_jax as om\n"
+        "s = (65536, 65536)\n"
+        "part = om.plan(om.Layout.cols(s, nranks=8192), om.Layout.rows(s, nranks=8192),"
+        " om.Layout.rows(s, nranks=8192), rank=5)\n"
+        "assert isinstance(part, om.RankPlan) and part.rank == 5\n"
+        "assert len(part.deliveries) == len(part.received) == 8191\n"
+        "bad = [m for m in ('jax', 'mpi4py', 'mpi4jax') if m in sys.modules]; assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_plan_for_one_rank_refuses_a_comm_and_a_rank_out_of_range():
+    import osmm_jax as om
+
+    layouts = [om.Layout.rows((4, 4), nranks=2) for _ in range(3)]
+    with pytest.raises(ValueError, match="out of range"):
+        om.plan(*layouts, rank=2)
+    with pytest.raises(ValueError, match="not both"):
+        om.plan(*layouts, rank=0, comm=object())
+
+
+def test_agreed_facts_are_adopted_once():
+    plan = Plan(*(Layout.grid((8, 8), (2, 2)) for _ in range(3)))
+    facts = combine_facts(plan.for_rank(r).facts for r in range(4))
+    assert facts == PlanFacts(True, False, (16, 16))
+    plan.adopt_facts(facts)
+    plan.adopt_facts(PlanFacts(False, False, (0, 0)))  # ignored: facts do not change
+    assert plan.has_gets and not plan.has_deliveries and plan.expose_elements == (16, 16)
+    assert plan.receive_elements == 0
 
 
 # -- per-rank tallies ----------------------------------------------------------------------------
@@ -582,21 +579,6 @@ def test_bytes_sent_charges_the_owner_and_bytes_issued_the_rank_that_gets():
     assert plan.bytes_issued() == (0, 8) and plan.bytes_issued(8, 4) == (0, 16)
     assert plan.flops == (0, 16)
     assert plan.expose_elements == (2, 0)
-
-
-@settings(max_examples=300, deadline=None)
-@given(products())
-def test_owner_tables_are_the_layouts_owners(layouts):
-    a, b, c = layouts
-    cells = cut_cells(a, b, c)
-    for table, layout, rows, cols in (
-        (cells.a_owners, a, cells.m, cells.k),
-        (cells.b_owners, b, cells.k, cells.n),
-        (cells.c_owners, c, cells.m, cells.n),
-    ):
-        assert len(table) == len(rows)
-        for i, r in enumerate(rows):
-            assert table[i] == tuple(layout.owners(r, col) for col in cols)
 
 
 def test_large_plans_are_built_without_pairwise_or_per_cell_scans():

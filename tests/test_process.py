@@ -46,7 +46,8 @@ def test_insufficient_thread_level_is_refused_clearly():
         mpi4py.rc.thread_level = "serialized"
         from mpi4py import MPI
         import osmm_jax as om
-        om.plan
+        layout = om.Layout.rows((4, 4), nranks=1)
+        om.plan(layout, layout, layout)
     """)
     result = _run([sys.executable, "-c", code])
     assert result.returncode != 0

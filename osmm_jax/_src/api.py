@@ -1,31 +1,51 @@
-"""Host-side entry points that bind the pure planner to an MPI communicator."""
+"""Host-side entry points that bind the pure planner to an MPI communicator.
+
+MPI (mpi4py), JAX and the native module are imported by the functions that use them, so that
+``osmm_jax.plan(..., rank=r)`` works in a process that never starts MPI.
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
-from osmm_jax._src import communicators, metrics, native
 from osmm_jax._src.layout import Layout
-from osmm_jax._src.planner import Plan, make_plan
+from osmm_jax._src.planner import Plan, RankPlan, make_plan
 
 
-def plan(a_layout: Layout, b_layout: Layout, c_layout: Layout, *, comm=None) -> Plan:
-    """The plan of ``C = A @ B`` for the three layouts, on ``comm``.
+def plan(
+    a_layout: Layout, b_layout: Layout, c_layout: Layout, *, comm=None, rank=None
+) -> Plan | RankPlan:
+    """The plan of ``C = A @ B`` for the three layouts, on ``comm``; or one rank's part of it.
 
     Args:
         a_layout, b_layout, c_layout: layouts of A (M x K), B (K x N), C (M x N).
         comm: an mpi4py intracommunicator whose ranks run the product (default
             COMM_WORLD). osmm_jax communicates on a private duplicate of it,
             created collectively on first use, so call this on every rank.
+        rank: instead of a plan to run, return rank ``rank``'s part of the plan
+            (a :class:`RankPlan`: its multiplies and the transfers it issues, serves
+            and receives) for layouts of any rank count, without MPI: how to check
+            the plan of a large cluster from a laptop. ``comm`` must then be None.
 
     Returns:
         An immutable, hashable :class:`Plan`, identical on every rank; cached,
-        so calling again with equal layouts is cheap.
+        so calling again with equal layouts is cheap. Making it computes nothing:
+        each rank builds only its own part, when it first runs the product, in
+        time and memory that grow with its share of the product (for the usual
+        layouts), not with the rank count; the whole schedule (``describe()``,
+        ``plot()``, ``transfers``) is built only when asked for.
 
     Raises:
-        TypeError / ValueError: not layouts, mismatched dimensions, or layouts
-            made for a different number of ranks than ``comm`` has.
+        TypeError / ValueError: not layouts, mismatched dimensions, layouts made
+            for a different number of ranks than ``comm`` has, or a ``rank``
+            out of range.
     """
+    if rank is not None:
+        if comm is not None:
+            raise ValueError("pass either comm (a plan to run) or rank (one rank's part), not both")
+        return make_plan(a_layout, b_layout, c_layout).for_rank(rank)
+    from osmm_jax._src import communicators, metrics
+
     private = communicators.private_comm(comm)
     metrics.start_from_environment()
     size = private.Get_size()
@@ -44,6 +64,8 @@ def default_nranks() -> int:
     The package installs this as the layouts' default (see
     :func:`osmm_jax._src.layout.set_default_nranks`); the first call initialises MPI.
     """
+    from osmm_jax._src import communicators
+
     return communicators.default_comm().Get_size()
 
 
@@ -55,6 +77,8 @@ def gather(x_local, layout: Layout, *, comm=None) -> np.ndarray:
     """
     if not isinstance(layout, Layout):
         raise TypeError(f"layout must be an osmm_jax.Layout, got {type(layout).__name__}")
+    from osmm_jax._src import communicators
+
     private = communicators.private_comm(comm)
     rank, size = private.Get_rank(), private.Get_size()
     if layout.nranks != size:
@@ -86,4 +110,6 @@ def stats() -> dict:
     ran: one per new compiled signature, none in a steady loop), ``windows``
     (live persistent windows) and ``window_bytes`` (their total size).
     """
+    from osmm_jax._src import native
+
     return native.stats()

@@ -131,9 +131,9 @@ def raise_on_drift(plan: Plan, input_dtype, drifts) -> None:
     lines = []
     for r in bad:
         (r0, r1), (c0, c1) = plan.c.blocks[r]
+        part = plan.for_rank(r)
         contributors = sorted(
-            {t.origin for t in plan.transfers if t.op != "get" and t.target == r}
-            | {u.rank for u in plan.local_updates if u.rank == r}
+            {t.origin for t in part.received} | {u.rank for u in part.local_updates}
         )
         lines.append(
             f"C block [{r0}:{r1}, {c0}:{c1}] on rank {r}: relative drift {drifts[r]:.3g} "

@@ -44,7 +44,7 @@ from osmm_jax._src import (
     one_sided,
     watchdog,
 )
-from osmm_jax._src.planner import Plan, backward_plans
+from osmm_jax._src.planner import Plan, PlanFacts, backward_plans
 
 # -- public function ------------------------------------------------------------------
 
@@ -192,7 +192,10 @@ def _batchable_forward(plan: Plan, options: _Options):
     issue a different number of collectives. Looping over the batch instead
     runs ``axis_size`` complete products, identically on every rank.
     """
-    rank = communicators.comm_for_key(plan.comm_key).Get_rank()
+    host_comm = communicators.comm_for_key(plan.comm_key)
+    rank = host_comm.Get_rank()
+    with watchdog.host_step(host_comm, "osmm_jax.matmul's plan agreement"):
+        _agree_facts(plan, host_comm, rank)
     comm = communicators.in_graph_comm(plan.comm_key)
     if options.method == "allreduce":
         execute = allreduce.forward
@@ -220,6 +223,26 @@ def _batchable_forward(plan: Plan, options: _Options):
         return jnp.stack(outs), True
 
     return forward
+
+
+def _agree_facts(plan: Plan, comm, rank: int) -> None:
+    """Combine every rank's share of the plan's :class:`~osmm_jax._src.planner.PlanFacts`
+    (whether anyone gets or delivers, the largest exposed blocks) in one all-reduce, and give
+    them to the plan: each rank then builds only its own part of the plan, never the whole.
+
+    A collective on the host communicator: called by every rank where the product is first
+    traced (:func:`_batchable_forward` is cached alike on every rank).
+    """
+    from mpi4py import MPI
+
+    executed = plan.gather_stage if plan.gather_stage is not None else plan
+    mine = executed.for_rank(rank).facts
+    local = np.array([mine.has_gets, mine.has_deliveries, *mine.expose_elements], dtype=np.int64)
+    combined = np.empty_like(local)
+    comm.Allreduce(local, combined, op=MPI.MAX)
+    facts = PlanFacts(bool(combined[0]), bool(combined[1]), (int(combined[2]), int(combined[3])))
+    for target in {plan, executed}:
+        target.adopt_facts(facts)
 
 
 # -- differentiation ------------------------------------------------------------------------

@@ -9,24 +9,31 @@ operand piece has a fixed set of owners (one rank, or all ranks when
 replicated). This is the index arithmetic ("slicing") of Brock & Golin,
 arXiv 2510.08874.
 
-For each cell and each rank that must end up with ``C[m, n]``:
+Each cell is decided from that cell alone (:func:`decide`), so that any rank can decide any
+cell by itself:
 
 * a C owner that also owns both input pieces computes the cell for itself;
-* the other C owners are served by ONE rank that delivers the cell by
-  one-sided RMA: one of the self-serving owners if there are any (so no cell is
-  computed twice just to save a send), otherwise a candidate (an owner of A,
-  B or C) that moves the fewest elements (inputs it lacks, fetched by ``get``,
-  plus results it must send). Among equally cheap candidates the choice
-  minimises the busiest rank's modelled time, its flops at its speed plus the
-  bytes it sends at the link's bandwidth (see :func:`choose_servers`): on equal
-  2-D grids every rank then does the same work, as in SUMMA or stationary-C,
-  at no more traffic. The plan knows no measured speeds; it takes them from
-  the layouts (:func:`rank_speeds`).
+* the other C owners are served by ONE rank that delivers the cell by one-sided RMA: one of
+  the self-serving owners if there are any (so no cell is computed twice just to save a
+  send), otherwise the owner of one of its pieces (A, B or C) that moves the fewest elements
+  (inputs it lacks, fetched by ``get``, plus results it must send). Equally cheap owners: the
+  C owner (stationary C: on equal 2-D grids every rank computes its own block, as in SUMMA,
+  balanced at the least traffic), else they take turns by the cell's position.
 
-Partials a rank delivers to the same C rectangle of the same target are summed
-locally first, so each (origin, target, C cell) pair costs one transfer: a
-``put`` when it is the only contribution that rectangle receives, else an
+Partials a rank delivers to the same C rectangle of the same target are summed locally
+first, so each (origin, target, C cell) pair costs one transfer: a ``put`` when the product
+has one K cell (each rectangle then receives exactly one contribution), else an
 ``accumulate``.
+
+Because the decisions are local, one rank's part of the plan (:meth:`Plan.for_rank`) is built
+from the cells it owns a piece of, in time and memory that grow with its share of the
+product, not with the rank count: that is what each rank of a job builds for itself
+(:func:`osmm_jax.plan`, with ``rank=`` to inspect any rank's part without MPI). The few facts
+all ranks must share (whether anyone gets or delivers, the largest exposed block) are
+combined when the product is first traced (:class:`PlanFacts`). The whole schedule
+(``multiplies``, ``transfers``, ``describe()``, ``plot()``) is built only when asked for.
+Whether a replicated C is summed in a gather stage is the one decision that looks at every
+cell (:attr:`Plan.gather_stage`).
 
 Pure Python, deterministic and identical on every rank; imports neither JAX
 nor MPI.
@@ -40,7 +47,6 @@ import functools
 import gc
 import hashlib
 import itertools
-import math
 import operator
 from collections import defaultdict
 from collections.abc import Callable, Iterable
@@ -52,11 +58,11 @@ from osmm_jax._src.layout import Interval, Layout
 FLOAT32_BYTES = 4
 
 NOMINAL_SPEED = 100e9
-"""Flops/s the balance model gives a rank of relative speed 1 (XLA's CPU dot measured 90-160
-GFLOP/s here). Only its ratio to :data:`NOMINAL_BANDWIDTH` steers the plan."""
+"""Flops/s :meth:`Plan.balance` gives a rank of relative speed 1 (XLA's CPU dot measured 90-160
+GFLOP/s here), for reporting how even a plan is."""
 
 NOMINAL_BANDWIDTH = 5e9
-"""Bytes/s the balance model gives every rank's outgoing link (one-sided accumulates measured
+"""Bytes/s :meth:`Plan.balance` gives every rank's outgoing link (one-sided accumulates measured
 4-10 GiB/s between ranks of one machine; the same default as :func:`osmm_jax.auto_layouts`)."""
 
 
@@ -142,7 +148,8 @@ class LocalUpdate:
 
 
 def rank_speeds(a: Layout, b: Layout, c: Layout) -> tuple[float, ...]:
-    """The relative speed (mean 1) the planner assumes for each rank: its share of C's area.
+    """The relative speed (mean 1) each rank was given work for, read from the layouts: its
+    share of C's area.
 
     A plan is a function of its layouts alone (equal layouts, equal plan, on every rank and in
     every cache), so it is not told the ranks' measured speeds. Layouts made from speeds
@@ -150,9 +157,8 @@ def rank_speeds(a: Layout, b: Layout, c: Layout) -> tuple[float, ...]:
     block of the output is in proportion to its speed, and stationary-C work (each rank
     computes its own block of C) is then balanced. So a rank's speed is taken as its C area
     over the mean; when C is replicated, from A's areas, then B's; equal when every operand is
-    replicated or uniform. A rank with an empty block is taken as a hundredth of the mean, so
-    it is given work only when nothing cheaper is possible. Equal-sized 2-D grids therefore
-    balance plain flops.
+    replicated or uniform. A rank with an empty block is taken as a hundredth of the mean.
+    :meth:`Plan.balance` reports each rank's modelled time at these speeds.
     """
     nranks = a.nranks
     for layout in (c, a, b):
@@ -180,19 +186,133 @@ class Balance(NamedTuple):
     ratio: float
 
 
-class Plan:
-    """The complete schedule of one distributed product C = A @ B.
+class PlanFacts(NamedTuple):
+    """What every rank must agree on to run a plan, beyond its own records.
 
-    Immutable, hashable and identical on every rank; equality and hashing use
-    the three layouts and the communicator key only (everything else derives
-    from them). Build it with :func:`osmm_jax.plan`.
+    ``has_gets``: some rank gets an A or B piece (everyone then opens the fetch window);
+    ``has_deliveries``: some rank delivers a C partial (everyone opens the reduce window);
+    ``expose_elements``: the largest A block and the largest B block any rank exposes to gets
+    (sizes every rank's fetch window, so that B starts at the same offset everywhere).
+    """
+
+    has_gets: bool
+    has_deliveries: bool
+    expose_elements: tuple[int, int]
+
+
+class RankPlan:
+    """One rank's part of a plan: built from the cells that rank owns a piece of, without the
+    rest of the plan (see :meth:`Plan.for_rank`).
+
+    Attributes:
+        rank: the rank.
+        multiplies: its :class:`LocalMultiply` records, ordered by ``(rows, inner, cols)``.
+        gets: the A and B pieces it gets from other ranks (``Transfer("get", ...)``).
+        deliveries: the C partials it accumulates or puts into other ranks' blocks.
+        local_updates: the sums it adds into its own C block.
+        served: the gets other ranks make from its A and B blocks.
+        received: the deliveries other ranks make into its C block.
+        gathers: for a staged plan (a replicated C), the C blocks it then gets from their owners.
+        gathered: for a staged plan, the gets other ranks make of its block of the split C.
+    """
+
+    def __init__(self, plan: Plan, rank: int):
+        self.rank = rank
+        self.plan = plan
+        target = plan.gather_stage if plan.gather_stage is not None else plan
+        with _collector_paused():
+            cells = target.cells
+            schedule = build_schedule(
+                cells,
+                cells_of_rank(cells, target.a, target.b, target.c, rank),
+                rank,
+                target.compute_at_inputs,
+            )
+        self.multiplies = schedule.multiplies
+        self.gets = tuple(t for t in schedule.gets if t.origin == rank)
+        self.served = tuple(t for t in schedule.gets if t.target == rank)
+        self.deliveries = tuple(t for t in schedule.deliveries if t.origin == rank)
+        self.received = tuple(t for t in schedule.deliveries if t.target == rank)
+        self.local_updates = schedule.local_updates
+        if plan.gather_stage is not None:
+            split = plan.gather_stage.c
+            self.gathers = _gathers(split, origins=(rank,))
+            self.gathered = _gathers(split, owner=rank)
+        else:
+            self.gathers = self.gathered = ()
+
+    @functools.cached_property
+    def flops(self) -> int:
+        """Floating-point operations (2 per multiply-add) this rank performs."""
+        return sum(m.flops for m in self.multiplies)
+
+    def bytes_sent(
+        self, input_itemsize: int = FLOAT32_BYTES, accum_itemsize: int = FLOAT32_BYTES
+    ) -> int:
+        """Bytes leaving this rank's memory per product (see :meth:`Plan.bytes_sent`)."""
+        out = self.served + self.deliveries + self.gathered
+        return sum(t.nbytes(input_itemsize, accum_itemsize) for t in out)
+
+    def bytes_issued(
+        self, input_itemsize: int = FLOAT32_BYTES, accum_itemsize: int = FLOAT32_BYTES
+    ) -> int:
+        """Bytes moved by the RMA operations this rank issues (see :meth:`Plan.bytes_issued`)."""
+        issued = self.gets + self.deliveries + self.gathers
+        return sum(t.nbytes(input_itemsize, accum_itemsize) for t in issued)
+
+    @functools.cached_property
+    def exposes(self) -> tuple[bool, bool]:
+        """Whether other ranks get pieces of this rank's A block, and of its B block."""
+        return (
+            any(t.matrix == "A" for t in self.served),
+            any(t.matrix == "B" for t in self.served),
+        )
+
+    @functools.cached_property
+    def facts(self) -> PlanFacts:
+        """This rank's share of :class:`PlanFacts` (combined over ranks by :func:`combine_facts`)."""
+        target = self.plan.gather_stage if self.plan.gather_stage is not None else self.plan
+        expose_a, expose_b = self.exposes
+        return PlanFacts(
+            bool(self.gets),
+            bool(self.deliveries),
+            (
+                _area(target.a, self.rank) if expose_a else 0,
+                _area(target.b, self.rank) if expose_b else 0,
+            ),
+        )
+
+
+def combine_facts(facts: Iterable[PlanFacts]) -> PlanFacts:
+    """The facts of a whole plan from every rank's own (any rank gets, any delivers, largest)."""
+    facts = list(facts)
+    return PlanFacts(
+        any(f.has_gets for f in facts),
+        any(f.has_deliveries for f in facts),
+        (
+            max((f.expose_elements[0] for f in facts), default=0),
+            max((f.expose_elements[1] for f in facts), default=0),
+        ),
+    )
+
+
+class Plan:
+    """The schedule of one distributed product C = A @ B.
+
+    Immutable, hashable and the same on every rank; equality and hashing use the three layouts
+    and the communicator key only (everything else derives from them). Build it with
+    :func:`osmm_jax.plan`. Making a plan computes nothing: each rank's part is built when first
+    asked for (:meth:`for_rank`, from the cells that rank owns a piece of), and the whole
+    schedule (:attr:`multiplies`, :attr:`transfers`, :attr:`local_updates`, and what is
+    computed from them: :meth:`describe`, :meth:`plot`, :meth:`bytes_sent`, ...) only when one
+    of those is read.
 
     Attributes:
         a, b, c: the layouts of A (M x K), B (K x N) and C (M x N).
         comm_key: identifies the communicator the plan runs on (0 = none).
         multiplies: every :class:`LocalMultiply`, ordered by rank.
         transfers: every :class:`Transfer` (gets, then C deliveries), ordered by
-            origin; each origin's deliveries start at the next rank and wrap
+            origin; each origin's transfers start at the next rank and wrap
             around, so ranks do not all target the same owner at once.
         local_updates: every :class:`LocalUpdate`.
         gather_stage: for a replicated C that is cheaper to sum as "reduce-scatter,
@@ -213,25 +333,8 @@ class Plan:
         self.a, self.b, self.c = a, b, c
         self.comm_key = int(comm_key)
         self.compute_at_inputs = bool(compute_at_inputs)
-        multiplies, transfers, local_updates = _schedule(a, b, c, self.compute_at_inputs)
-        gather_stage, gathers = None, ()
-        stage = _gather_stage(a, b, c, self.comm_key)
-        if stage is not None:
-            # Reduce-scatter, then all-gather: C is summed into an even split first (the
-            # stage's own schedule), and every rank then gets the blocks it lacks.
-            staged_gathers = _gathers(stage.c)
-            staged = per_rank_totals(
-                stage.transfers + staged_gathers, a.nranks, "sender", "elements"
-            )
-            direct = per_rank_totals(transfers, a.nranks, "sender", "elements")
-            direct_flops = per_rank_totals(multiplies, a.nranks, "rank", "flops")
-            if max(staged) < max(direct) and all(s <= d for s, d in zip(stage.flops, direct_flops)):
-                gather_stage, gathers = stage, staged_gathers
-                multiplies, local_updates = stage.multiplies, stage.local_updates
-                transfers = stage.transfers + staged_gathers
-        self.multiplies, self.transfers, self.local_updates = multiplies, transfers, local_updates
-        self.gather_stage: Plan | None = gather_stage
-        self.gathers: tuple[Transfer, ...] = gathers
+        self._rank_plans: dict[int, RankPlan] = {}
+        self._agreed: list[PlanFacts] = []
 
     # -- identity -----------------------------------------------------------
 
@@ -283,6 +386,75 @@ class Plan:
         """``(M, K, N)``."""
         return (self.a.shape[0], self.a.shape[1], self.b.shape[1])
 
+    # -- the cells, the stage, one rank's part --------------------------------
+
+    @functools.cached_property
+    def cells(self) -> Cells:
+        """The cells of the product and who owns their pieces (see :func:`cut_cells`)."""
+        return cut_cells(self.a, self.b, self.c)
+
+    @functools.cached_property
+    def gather_stage(self) -> Plan | None:
+        """For a replicated C, the plan into an even split of C when summing that way is
+        cheaper (see :func:`_gather_stage`); else None."""
+        stage = _gather_stage(self.a, self.b, self.c, self.comm_key)
+        if stage is None:
+            return None
+        # Reduce-scatter, then all-gather: kept only if its busiest sender sends less and no
+        # rank computes more than summing the replicated C directly.
+        with _collector_paused():
+            direct = schedule_totals(self.cells, self.compute_at_inputs)
+            staged = schedule_totals(stage.cells, stage.compute_at_inputs)
+        gathered = [0] * self.nranks
+        for t in _gathers(stage.c):
+            gathered[t.sender] += t.elements
+        staged_sent = [s + g for s, g in zip(staged.sent(), gathered)]
+        if max(staged_sent) < max(direct.sent()) and all(
+            s <= d for s, d in zip(staged.flops, direct.flops)
+        ):
+            return stage
+        return None
+
+    def for_rank(self, rank: int) -> RankPlan:
+        """``rank``'s part of the plan (its multiplies, the transfers it issues, serves and
+        receives), built from the cells it owns a piece of and cached: for the usual layouts its
+        time and memory grow with that rank's share of the product, not with the whole plan.
+        The records are exactly the whole plan's records for that rank."""
+        rank = self.c._check_rank(rank)
+        found = self._rank_plans.get(rank)
+        if found is None:
+            found = self._rank_plans[rank] = RankPlan(self, rank)
+        return found
+
+    # -- the whole schedule, on demand -----------------------------------------
+
+    @functools.cached_property
+    def _schedule(self) -> tuple[tuple, tuple, tuple]:
+        if self.gather_stage is not None:
+            stage = self.gather_stage
+            return stage.multiplies, stage.transfers + self.gathers, stage.local_updates
+        cells = self.cells
+        with _collector_paused():
+            every = itertools.product(range(len(cells.m)), range(len(cells.k)), range(len(cells.n)))
+            schedule = build_schedule(cells, every, None, self.compute_at_inputs)
+        return schedule.multiplies, schedule.gets + schedule.deliveries, schedule.local_updates
+
+    @property
+    def multiplies(self) -> tuple[LocalMultiply, ...]:
+        return self._schedule[0]
+
+    @property
+    def transfers(self) -> tuple[Transfer, ...]:
+        return self._schedule[1]
+
+    @property
+    def local_updates(self) -> tuple[LocalUpdate, ...]:
+        return self._schedule[2]
+
+    @functools.cached_property
+    def gathers(self) -> tuple[Transfer, ...]:
+        return _gathers(self.gather_stage.c) if self.gather_stage is not None else ()
+
     @functools.cached_property
     def flops(self) -> tuple[int, ...]:
         """Floating-point operations (2 per multiply-add) each rank performs."""
@@ -308,7 +480,7 @@ class Plan:
 
     @functools.cached_property
     def speeds(self) -> tuple[float, ...]:
-        """The relative speed (mean 1) the plan was balanced for: see :func:`rank_speeds`."""
+        """The relative speed (mean 1) the layouts were made for: see :func:`rank_speeds`."""
         return rank_speeds(self.a, self.b, self.c)
 
     def balance(
@@ -319,7 +491,7 @@ class Plan:
         accum_itemsize: int = FLOAT32_BYTES,
     ) -> Balance:
         """Each rank's modelled time: its flops at its speed plus its :meth:`bytes_sent` at
-        ``bandwidth`` bytes/s, the quantity whose maximum the planner keeps low.
+        ``bandwidth`` bytes/s; :meth:`describe` reports the busiest rank.
 
         ``speeds`` are flops/s per rank; by default :attr:`speeds` times :data:`NOMINAL_SPEED`.
         """
@@ -363,53 +535,72 @@ class Plan:
             self.transfers, self.nranks, "origin", _nbytes(input_itemsize, accum_itemsize)
         )
 
-    # -- per-rank views used by the executors -------------------------------
+    # -- per-rank views used by the executors (from for_rank: no whole schedule) ----------
 
     def multiplies_on(self, rank: int) -> tuple[LocalMultiply, ...]:
-        return tuple(m for m in self.multiplies if m.rank == rank)
+        return self.for_rank(rank).multiplies
 
     def gets_by(self, rank: int) -> tuple[Transfer, ...]:
         """The A and B pieces ``rank`` gets before it multiplies."""
-        return tuple(
-            t for t in self.transfers if t.op == "get" and t.matrix != "C" and t.origin == rank
-        )
+        return self.for_rank(rank).gets
 
     def deliveries_from(self, rank: int) -> tuple[Transfer, ...]:
-        return tuple(t for t in self.transfers if t.op != "get" and t.origin == rank)
+        return self.for_rank(rank).deliveries
 
     def local_updates_on(self, rank: int) -> tuple[LocalUpdate, ...]:
-        return tuple(u for u in self.local_updates if u.rank == rank)
-
-    @functools.cached_property
-    def has_gets(self) -> bool:
-        """Whether any rank gets A or B pieces (the gathers of a staged plan do not count)."""
-        return any(t.op == "get" and t.matrix != "C" for t in self.transfers)
-
-    @functools.cached_property
-    def has_deliveries(self) -> bool:
-        return any(t.op != "get" for t in self.transfers)
+        return self.for_rank(rank).local_updates
 
     def exposes(self, rank: int) -> tuple[bool, bool]:
         """Whether other ranks get pieces of ``rank``'s A block, and of its B block."""
-        gets = [t for t in self.transfers if t.op == "get" and t.target == rank]
-        return (any(t.matrix == "A" for t in gets), any(t.matrix == "B" for t in gets))
+        return self.for_rank(rank).exposes
 
     def gathers_by(self, rank: int) -> tuple[Transfer, ...]:
         """The C blocks ``rank`` gets after the reduction of a staged plan (see ``gather_stage``)."""
-        return tuple(t for t in self.gathers if t.origin == rank)
+        return self.for_rank(rank).gathers
+
+    # -- what all ranks must agree on -------------------------------------------------
+
+    def adopt_facts(self, facts: PlanFacts) -> None:
+        """Take the :class:`PlanFacts` the ranks agreed on (:func:`combine_facts` of every
+        rank's :attr:`RankPlan.facts`), so that running the plan never builds the whole
+        schedule. The facts are a function of the layouts: adopting them changes no result."""
+        if not self._agreed:
+            self._agreed.append(facts)
+
+    @property
+    def facts(self) -> PlanFacts:
+        """The adopted :class:`PlanFacts`, else those of the whole schedule."""
+        return self._agreed[0] if self._agreed else self._schedule_facts
 
     @functools.cached_property
-    def expose_elements(self) -> tuple[int, int]:
-        """Largest A block and largest B block any rank exposes (sizes every rank's window to fit)."""
+    def _schedule_facts(self) -> PlanFacts:
         largest = []
         for matrix, layout in (("A", self.a), ("B", self.b)):
             gets = (t for t in self.transfers if t.op == "get" and t.matrix == matrix)
             served = per_rank_totals(gets, self.nranks, "target", lambda t: 1)
             exposed = [_area(layout, r) for r in range(self.nranks) if served[r]]
             largest.append(max(exposed, default=0))
-        return (largest[0], largest[1])
+        return PlanFacts(
+            any(t.op == "get" and t.matrix != "C" for t in self.transfers),
+            any(t.op != "get" for t in self.transfers),
+            (largest[0], largest[1]),
+        )
 
-    @functools.cached_property
+    @property
+    def has_gets(self) -> bool:
+        """Whether any rank gets A or B pieces (the gathers of a staged plan do not count)."""
+        return self.facts.has_gets
+
+    @property
+    def has_deliveries(self) -> bool:
+        return self.facts.has_deliveries
+
+    @property
+    def expose_elements(self) -> tuple[int, int]:
+        """Largest A block and largest B block any rank exposes (sizes every rank's window to fit)."""
+        return self.facts.expose_elements
+
+    @property
     def receive_elements(self) -> int:
         """Largest C block of any rank (sizes every rank's reduce window; 0 if nothing is delivered).
 
@@ -529,16 +720,20 @@ def _gather_stage(a: Layout, b: Layout, c: Layout, comm_key: int) -> Plan | None
     return Plan(a, b, split, comm_key, compute_at_inputs=True)
 
 
-def _gathers(split: Layout) -> tuple[Transfer, ...]:
-    """Every rank gets every other rank's block of ``split`` (rotated by origin, as deliveries)."""
+def _gathers(split: Layout, origins: Iterable[int] | None = None, owner: int | None = None):
+    """Every rank of ``origins`` (default: all) gets every other rank's block of ``split``, or
+    only ``owner``'s block; rotated by origin, as deliveries."""
     n = split.nranks
     gathers = []
-    for origin in range(n):
-        for step in range(1, n):
-            owner = (origin + step) % n
-            rows, cols = split.blocks[owner]
+    for origin in range(n) if origins is None else origins:
+        steps = range(1, n) if owner is None else ((owner - origin) % n,)
+        for step in steps:
+            if step == 0:
+                continue
+            block_owner = (origin + step) % n
+            rows, cols = split.blocks[block_owner]
             if rows[1] > rows[0] and cols[1] > cols[0]:
-                gathers.append(Transfer("get", "C", origin, owner, rows, cols))
+                gathers.append(Transfer("get", "C", origin, block_owner, rows, cols))
     return tuple(gathers)
 
 
@@ -566,620 +761,377 @@ def _cuts(extent: int, *bounds_lists) -> tuple[Interval, ...]:
     return tuple((lo, hi) for lo, hi in zip(points, points[1:]) if hi > lo)
 
 
-def _owner_table(layout: Layout, row_cells, col_cells) -> tuple[tuple[tuple[int, ...], ...], ...]:
-    """``layout.owners(r, c)`` for every cell ``r x c`` of the cuts, in O(cells + P log P).
+EVERYONE = -1
+"""The owner code of a piece of a replicated operand: every rank holds it."""
 
-    The cuts include every block bound of ``layout``, so each (non-empty) cell lies inside
-    whole blocks: all ranks for a replicated layout, else exactly one non-empty block. Each
-    block fills the cells it covers (found by bisection) instead of every cell scanning every
-    block; equal entries are one shared tuple.
+
+class OwnerIndex:
+    """Which rank holds the piece of one operand at a given point: ``at(row, col)`` in O(log P).
+
+    A partitioned layout is kept as row bands (between consecutive distinct row bounds of its
+    blocks), each with the column starts of the blocks crossing it, so a lookup is two
+    bisections; a replicated layout answers :data:`EVERYONE`. Building it is O(P log P) for the
+    usual layouts (rows, columns, grids: every block lies in one band of its own rows).
     """
-    if not row_cells or not col_cells:
-        return tuple(() for _ in row_cells)
-    if layout.is_replicated:
-        row = (tuple(range(layout.nranks)),) * len(col_cells)
-        return (row,) * len(row_cells)
-    row_starts = [lo for lo, _ in row_cells]
-    col_starts = [lo for lo, _ in col_cells]
-    table: list[list[tuple[int, ...] | None]] = [[None] * len(col_cells) for _ in row_cells]
-    for rank, ((r0, r1), (c0, c1)) in enumerate(layout.blocks):
-        if r0 == r1 or c0 == c1:
-            continue  # an empty block holds no (non-empty) cell
-        i0, i1 = bisect.bisect_left(row_starts, r0), bisect.bisect_left(row_starts, r1)
-        j0, j1 = bisect.bisect_left(col_starts, c0), bisect.bisect_left(col_starts, c1)
-        fill = [(rank,)] * (j1 - j0)
-        for i in range(i0, i1):
-            table[i][j0:j1] = fill
-    return tuple(
-        tuple(
-            layout.owners(r, c) if owners is None else owners
-            for c, owners in zip(col_cells, table_row)
-        )
-        for r, table_row in zip(row_cells, table)
-    )
 
+    def __init__(self, layout: Layout):
+        self.replicated = layout.is_replicated
+        self._band_starts: list[int] = []
+        self._col_starts: list[list[int]] = []
+        self._ranks: list[list[int]] = []
+        if self.replicated:
+            return
+        nonempty = [
+            (rank, block)
+            for rank, block in enumerate(layout.blocks)
+            if block[0][0] < block[0][1] and block[1][0] < block[1][1]
+        ]
+        bounds = sorted({x for _, ((r0, r1), _) in nonempty for x in (r0, r1)})
+        bands: list[list[tuple[int, int]]] = [[] for _ in bounds[:-1]]
+        for rank, ((r0, r1), (c0, _)) in nonempty:
+            for i in range(bisect.bisect_left(bounds, r0), bisect.bisect_left(bounds, r1)):
+                bands[i].append((c0, rank))
+        self._band_starts = bounds[:-1]
+        for band in bands:
+            band.sort()
+            self._col_starts.append([c0 for c0, _ in band])
+            self._ranks.append([rank for _, rank in band])
 
-def _as_set(owners: tuple[int, ...], memo: dict) -> frozenset[int]:
-    """``frozenset(owners)``, made once per table entry while ``memo`` lives."""
-    found = memo.get(id(owners))
-    if found is None:
-        found = memo[id(owners)] = (owners, frozenset(owners))
-    return found[1]
-
-
-def _lookup(owners: tuple[int, ...], memo: dict) -> tuple[int, ...] | frozenset[int]:
-    """A container with the ranks of ``owners`` and fast ``in``: the tuple itself when short, else
-    a set (made once per table entry; owner tables share equal entries, so a replicated operand
-    makes one)."""
-    return owners if len(owners) <= 8 else _as_set(owners, memo)
-
-
-# The schedule is built in four passes, each a function of the previous ones' results:
-# cut_cells (the cells and who owns each operand piece), serve_self (cells whose C owner holds
-# both inputs), choose_servers (one server for each cell some C owner cannot compute) and
-# emit_schedule (the multiplies, transfers and local updates, in executor order).
+    def at(self, row: int, col: int) -> int:
+        """The rank whose block holds element ``(row, col)`` (:data:`EVERYONE` if replicated)."""
+        if self.replicated:
+            return EVERYONE
+        i = bisect.bisect_right(self._band_starts, row) - 1
+        j = bisect.bisect_right(self._col_starts[i], col) - 1
+        return self._ranks[i][j]
 
 
 @dataclass(frozen=True)
 class Cells:
     """The cells of ``C = A @ B``: each dimension cut at every block boundary of the layouts that
-    share it, and the ranks holding each operand piece.
+    share it, and who holds each operand's piece of a cell.
 
     ``m``, ``k``, ``n`` are the cut intervals of M, K and N; cell ``(mi, ki, ni)`` is the
-    sub-product ``A[m[mi], k[ki]] @ B[k[ki], n[ni]]``. ``a_owners[mi][ki]`` are the ranks whose
-    A block holds ``A[m[mi], k[ki]]``, ``b_owners[ki][ni]`` likewise for B, and
-    ``c_owners[mi][ni]`` the ranks that must end up with ``C[m[mi], n[ni]]``.
+    sub-product ``A[m[mi], k[ki]] @ B[k[ki], n[ni]]``. Every cell lies inside one block of each
+    partitioned layout, so :meth:`a_owner`, :meth:`b_owner` and :meth:`c_owner` each name one
+    rank, or :data:`EVERYONE` for a replicated operand.
     """
 
     m: tuple[Interval, ...]
     k: tuple[Interval, ...]
     n: tuple[Interval, ...]
-    a_owners: tuple[tuple[tuple[int, ...], ...], ...]
-    b_owners: tuple[tuple[tuple[int, ...], ...], ...]
-    c_owners: tuple[tuple[tuple[int, ...], ...], ...]
+    a: OwnerIndex
+    b: OwnerIndex
+    c: OwnerIndex
     nranks: int
+
+    def a_owner(self, mi: int, ki: int) -> int:
+        return self.a.at(self.m[mi][0], self.k[ki][0])
+
+    def b_owner(self, ki: int, ni: int) -> int:
+        return self.b.at(self.k[ki][0], self.n[ni][0])
+
+    def c_owner(self, mi: int, ni: int) -> int:
+        return self.c.at(self.m[mi][0], self.n[ni][0])
 
     def flops(self, mi: int, ki: int, ni: int) -> int:
         return 2 * _size(self.m[mi]) * _size(self.k[ki]) * _size(self.n[ni])
 
 
-@dataclass
-class Assignment:
-    """Who computes which cell and where its partial goes, as the passes decide it.
-
-    Attributes:
-        products: ``(rank, mi, ki, ni) -> primary``: ``rank`` computes the cell; ``primary``
-            marks the one copy of each cell the all-reduce path counts.
-        deliveries: ``(origin, target, mi, ni) -> [ki, ...]``: the K cells whose products
-            ``origin`` sums into ``target``'s ``C[m[mi], n[ni]]`` (``origin == target``: a
-            local update), in the order they were assigned.
-        load: the flops each rank has been given so far.
-    """
-
-    products: dict[tuple[int, int, int, int], bool]
-    deliveries: defaultdict[tuple[int, int, int, int], list[int]]
-    load: list[int]
-
-
-class Unserved(NamedTuple):
-    """A cell that some of its C owners cannot compute themselves (they lack an input).
-
-    ``self_serving``: the C owners that hold both inputs and compute it for themselves;
-    ``remaining``: the C owners the chosen server must deliver it to.
-    """
-
-    mi: int
-    ki: int
-    ni: int
-    self_serving: tuple[int, ...]
-    remaining: tuple[int, ...]
-
-
 def cut_cells(a: Layout, b: Layout, c: Layout) -> Cells:
-    """Pass 1: the cells of the product and the owner tables of its three operands."""
+    """The cells of the product and the owner lookups of its three operands."""
     M, K = a.shape
     N = b.shape[1]
     m = _cuts(M, [blk[0] for blk in a.blocks], [blk[0] for blk in c.blocks])
     k = _cuts(K, [blk[1] for blk in a.blocks], [blk[0] for blk in b.blocks])
     n = _cuts(N, [blk[1] for blk in b.blocks], [blk[1] for blk in c.blocks])
-    return Cells(
-        m, k, n, _owner_table(a, m, k), _owner_table(b, k, n), _owner_table(c, m, n), a.nranks
-    )
+    return Cells(m, k, n, OwnerIndex(a), OwnerIndex(b), OwnerIndex(c), a.nranks)
 
 
-def serve_self(cells: Cells) -> tuple[Assignment, list[Unserved]]:
-    """Pass 2: every C owner that holds both inputs of a cell computes it for itself.
+class Decision(NamedTuple):
+    """Who computes one cell and where its product goes (see :func:`decide`).
 
-    Returns the assignment so far and the cells left to :func:`choose_servers`, in
-    ``(mi, ni, ki)`` order. A cell every C owner computes itself is primary on the lowest of
-    them. Counting all of this load first lets the next pass break cost ties by the work ranks
-    really end up with.
+    ``self_serving``: the C owners that hold both inputs and compute the cell for themselves
+    (``(EVERYONE,)`` when every rank does); ``server``: the rank that computes it for the
+    other C owners and delivers it to them, or -1 when no C owner is left; ``primary``: the one
+    copy the all-reduce path counts; ``a_owner``, ``b_owner``, ``c_owner``: the cell's owner
+    codes (a rank, or :data:`EVERYONE`).
     """
-    assignment = Assignment({}, defaultdict(list), [0] * cells.nranks)
-    products, deliveries, load = assignment.products, assignment.deliveries, assignment.load
-    unserved = []
-    memo: dict = {}
-    k_sizes = [_size(k) for k in cells.k]
-    for mi, ni in itertools.product(range(len(cells.m)), range(len(cells.n))):
-        owners_c = cells.c_owners[mi][ni]
-        if not owners_c:
+
+    self_serving: tuple[int, ...]
+    server: int
+    primary: int
+    a_owner: int
+    b_owner: int
+    c_owner: int
+
+
+def decide(cells: Cells, mi: int, ki: int, ni: int, compute_at_inputs: bool = False) -> Decision:
+    """The server of one cell, from that cell alone (so every rank can decide any cell by itself).
+
+    1. Every C owner that holds both inputs computes the cell for itself.
+    2. If a C owner is left, ONE rank computes the cell for all of them and delivers it: the
+       self-serving owner if there is one (nothing is computed twice just to save a send);
+       otherwise the candidate that moves the fewest elements, the inputs it lacks (got by
+       ``get``) plus one partial per C owner other than itself. The candidates are the
+       owners of the cell's pieces of partitioned operands (any other rank lacks every piece
+       they hold, so it always moves more); with ``compute_at_inputs``, the ranks holding both
+       inputs when there are any.
+    3. Among equally cheap candidates, the C owner (stationary C: on equal 2-D grids every rank
+       then computes its own block, as in SUMMA, balanced at the least traffic, and no partial
+       is sent); else the candidates take turns by the cell's position, so that repeated ties
+       spread over them.
+    """
+    a = cells.a_owner(mi, ki)
+    b = cells.b_owner(ki, ni)
+    c = cells.c_owner(mi, ni)
+    # Which C owner holds both inputs: a partitioned operand has one holder per piece.
+    if a == EVERYONE and b == EVERYONE:
+        both = EVERYONE
+    elif a == EVERYONE or a == b:
+        both = b
+    elif b == EVERYONE:
+        both = a
+    else:
+        both = None  # no rank holds both pieces
+    if c != EVERYONE:
+        if both == EVERYONE or both == c:
+            return Decision((c,), -1, c, a, b, c)  # the one C owner computes it
+        self_serving: tuple[int, ...] = ()
+    elif both == EVERYONE:
+        return Decision((EVERYONE,), -1, 0, a, b, c)  # every rank computes it; rank 0's counts
+    elif both is not None:
+        # A replicated C: the holder of both inputs computes it and delivers it to the others.
+        return Decision((both,), both, both, a, b, c)
+    else:
+        self_serving = ()
+    candidates = sorted({x for x in (a, b, c) if x != EVERYONE})
+    if compute_at_inputs and both is not None:
+        candidates = [both]
+    m, k, n = _size(cells.m[mi]), _size(cells.k[ki]), _size(cells.n[ni])
+    # C owners the server delivers to (all but itself): one, or every other rank.
+    others = 1 if c != EVERYONE else cells.nranks - 1
+    best_cost, tied = None, []
+    for p in candidates:
+        cost = (0 if a in (EVERYONE, p) else m * k) + (0 if b in (EVERYONE, p) else k * n)
+        cost += m * n * (others if c == EVERYONE or p != c else 0)
+        if best_cost is None or cost < best_cost:
+            best_cost, tied = cost, [p]
+        elif cost == best_cost:
+            tied.append(p)
+    if c in tied:
+        server = c
+    else:
+        server = tied[(mi + ki + ni) % len(tied)]
+    return Decision(self_serving, server, server, a, b, c)
+
+
+def cells_of_rank(cells: Cells, a: Layout, b: Layout, c: Layout, rank: int):
+    """The cells ``rank`` can take part in: those inside its block of a partitioned operand
+    (all of them when C is replicated: every rank then owns every C piece).
+
+    A rank serves, gets from, or receives a delivery of a cell only if it owns a piece of it:
+    :func:`decide` picks servers among the owners of partitioned pieces, or a self-serving C
+    owner. So ``rank``'s part of the plan comes from these cells alone: for the usual layouts a
+    few cells per rank of the other dimension, not the whole product.
+    """
+    if c.is_replicated:
+        return itertools.product(range(len(cells.m)), range(len(cells.k)), range(len(cells.n)))
+    keys: set[tuple[int, int, int]] = set()
+    starts = {
+        "m": [lo for lo, _ in cells.m],
+        "k": [lo for lo, _ in cells.k],
+        "n": [lo for lo, _ in cells.n],
+    }
+
+    def span(dim: str, iv: Interval) -> range:
+        s = starts[dim]
+        return range(bisect.bisect_left(s, iv[0]), bisect.bisect_left(s, iv[1]))
+
+    everything = {dim: range(len(s)) for dim, s in starts.items()}
+    for layout, dims in ((a, ("m", "k", "n")), (b, ("k", "n", "m")), (c, ("m", "n", "k"))):
+        if layout.is_replicated:
             continue
-        a_row, mn = cells.a_owners[mi], 2 * _size(cells.m[mi]) * _size(cells.n[ni])
-        for ki in range(len(cells.k)):
-            in_a, in_b = _lookup(a_row[ki], memo), _lookup(cells.b_owners[ki][ni], memo)
-            self_serving = tuple(r for r in owners_c if r in in_a and r in in_b)
-            if self_serving:
-                flops = mn * k_sizes[ki]
-                for r in self_serving:
-                    products[(r, mi, ki, ni)] = False
-                    deliveries[(r, r, mi, ni)].append(ki)
-                    load[r] += flops
-                if len(self_serving) == len(owners_c):
-                    products[(min(self_serving), mi, ki, ni)] = True
-                    continue
-                serving = self_serving if len(self_serving) <= 8 else frozenset(self_serving)
-                remaining = tuple(r for r in owners_c if r not in serving)
-            else:
-                remaining = owners_c
-            unserved.append(Unserved(mi, ki, ni, self_serving, remaining))
-    return assignment, unserved
+        rows, cols = layout.blocks[rank]
+        if rows[0] == rows[1] or cols[0] == cols[1]:
+            continue
+        ranges = {
+            dims[0]: span(dims[0], rows),
+            dims[1]: span(dims[1], cols),
+            dims[2]: everything[dims[2]],
+        }
+        keys.update(itertools.product(ranges["m"], ranges["k"], ranges["n"]))
+    return keys
 
 
-def moved(cells: Cells, cell: Unserved, server: int) -> int:
-    """Elements ``server`` moves to serve ``cell``: the inputs it lacks (fetched by ``get``)
-    plus one result per remaining C owner other than itself."""
-    m, k, n = cells.m[cell.mi], cells.k[cell.ki], cells.n[cell.ni]
-    fetch = (0 if server in cells.a_owners[cell.mi][cell.ki] else _size(m) * _size(k)) + (
-        0 if server in cells.b_owners[cell.ki][cell.ni] else _size(k) * _size(n)
-    )
-    return fetch + _size(m) * _size(n) * sum(1 for r in cell.remaining if r != server)
+class Schedule(NamedTuple):
+    """The records of a plan, or of one rank's part of it (see :func:`build_schedule`)."""
+
+    multiplies: tuple[LocalMultiply, ...]
+    gets: tuple[Transfer, ...]
+    deliveries: tuple[Transfer, ...]
+    local_updates: tuple[LocalUpdate, ...]
 
 
-def server_candidates(
-    cells: Cells, cell: Unserved, compute_at_inputs: bool = False, memo: dict | None = None
-):
-    """The ranks that may serve ``cell``.
+def build_schedule(
+    cells: Cells, keys: Iterable[tuple[int, int, int]], rank: int | None, compute_at_inputs: bool
+) -> Schedule:
+    """The multiplies, gets, deliveries and local updates of the cells ``keys``: all of them
+    (``rank`` None), or only those ``rank`` performs, serves or receives.
 
-    Its self-serving owners if there are any (the cell is computed there anyway: fetching its
-    inputs elsewhere would compute it twice); with ``compute_at_inputs`` the ranks holding both
-    inputs, if any; otherwise every owner of its A, B or C piece. ``memo`` (a dict the caller
-    keeps while ``cells`` lives) lets a large owner set, e.g. a replicated operand's, be made
-    once instead of once per cell.
-    """
-    if cell.self_serving:
-        return cell.self_serving
-    memo = {} if memo is None else memo
-    holders_a = _as_set(cells.a_owners[cell.mi][cell.ki], memo)
-    holders_b = _as_set(cells.b_owners[cell.ki][cell.ni], memo)
-    if compute_at_inputs:
-        holders = holders_a & holders_b
-        if holders:
-            return holders
-    return holders_a | holders_b | _as_set(cells.c_owners[cell.mi][cell.ni], memo)
+    Each cell is decided by :func:`decide` alone, so the records of one rank are exactly those
+    the whole plan has for it. A server sums its partials of one C rectangle for one target
+    over the K cells before sending. A delivery is a ``put`` when the product has a single K
+    cell (its rectangle then receives exactly one contribution), else an ``accumulate``.
 
-
-def choose_servers(
-    cells: Cells,
-    assignment: Assignment,
-    unserved: list[Unserved],
-    compute_at_inputs: bool = False,
-    speeds: tuple[float, ...] | None = None,
-) -> None:
-    """Pass 3: one server per unserved cell, added to ``assignment`` (in place).
-
-    Each cell may only go to a candidate (:func:`server_candidates`) that moves the fewest
-    elements (:func:`moved`), so the total traffic is the least this cell-by-cell choice can
-    give. Among those equally cheap candidates the choice balances the ranks' modelled time,
-    ``flops / speed + bytes sent / bandwidth`` (as :meth:`Plan.balance` reports it; ``speeds``
-    are the relative speeds of :func:`rank_speeds`, equal when omitted; the bandwidth is
-    :data:`NOMINAL_BANDWIDTH` against :data:`NOMINAL_SPEED`):
-
-    1. cells with a single cheapest candidate are placed first (work nobody can avoid);
-    2. the tied cells each go to the candidate with the largest shortfall (mean time minus its
-       time so far) relative to the tied work it could still take, so that a rank only a few
-       cells can feed gets them before ranks with many options; the cells a tight rank can
-       take come first, then the largest (on a square 2-D grid this alone mostly reproduces
-       stationary-C's perfect balance);
-    3. while the busiest rank can hand one of its tied cells to another candidate, directly or
-       along a chain of ranks that each pass one of theirs on, so that it finishes sooner and
-       every rank involved whose time grows still finishes before the busiest did, it does;
-    4. the result is compared with giving each tied cell in turn to its least-loaded
-       candidate, and kept only if its busiest rank finishes sooner and the traffic it really
-       makes (a piece fetched once per rank, partials of one C rectangle summed before they
-       are sent) is no more.
-
-    Ties go to the lower rank; every step is the same arithmetic on the same inputs, so all
-    ranks make the same choice.
+    Ordering: multiplies by ``(rank, mi, ki, ni)``; gets and deliveries each by origin and,
+    within an origin, by target starting at the next rank (so ranks do not all target the same
+    owner at once), then by rectangle; local updates by ``(rank, rows, cols)``. Each input
+    piece is got once per rank, from its owner.
     """
     nranks = cells.nranks
-    speeds = (1.0,) * nranks if speeds is None else speeds
-    memo: dict = {}
-
-    def costs(cell: Unserved) -> list[tuple[int, int]]:
-        """``(moved(cells, cell, p), p)`` for every candidate ``p``, computed in one go."""
-        m, k, n = _size(cells.m[cell.mi]), _size(cells.k[cell.ki]), _size(cells.n[cell.ni])
-        in_a = _lookup(cells.a_owners[cell.mi][cell.ki], memo)
-        in_b = _lookup(cells.b_owners[cell.ki][cell.ni], memo)
-        remaining = cell.remaining
-        in_remaining = remaining if len(remaining) <= 8 else frozenset(remaining)
-        result = m * n
-        return [
-            (
-                (0 if p in in_a else m * k)
-                + (0 if p in in_b else k * n)
-                + result * (len(remaining) - (p in in_remaining)),
-                p,
-            )
-            for p in server_candidates(cells, cell, compute_at_inputs, memo)
-        ]
-
-    a_owners, b_owners, c_owners = cells.a_owners, cells.b_owners, cells.c_owners
-    m_sizes = [_size(iv) for iv in cells.m]
-    k_sizes = [_size(iv) for iv in cells.k]
-    n_sizes = [_size(iv) for iv in cells.n]
-    unique: list[tuple[Unserved, int]] = []
-    tied: list[tuple[Unserved, list[int]]] = []
-    for cell in unserved:
-        mi, ki, ni, self_serving, remaining = cell
-        owners_a, owners_b = a_owners[mi][ki], b_owners[ki][ni]
-        if self_serving or len(owners_a) != 1 or len(owners_b) != 1 or len(remaining) != 1:
-            options = costs(cell)
-        else:
-            # One owner of each piece, and the one C owner lacks an input (the common case
-            # of partitioned layouts): the same costs as costs(), without the sets.
-            (a,), (b,), (c,) = owners_a, owners_b, remaining
-            m, k, n = m_sizes[mi], k_sizes[ki], n_sizes[ni]
-            if compute_at_inputs and a == b:
-                candidates: Iterable[int] = (a,)
-            else:
-                candidates = {a, b, *c_owners[mi][ni]}
-            options = [
-                (
-                    (0 if p == a else m * k) + (0 if p == b else k * n) + (0 if p == c else m * n),
-                    p,
-                )
-                for p in candidates
-            ]
-        if len(options) == 1:
-            unique.append((cell, options[0][1]))
+    everyone = range(nranks)
+    products: dict[tuple[int, int, int, int], tuple[bool, int, int]] = {}
+    gets: dict[tuple[int, str, Interval, Interval], Transfer] = {}
+    deliveries: defaultdict[tuple[int, int, int, int], list[int]] = defaultdict(list)
+    for mi, ki, ni in keys:
+        d = decide(cells, mi, ki, ni, compute_at_inputs)
+        a, b, c = d.a_owner, d.b_owner, d.c_owner
+        self_serving = everyone if d.self_serving == (EVERYONE,) else d.self_serving
+        for r in self_serving if rank is None else ((rank,) if rank in self_serving else ()):
+            products[(r, mi, ki, ni)] = (r == d.primary, r, r)
+            deliveries[(r, r, mi, ni)].append(ki)
+        s = d.server
+        if s < 0:
             continue
-        cheapest = min(options)[0]
-        best = [p for cost, p in options if cost == cheapest]
-        if len(best) == 1:
-            unique.append((cell, best[0]))
-        else:
-            tied.append((cell, sorted(best)))
-
-    load, products, deliveries = assignment.load, assignment.products, assignment.deliveries
-    per_byte = NOMINAL_SPEED / NOMINAL_BANDWIDTH * FLOAT32_BYTES  # flops per element sent
-    inverse_speed = [1.0 / s for s in speeds]
-
-    def charges(cell: Unserved, server: int) -> list[tuple[int, float]]:
-        """The time ``server`` serving ``cell`` adds to each rank, in flops at relative speed
-        1: the flops on ``server``, each input it lacks on the owner it is fetched from (as
-        :func:`emit_schedule` picks it), its partials on itself."""
-        mi, ki, ni, self_serving, remaining = cell
-        m, k, n = m_sizes[mi], k_sizes[ki], n_sizes[ni]
-        owners_a, owners_b = a_owners[mi][ki], b_owners[ki][ni]
-        own = 0.0 if server in self_serving else 2 * m * k * n * inverse_speed[server]
-        sent = m * n * (len(remaining) - (server in remaining))
-        out = [(server, own + sent * per_byte)]
-        if server not in (owners_a if len(owners_a) <= 8 else _as_set(owners_a, memo)):
-            out.append((owners_a[0], m * k * per_byte))
-        if server not in (owners_b if len(owners_b) <= 8 else _as_set(owners_b, memo)):
-            out.append((owners_b[0], k * n * per_byte))
-        return out
-
-    def place(cell: Unserved, server: int) -> None:
-        key = (server, cell.mi, cell.ki, cell.ni)
-        if key not in products:
-            load[server] += cells.flops(cell.mi, cell.ki, cell.ni)
-        products[key] = True
-        for r in cell.remaining:
-            deliveries[(server, r, cell.mi, cell.ni)].append(cell.ki)
-
-    # The time each rank has so far: the flops serve_self gave it, then the unique cells.
-    times = [f * s for f, s in zip(load, inverse_speed)]
-    for cell, server in unique:
-        place(cell, server)
-        for r, t in charges(cell, server):
-            times[r] += t
-    if not tied:
-        return
-
-    # Step 2: shortfall-first greedy over the tied cells.
-    base_times = list(times)
-    options = [{p: charges(cell, p) for p in best} for cell, best in tied]
-    potential = [0.0] * nranks  # tied time each rank could still be given
-    total = sum(times)
-    for option in options:
-        cheapest_total = math.inf
-        for p, charge in option.items():
-            potential[p] += charge[0][1]
-            whole = 0.0
-            for _, t in charge:
-                whole += t
-            cheapest_total = min(cheapest_total, whole)
-        total += cheapest_total
-    mean = total / nranks
-    # Cells a tight rank (one whose possible tied work barely covers its shortfall) can take
-    # come first, while the others still have room elsewhere; then the largest first.
-    slack = [room / (mean - t) if mean > t else math.inf for room, t in zip(potential, times)]
-    sizes = [m_sizes[cell[0]] * k_sizes[cell[1]] * n_sizes[cell[2]] for cell, _ in tied]
-    tightest = [min(slack[p] for p in best) for _, best in tied]
-    order = sorted(range(len(tied)), key=lambda i: (tightest[i], -sizes[i]))
-    chosen = [0] * len(tied)
-    for i in order:
-        option = options[i]
-        server, best_key = -1, None
-        for p in option:  # candidates in rank order
-            room = potential[p]
-            key = (-(mean - times[p]) / room if room > 0 else 0.0, times[p])
-            if best_key is None or key < best_key:
-                server, best_key = p, key
-        chosen[i] = server
-        for p, charge in option.items():
-            potential[p] -= charge[0][1]
-        for r, t in option[server]:
-            times[r] += t
-
-    # Step 3: the busiest rank hands a tied cell on, directly or along a chain of ranks that
-    # each pass one on (found breadth-first), while the busiest rank involved finishes sooner.
-    held: list[list[int]] = [[] for _ in range(nranks)]
-    for i, server in enumerate(chosen):
-        held[server].append(i)
-
-    def change(i: int, source: int, target: int, into: dict[int, float]) -> None:
-        for r, t in options[i][source]:
-            into[r] = into.get(r, 0.0) - t
-        for r, t in options[i][target]:
-            into[r] = into.get(r, 0.0) + t
-
-    def shorter_chain(busiest: int, limit: float):
-        """The moves ``[(cell, from, to), ...]`` of the first chain from ``busiest`` after
-        which ``busiest`` finishes sooner and every other rank it touches either does not
-        finish later or still finishes below ``limit`` (so the number of ranks at the largest
-        time only falls: the search ends), and the change in each touched rank's time; or
-        None."""
-        parent: dict[int, tuple[int, int]] = {busiest: (-1, -1)}
-        frontier = [busiest]
-        while frontier:
-            following = []
-            for u in frontier:
-                for i in held[u]:
-                    for p in options[i]:
-                        if p in parent:
-                            continue
-                        parent[p] = (u, i)
-                        following.append(p)
-                        if times[p] + options[i][p][0][1] >= limit:
-                            continue  # the last rank of this chain would not finish sooner
-                        moves, v = [], p
-                        while v != busiest:
-                            w, j = parent[v]
-                            moves.append((j, w, v))
-                            v = w
-                        after: dict[int, float] = {}
-                        for j, w, v in moves:
-                            change(j, w, v, after)
-                        if times[busiest] + after[busiest] < limit and all(
-                            d <= 0 or times[r] + d < limit for r, d in after.items()
-                        ):
-                            return moves, after
-            frontier = following
-        return None
-
-    for _ in range(4 * len(tied)):
-        busiest = max(range(nranks), key=lambda r: (times[r], -r))
-        found = shorter_chain(busiest, times[busiest] * (1 - 1e-9))
-        if found is None:
-            break
-        moves, after = found
-        for r, d in after.items():
-            times[r] += d
-        for i, source, target in moves:
-            held[source].remove(i)
-            held[target].append(i)
-            chosen[i] = target
-
-    # Step 4: the model above counts every fetch and partial once per cell, but a rank fetches a
-    # piece once for all its cells and sums the partials of one C rectangle before sending. So
-    # the choices are compared with giving each tied cell, in turn, to the least-loaded of its
-    # candidates; the balanced ones stand only if they finish sooner and move no more.
-    plain = []
-    plain_load = list(load)
-    for cell, best in tied:
-        server = min(best, key=lambda p: (plain_load[p], p))
-        if (server, cell.mi, cell.ki, cell.ni) not in products:
-            plain_load[server] += 2 * m_sizes[cell.mi] * k_sizes[cell.ki] * n_sizes[cell.ni]
-        plain.append(server)
-    if plain != chosen:
-        plain_times = base_times
-        for option, server in zip(options, plain):
-            for r, t in option[server]:
-                plain_times[r] += t
-        if max(plain_times) <= max(times) or _more_traffic(
-            cells, unique, tied, chosen, plain, memo
+        involved = rank is None or rank == s
+        a_src = s if a in (EVERYONE, s) else a
+        b_src = s if b in (EVERYONE, s) else b
+        if involved:
+            products[(s, mi, ki, ni)] = (True, a_src, b_src)
+        for matrix, src, rows, cols in (
+            ("A", a_src, cells.m[mi], cells.k[ki]),
+            ("B", b_src, cells.k[ki], cells.n[ni]),
         ):
-            chosen = plain
-    for (cell, _best), server in zip(tied, chosen):
-        place(cell, server)
-
-
-def _more_traffic(
-    cells: Cells,
-    placed: list[tuple[Unserved, int]],
-    tied: list[tuple[Unserved, list[int]]],
-    servers: list[int],
-    other: list[int],
-    memo: dict,
-) -> bool:
-    """Whether serving the ``tied`` cells by ``servers`` makes more transfer elements than by
-    ``other``, given the ``placed`` cells' transfers, counting as :func:`emit_schedule` makes
-    them: one fetch of an input piece per rank, one partial per target and C rectangle.
-
-    Only the fetches and partials of cells whose server differs can differ; the rest (placed
-    cells, and tied cells served alike) only decide which of those are already made.
-    """
-    a_owners, b_owners = cells.a_owners, cells.b_owners
-    m_sizes = [_size(iv) for iv in cells.m]
-    k_sizes = [_size(iv) for iv in cells.k]
-    n_sizes = [_size(iv) for iv in cells.n]
-
-    def transfers(cell: Unserved, server: int) -> list[tuple[tuple[int, ...], int]]:
-        mi, ki, ni, _self_serving, remaining = cell
-        out = []
-        if server not in _lookup(a_owners[mi][ki], memo):
-            out.append(((server, -1, mi, ki), m_sizes[mi] * k_sizes[ki]))
-        if server not in _lookup(b_owners[ki][ni], memo):
-            out.append(((server, -2, ki, ni), k_sizes[ki] * n_sizes[ni]))
-        result = m_sizes[mi] * n_sizes[ni]
-        out.extend(((server, r, mi, ni), result) for r in remaining if r != server)
-        return out
-
-    made: list[dict] = [{}, {}]
-    for (cell, _best), first, second in zip(tied, servers, other):
-        if first != second:
-            for choice, server in zip(made, (first, second)):
-                choice.update(transfers(cell, server))
-    wanted = made[0].keys() | made[1].keys()
-    # Which of those the other cells make anyway: a key is only built when it could match
-    # (whether the server lacks the piece need not be checked: a key in ``wanted`` is a fetch
-    # of a piece that server lacks).
-    made_anyway = set()
-    common = itertools.chain(
-        placed,
-        (
-            (cell, first)
-            for (cell, _), first, second in zip(tied, servers, other)
-            if first == second
-        ),
-    )
-    for (mi, ki, ni, _self_serving, remaining), server in common:
-        for key in ((server, -1, mi, ki), (server, -2, ki, ni)):
-            if key in wanted:
-                made_anyway.add(key)
-        for r in remaining:
-            key = (server, r, mi, ni)
-            if r != server and key in wanted:
-                made_anyway.add(key)
-    first_total, second_total = (
-        sum(size for key, size in choice.items() if key not in made_anyway) for choice in made
-    )
-    return first_total > second_total
-
-
-def emit_schedule(
-    cells: Cells, assignment: Assignment
-) -> tuple[tuple[LocalMultiply, ...], tuple[Transfer, ...], tuple[LocalUpdate, ...]]:
-    """Pass 4: the multiplies, transfers and local updates of a finished assignment.
-
-    Multiplies are ordered by ``(rank, mi, ki, ni)``; each takes an input piece from its own
-    block when it has it, else from the piece's first owner by a ``get``. Transfers are the
-    gets, then the C deliveries, each ordered by origin and, within an origin, by target
-    starting at the next rank (see :class:`Plan`); a delivery is a ``put`` when it is the only
-    contribution its rectangle receives, else an ``accumulate``. Local updates are ordered by
-    ``(rank, rows, cols)``.
-    """
-    multiplies = []
-    gets = {}
-    memo: dict = {}
-    products = assignment.products
-    for key in sorted(products):  # the keys alone: no (key, value) pair per product
-        rank, mi, ki, ni = key
-        m, k, n = cells.m[mi], cells.k[ki], cells.n[ni]
-        owners_a, owners_b = cells.a_owners[mi][ki], cells.b_owners[ki][ni]
-        # A lone owner is the source whoever multiplies; else the rank itself if it owns one.
-        if len(owners_a) == 1 or rank not in _lookup(owners_a, memo):
-            a_src = owners_a[0]
+            if src != s and (involved or rank == src):
+                key = (s, matrix, rows, cols)
+                if key not in gets:
+                    gets[key] = Transfer("get", matrix, s, src, rows, cols)
+        if c != EVERYONE:
+            targets: Iterable[int] = (c,)
+        elif involved:
+            targets = (t for t in everyone if t not in d.self_serving or t == s)
         else:
-            a_src = rank
-        if len(owners_b) == 1 or rank not in _lookup(owners_b, memo):
-            b_src = owners_b[0]
-        else:
-            b_src = rank
-        if a_src != rank and (rank, "A", m, k) not in gets:
-            gets[(rank, "A", m, k)] = Transfer("get", "A", rank, a_src, m, k)
-        if b_src != rank and (rank, "B", k, n) not in gets:
-            gets[(rank, "B", k, n)] = Transfer("get", "B", rank, b_src, k, n)
-        multiplies.append(LocalMultiply(rank, m, k, n, a_src, b_src, products[key]))
+            targets = (rank,) if rank not in d.self_serving else ()
+        for t in targets:
+            if involved or rank == t:
+                if t == s and s in d.self_serving:
+                    continue  # already added: the server computes the cell for itself too
+                deliveries[(s, t, mi, ni)].append(ki)
 
-    deliveries = assignment.deliveries
-    senders_per_cell: dict[tuple[int, int, int], int] = defaultdict(int)
-    for _origin, target, mi, ni in deliveries:
-        senders_per_cell[(target, mi, ni)] += 1
+    multiplies = tuple(
+        LocalMultiply(r, cells.m[mi], cells.k[ki], cells.n[ni], a_src, b_src, primary)
+        for (r, mi, ki, ni), (primary, a_src, b_src) in sorted(products.items())
+    )
 
-    nranks, n_m, n_n = cells.nranks, len(cells.m), len(cells.n)
+    def rotated(origin: int, target: int) -> int:
+        return origin * nranks + (target - origin) % nranks
 
-    def rotated_index(key: tuple[int, int, int, int]) -> int:
-        # (origin, target counted from origin + 1, rows, cols) as one integer: cut intervals
-        # are disjoint and increasing, so their indices order them like the intervals do.
-        origin, target, mi, ni = key
-        return ((origin * nranks + (target - origin) % nranks) * n_m + mi) * n_n + ni
-
+    get_list = tuple(
+        sorted(gets.values(), key=lambda t: (rotated(t.origin, t.target), t.rows, t.cols, t.matrix))
+    )
+    op = "put" if len(cells.k) == 1 else "accumulate"
     lone_k = [(iv,) for iv in cells.k]  # one shared tuple per K cell for one-term sums
     c_transfers, local_updates = [], []
-    for key in sorted(deliveries, key=rotated_index):
-        origin, target, mi, ni = key
-        kis = deliveries[key]
+    for origin, target, mi, ni in sorted(
+        deliveries, key=lambda key: (rotated(key[0], key[1]), key[2], key[3])
+    ):
+        kis = deliveries[(origin, target, mi, ni)]
         inner = lone_k[kis[0]] if len(kis) == 1 else tuple(cells.k[ki] for ki in sorted(kis))
         if origin == target:
             local_updates.append(LocalUpdate(origin, cells.m[mi], cells.n[ni], inner))
         else:
-            op = "put" if senders_per_cell[(target, mi, ni)] == 1 else "accumulate"
             c_transfers.append(Transfer(op, "C", origin, target, cells.m[mi], cells.n[ni], inner))
-
-    def rotated(t: Transfer):
-        return (t.origin, (t.target - t.origin) % nranks, t.rows, t.cols)
-
-    get_list = sorted(gets.values(), key=rotated)
-    return tuple(multiplies), tuple(get_list) + tuple(c_transfers), tuple(local_updates)
+    return Schedule(multiplies, get_list, tuple(c_transfers), tuple(local_updates))
 
 
-def _schedule(a: Layout, b: Layout, c: Layout, compute_at_inputs: bool = False):
-    """Multiplies, transfers and local updates of C = A @ B for the layouts.
+class Totals(NamedTuple):
+    """Per-rank figures of a plan, without its records: ``flops``; ``inputs``, the A/B elements
+    other ranks get from each rank; ``partials``, the C elements each rank delivers."""
 
-    ``compute_at_inputs``: a cell's product is computed by a rank that holds both of its
-    inputs whenever there is one (partials move, inputs do not), whatever the bytes.
-    """
-    with _collector_paused():
-        cells = cut_cells(a, b, c)
-        assignment, unserved = serve_self(cells)
-        choose_servers(cells, assignment, unserved, compute_at_inputs, rank_speeds(a, b, c))
-        del unserved  # freed before the schedule's records are made
-        return emit_schedule(cells, assignment)
+    flops: tuple[int, ...]
+    inputs: tuple[int, ...]
+    partials: tuple[int, ...]
+
+    def sent(self) -> tuple[int, ...]:
+        return tuple(i + p for i, p in zip(self.inputs, self.partials))
+
+
+def schedule_totals(cells: Cells, compute_at_inputs: bool = False) -> Totals:
+    """The :class:`Totals` of every rank of a whole (unstaged) plan, as :func:`build_schedule`
+    would make them: a piece is got once per rank, a partial sent once per target and C
+    rectangle."""
+    nranks = cells.nranks
+    flops, inputs, partials = [0] * nranks, [0] * nranks, [0] * nranks
+    fetched, delivered = set(), set()
+    for mi, ki, ni in itertools.product(
+        range(len(cells.m)), range(len(cells.k)), range(len(cells.n))
+    ):
+        d = decide(cells, mi, ki, ni, compute_at_inputs)
+        f = cells.flops(mi, ki, ni)
+        if d.self_serving == (EVERYONE,):
+            for r in range(nranks):
+                flops[r] += f
+            continue
+        for r in d.self_serving:
+            flops[r] += f
+        s = d.server
+        if s < 0:
+            continue
+        if s not in d.self_serving:
+            flops[s] += f
+        m, k, n = _size(cells.m[mi]), _size(cells.k[ki]), _size(cells.n[ni])
+        if d.a_owner not in (EVERYONE, s) and (s, 0, mi, ki) not in fetched:
+            fetched.add((s, 0, mi, ki))
+            inputs[d.a_owner] += m * k
+        if d.b_owner not in (EVERYONE, s) and (s, 1, ki, ni) not in fetched:
+            fetched.add((s, 1, ki, ni))
+            inputs[d.b_owner] += k * n
+        if (s, mi, ni) not in delivered:
+            delivered.add((s, mi, ni))
+            if d.c_owner == EVERYONE:
+                partials[s] += m * n * (nranks - 1)
+            elif d.c_owner != s:
+                partials[s] += m * n
+    return Totals(tuple(flops), tuple(inputs), tuple(partials))
 
 
 class PlanTotals:
     """The per-rank figures of ``Plan(a, b, c)`` that a cost model needs, without its records.
 
     ``flops`` and :meth:`bytes_sent` equal the plan's own; the multiplies and transfers are
-    never made (most of the time and memory of a large plan), so trying many candidate
-    layouts (:func:`osmm_jax.auto_layouts`) costs the server choice alone. A replicated C,
-    whose plan may be staged (see :attr:`Plan.gather_stage`), is planned in full.
+    never made, so trying many candidate layouts (:func:`osmm_jax.auto_layouts`) costs the
+    server decisions alone.
     """
 
     def __init__(self, a: Layout, b: Layout, c: Layout):
         _check_layouts(a, b, c)
         self.nranks = a.nranks
-        if c.is_replicated:
-            plan = Plan(a, b, c)
-            self.flops = plan.flops
-            self._inputs = per_rank_totals(
-                (t for t in plan.transfers if t.op == "get"), self.nranks, "sender", "elements"
-            )
-            self._partials = per_rank_totals(
-                (t for t in plan.transfers if t.op != "get"), self.nranks, "sender", "elements"
-            )
-            return
+        plan = Plan(a, b, c)
+        stage = plan.gather_stage
         with _collector_paused():
-            cells = cut_cells(a, b, c)
-            assignment, unserved = serve_self(cells)
-            choose_servers(cells, assignment, unserved, speeds=rank_speeds(a, b, c))
-            del unserved
-            # Each rank's load is the flops of the distinct products it was given.
-            self.flops = tuple(assignment.load)
-            self._inputs, self._partials = _sent_elements(cells, assignment)
+            if stage is None:
+                totals = schedule_totals(plan.cells, plan.compute_at_inputs)
+                self._inputs = totals.inputs
+            else:
+                totals = schedule_totals(stage.cells, stage.compute_at_inputs)
+                gathered = [0] * self.nranks
+                for t in plan.gathers:
+                    gathered[t.sender] += t.elements
+                # Gathered C blocks travel in the input dtype, like the A/B pieces.
+                self._inputs = tuple(i + g for i, g in zip(totals.inputs, gathered))
+        self.flops = totals.flops
+        self._partials = totals.partials
 
     def bytes_sent(
         self, input_itemsize: int = FLOAT32_BYTES, accum_itemsize: int = FLOAT32_BYTES
@@ -1188,26 +1140,6 @@ class PlanTotals:
         return tuple(
             i * input_itemsize + p * accum_itemsize for i, p in zip(self._inputs, self._partials)
         )
-
-
-def _sent_elements(cells: Cells, assignment: Assignment) -> tuple[list[int], list[int]]:
-    """Elements each rank sends as A/B pieces others get from it, and as C partials: the
-    senders' totals of the transfers :func:`emit_schedule` would make."""
-    inputs, partials = [0] * cells.nranks, [0] * cells.nranks
-    memo: dict = {}
-    fetched = set()
-    for rank, mi, ki, ni in assignment.products:
-        owners_a, owners_b = cells.a_owners[mi][ki], cells.b_owners[ki][ni]
-        if rank not in _lookup(owners_a, memo) and (rank, "A", mi, ki) not in fetched:
-            fetched.add((rank, "A", mi, ki))
-            inputs[owners_a[0]] += _size(cells.m[mi]) * _size(cells.k[ki])
-        if rank not in _lookup(owners_b, memo) and (rank, "B", ki, ni) not in fetched:
-            fetched.add((rank, "B", ki, ni))
-            inputs[owners_b[0]] += _size(cells.k[ki]) * _size(cells.n[ni])
-    for origin, target, mi, ni in assignment.deliveries:
-        if origin != target:
-            partials[origin] += _size(cells.m[mi]) * _size(cells.n[ni])
-    return inputs, partials
 
 
 @contextlib.contextmanager

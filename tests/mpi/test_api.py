@@ -9,6 +9,7 @@ import pytest
 from mpi4py import MPI
 
 import osmm_jax as om
+from osmm_jax._src.planner import combine_facts
 
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 
@@ -28,6 +29,28 @@ def test_plan_is_identical_on_every_rank_and_cached():
     assert len(set(fingerprints)) == 1
     assert len(plan.flops) == SIZE and sum(plan.flops) == 2 * 8**3
     assert "rank 0" in plan.describe()
+
+
+def test_a_product_builds_only_this_ranks_part_of_its_plans():
+    # Layouts never used by another test here, so that the plan is fresh: running the product
+    # and its gradient builds this rank's part of each plan and agrees on the shared facts,
+    # never the whole schedule.
+    n = 8 * SIZE + 3
+    plan = om.plan(
+        om.Layout.cols((n, n)), om.Layout.rows((n, n)), om.Layout.grid((n, n), (SIZE, 1))
+    )
+    rng = np.random.default_rng(RANK)
+    a = rng.standard_normal(plan.a.local_shape(RANK)).astype(np.float32)
+    b = rng.standard_normal(plan.b.local_shape(RANK)).astype(np.float32)
+    loss = lambda x, y: jnp.sum(om.matmul(x, y, plan) ** 2)  # noqa: E731
+    jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1)))(a, b))
+    for p in (plan, *plan.backward()):
+        assert "_schedule" not in p.__dict__, "the whole schedule was built"
+        assert set(p._rank_plans) == {RANK}
+        everyone = MPI.COMM_WORLD.allgather(p.for_rank(RANK).facts)
+        assert p.facts == combine_facts(everyone)
+    # The whole plan, built on demand, agrees with the facts the ranks combined.
+    assert plan._schedule_facts == plan.facts
 
 
 def test_plan_rejects_layouts_for_another_rank_count():
