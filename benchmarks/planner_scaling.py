@@ -1,28 +1,30 @@
-"""How long building a plan takes, and how much memory, as the number of ranks grows.
+"""How long building one rank's plan takes, and how much memory, as the number of ranks grows.
 
-No MPI and no device: layouts are built for an explicit rank count and planned in one process.
-Each (case, P) is measured in a fresh child process, so its peak memory is its own: the
-seconds cover building the layouts and the plan (``Plan(...)`` directly, not the cached
-``make_plan``), the memory is the child's peak resident set minus what it held before building.
-Wall-clock seconds are reported with the process's CPU seconds, which say more when other
-work shares the machine. For a plan, the record also says how even it is (measured after the
-timed build): the busiest rank's flops over the mean (``flops_ratio``), its modelled time over
-the mean (``balance_ratio``, :meth:`Plan.balance`) and the bytes all ranks send
-(``total_bytes``).
+No MPI and no device: layouts are built for an explicit rank count and one rank's part of the
+plan (``Plan(...).for_rank(r)``, what ``osmm_jax.plan(..., rank=r)`` returns and what every rank
+of a job builds for itself) is made in one process. Each (case, P) is measured in a fresh child
+process, so its peak memory is its own: the seconds cover building the layouts and that rank's
+part, for ranks 0, P/2 and P-1 (the slowest of the three is reported), the memory is the
+child's peak resident set minus what it held before building. Wall-clock seconds are reported
+with the process's CPU seconds, which say more when other work shares the machine. Up to
+``--whole-max-ranks``, the record also says how even the whole plan is (built after the timed
+part): the busiest rank's flops over the mean (``flops_ratio``), its modelled time over the mean
+(``balance_ratio``, :meth:`Plan.balance`) and the bytes all ranks send (``total_bytes``).
 
 Cases (M = K = N = ``--dim``):
 
 * ``rows``: A rows, B replicated, C rows (the data-parallel product);
-* ``k_split``: A cols, B rows, C rows (every rank sends a partial of every C block: P^2 transfers);
+* ``k_split``: A cols, B rows, C rows (every rank sends a partial of every C block: P^2
+  transfers in the whole plan, 2 (P - 1) per rank);
 * ``grid``: A, B and C on the same ``pr x pc`` grid (pr the largest power of two <= sqrt(P));
-* ``auto``: :func:`osmm_jax.auto_layouts` on uneven speeds (plans every candidate strategy).
+* ``auto``: :func:`osmm_jax.auto_layouts` on uneven speeds (prices every candidate strategy).
 
 P runs 64, 128, ... up to ``--max-ranks`` (``--auto-max-ranks`` for ``auto``); once one P of a
 case takes longer than ``--budget`` seconds, its larger P are skipped. Writes
 ``benchmarks/results/planner_scaling.json`` and ``.md`` (a table), and ``.png`` (log-log) when
 matplotlib is importable::
 
-    python -m benchmarks.planner_scaling --max-ranks 8192 --budget 60
+    python -m benchmarks.planner_scaling --max-ranks 16384 --budget 60
 """
 
 from __future__ import annotations
@@ -52,30 +54,38 @@ def _grid_shape(nranks: int) -> tuple[int, int]:
     return pr, nranks // pr
 
 
-def build(case: str, nranks: int, dim: int):
-    """Build the layouts and the plan (or the auto_layouts choice) of one case; returns it."""
-    from osmm_jax._src.auto_layout import auto_layouts
+def layouts(case: str, nranks: int, dim: int):
+    """The three layouts of one case (not ``auto``)."""
     from osmm_jax._src.layout import Layout
-    from osmm_jax._src.planner import Plan
 
     shape = (dim, dim)
     if case == "rows":
-        a = Layout.rows(shape, nranks=nranks)
-        b = Layout.replicated(shape, nranks=nranks)
-        c = Layout.rows(shape, nranks=nranks)
-    elif case == "k_split":
-        a = Layout.cols(shape, nranks=nranks)
-        b = Layout.rows(shape, nranks=nranks)
-        c = Layout.rows(shape, nranks=nranks)
-    elif case == "grid":
+        return (
+            Layout.rows(shape, nranks=nranks),
+            Layout.replicated(shape, nranks=nranks),
+            Layout.rows(shape, nranks=nranks),
+        )
+    if case == "k_split":
+        return (
+            Layout.cols(shape, nranks=nranks),
+            Layout.rows(shape, nranks=nranks),
+            Layout.rows(shape, nranks=nranks),
+        )
+    if case == "grid":
         grid = _grid_shape(nranks)
-        a, b, c = (Layout.grid(shape, grid) for _ in range(3))
-    elif case == "auto":
+        return tuple(Layout.grid(shape, grid) for _ in range(3))
+    raise ValueError(f"unknown case {case!r}")
+
+
+def build(case: str, nranks: int, dim: int, rank: int = 0):
+    """Build the layouts and ``rank``'s part of the plan (or the auto_layouts choice)."""
+    from osmm_jax._src.auto_layout import auto_layouts
+    from osmm_jax._src.planner import Plan
+
+    if case == "auto":
         speeds = [1.0 + 0.5 * (r % 3) for r in range(nranks)]
         return auto_layouts(dim, dim, dim, speeds)
-    else:
-        raise ValueError(f"unknown case {case!r}")
-    return Plan(a, b, c)
+    return Plan(*layouts(case, nranks, dim)).for_rank(rank)
 
 
 def _rss_kib() -> int:
@@ -88,7 +98,7 @@ def _rss_kib() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def measure_one(case: str, nranks: int, dim: int, repeats: int) -> dict:
+def measure_one(case: str, nranks: int, dim: int, repeats: int, whole_max_ranks: int = 512) -> dict:
     """Time ``repeats`` builds of one case in this process; memory from the first build."""
     import gc
 
@@ -96,31 +106,47 @@ def measure_one(case: str, nranks: int, dim: int, repeats: int) -> dict:
 
     gc.collect()
     before = _rss_kib()
+    ranks = (0,) if case == "auto" else sorted({0, nranks // 2, nranks - 1})
     seconds, cpu_seconds = [], []
     counts = {}
     for i in range(repeats):
-        start, cpu_start = time.perf_counter(), time.process_time()
-        result = build(case, nranks, dim)
-        seconds.append(time.perf_counter() - start)
-        cpu_seconds.append(time.process_time() - cpu_start)
-        if i == 0:
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            if hasattr(result, "multiplies"):
-                # Outside the timed region: how even the plan is (see Plan.balance).
-                flops = result.flops
-                counts = {
-                    "multiplies": len(result.multiplies),
-                    "transfers": len(result.transfers),
-                    "flops_ratio": max(flops) * len(flops) / sum(flops) if sum(flops) else 1.0,
-                    "balance_ratio": result.balance().ratio,
-                    "total_bytes": sum(result.bytes_sent()),
-                }
-            else:
-                counts = {"chosen": result.name}
-        del result
+        slowest, slowest_cpu = 0.0, 0.0
+        for rank in ranks:
+            start, cpu_start = time.perf_counter(), time.process_time()
+            result = build(case, nranks, dim, rank)
+            slowest = max(slowest, time.perf_counter() - start)
+            slowest_cpu = max(slowest_cpu, time.process_time() - cpu_start)
+            if i == 0 and rank == 0:
+                counts = (
+                    {"chosen": result.name}
+                    if case == "auto"
+                    else {
+                        "rank_multiplies": len(result.multiplies),
+                        "rank_transfers": len(result.gets) + len(result.deliveries),
+                        "rank_received": len(result.received) + len(result.served),
+                    }
+                )
+            del result
+        seconds.append(slowest)
+        cpu_seconds.append(slowest_cpu)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    if case != "auto" and nranks <= whole_max_ranks:
+        # Outside the timed region: how even the whole plan is (see Plan.balance).
+        from osmm_jax._src.planner import Plan
+
+        whole = Plan(*layouts(case, nranks, dim))
+        flops = whole.flops
+        counts.update(
+            multiplies=len(whole.multiplies),
+            transfers=len(whole.transfers),
+            flops_ratio=max(flops) * len(flops) / sum(flops) if sum(flops) else 1.0,
+            balance_ratio=whole.balance().ratio,
+            total_bytes=sum(whole.bytes_sent()),
+        )
     return {
         "case": case,
         "nranks": nranks,
+        "ranks_timed": list(ranks),
         "seconds": statistics.median(seconds),
         "seconds_all": seconds,
         "cpu_seconds": statistics.median(cpu_seconds),
@@ -141,6 +167,8 @@ def _run_child(case: str, nranks: int, args) -> dict:
         str(args.dim),
         "--repeats",
         str(args.repeats),
+        "--whole-max-ranks",
+        str(args.whole_max_ranks),
     ]
     root = Path(__file__).resolve().parent.parent
     try:
@@ -202,6 +230,7 @@ def run_all(args) -> dict:
             "budget_s": args.budget,
             "max_ranks": args.max_ranks,
             "auto_max_ranks": args.auto_max_ranks,
+            "whole_max_ranks": args.whole_max_ranks,
         },
         "results": results,
     }
@@ -215,7 +244,9 @@ def markdown(report: dict) -> str:
     head = "| P | " + " | ".join(f"{c} s (cpu s) | {c} MiB" for c in cases) + " |"
     rule = "|---:|" + "---:|---:|" * len(cases)
     lines = [
-        f"Plan building time (median of {report['settings']['repeats']}) and peak memory, "
+        f"Time to build one rank's part of the plan, layouts included (the slowest of ranks 0, "
+        f"P/2 and P-1; median of {report['settings']['repeats']}) and peak memory; ``auto``: "
+        f"auto_layouts over every rank, "
         f"M = K = N = {report['settings']['dim']}; {report['machine']['cpus']} CPUs, "
         f"load average after the run {report['machine']['loadavg_after']}; {report['date']}.",
         "",
@@ -262,7 +293,7 @@ def plot(report: dict, path: Path) -> bool:
             )
         ax_m.plot(ps, [max(r["peak_mib"], 0.1) for r in rows], "o-", label=case)
     for ax, what in (
-        (ax_t, "seconds to build the plan (dashed: CPU seconds)"),
+        (ax_t, "seconds to build one rank's plan (dashed: CPU)"),
         (ax_m, "peak memory (MiB)"),
     ):
         ax.set_xscale("log", base=2)
@@ -280,7 +311,7 @@ def plot(report: dict, path: Path) -> bool:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--max-ranks", type=int, default=8192)
+    parser.add_argument("--max-ranks", type=int, default=16384)
     parser.add_argument("--auto-max-ranks", type=int, default=1024)
     parser.add_argument("--min-ranks", type=int, default=64)
     parser.add_argument("--budget", type=float, default=60.0, help="seconds per P before skipping")
@@ -289,6 +320,12 @@ def main(argv=None) -> None:
     )
     parser.add_argument("--repeats", type=int, default=3, help="builds per (case, P); median")
     parser.add_argument("--dim", type=int, default=65536, help="M = K = N")
+    parser.add_argument(
+        "--whole-max-ranks",
+        type=int,
+        default=512,
+        help="also build the whole plan (after the timing) up to this P, for its balance",
+    )
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "planner_scaling.json")
     parser.add_argument("--no-plot", action="store_true")
@@ -296,7 +333,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.one:
         case, nranks = args.one[0], int(args.one[1])
-        print(json.dumps(measure_one(case, nranks, args.dim, args.repeats)))
+        print(json.dumps(measure_one(case, nranks, args.dim, args.repeats, args.whole_max_ranks)))
         return
     args.cases = [c for c in args.cases.split(",") if c]
     unknown = set(args.cases) - set(CASES)

@@ -198,3 +198,47 @@ def test_the_lm_step_benchmark_runs_and_writes_its_results(tmp_path):
     for part in ("load average", "aggregate limit", "speed-weighted DP ÷ aggregate limit"):
         assert part in text, text
     assert (tmp_path / "lm_step.png").stat().st_size > 1000
+
+
+def test_the_planner_scaling_benchmark_times_one_rank_and_writes_its_results(tmp_path):
+    out = tmp_path / "planner_scaling.json"
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.planner_scaling",
+            "--min-ranks",
+            "64",
+            "--max-ranks",
+            "128",
+            "--auto-max-ranks",
+            "64",
+            "--repeats",
+            "1",
+            "--dim",
+            "4096",
+            "--whole-max-ranks",
+            "64",
+            "--out",
+            str(out),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    report = json.loads(out.read_text())
+    records = {(r["case"], r["nranks"]): r for r in report["results"]}
+    assert set(records) == {(c, p) for c in ("rows", "k_split", "grid") for p in (64, 128)} | {
+        ("auto", 64)
+    }
+    k_split = records[("k_split", 128)]
+    assert k_split["ranks_timed"] == [0, 64, 127]
+    # One rank of a K-split sends a partial to, and receives one from, every other rank.
+    assert k_split["rank_transfers"] == 127 and k_split["rank_received"] == 127
+    assert "flops_ratio" in records[("grid", 64)] and "flops_ratio" not in records[("grid", 128)]
+    assert records[("grid", 64)]["flops_ratio"] == pytest.approx(1.0)
+    assert "chosen" in records[("auto", 64)]
+    table = out.with_suffix(".md").read_text()
+    assert "| 128 |" in table and "one rank's part" in table
