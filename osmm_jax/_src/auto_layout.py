@@ -278,7 +278,7 @@ def auto_layouts(
     scored = []
     for name, a, b, c in candidate_layouts(M, K, N, speeds, replication=replication):
         # The plan's totals alone (not the cached make_plan(): trial plans must not evict the
-        # user's, and their records are never needed).
+        # user's, and their records are never needed), counted in bulk for these layouts.
         totals = PlanTotals(a, b, c)
         sync = 0
         if replication == "synced" and p > 1:
@@ -361,13 +361,9 @@ def _replication(replication: str | None, replicated_is_free: bool | None) -> st
 
 def _memory_bytes(layouts, itemsize: int) -> int:
     """The most operand bytes one rank holds: its A, B and C blocks together."""
-    nranks = layouts[0].nranks
     most = 0
-    for r in range(nranks):
-        elements = 0
-        for layout in layouts:
-            rows, cols = layout.local_shape(r)
-            elements += rows * cols
+    for blocks in zip(*(layout.blocks for layout in layouts)):
+        elements = sum((r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in blocks)
         most = max(most, elements * itemsize)
     return most
 

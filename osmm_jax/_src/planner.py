@@ -1111,12 +1111,19 @@ class PlanTotals:
 
     ``flops`` and :meth:`bytes_sent` equal the plan's own; the multiplies and transfers are
     never made, so trying many candidate layouts (:func:`osmm_jax.auto_layouts`) costs the
-    server decisions alone.
+    server decisions alone, and for the layouts of its candidate strategies not even those
+    one by one (:mod:`osmm_jax._src.family_totals`).
     """
 
     def __init__(self, a: Layout, b: Layout, c: Layout):
+        from osmm_jax._src.family_totals import family_totals  # it builds on this module
+
         _check_layouts(a, b, c)
         self.nranks = a.nranks
+        counted = family_totals(a, b, c)
+        if counted is not None:
+            self.flops, self._inputs, self._partials = counted
+            return
         plan = Plan(a, b, c)
         stage = plan.gather_stage
         with _collector_paused():

@@ -1,0 +1,255 @@
+"""Per-rank totals of the plans of :func:`osmm_jax.auto_layouts`' candidate strategies, from
+arrays instead of cell by cell.
+
+:func:`osmm_jax.auto_layouts` prices each candidate by every rank's flops and the bytes it
+sends, exactly as the planner would plan it (:class:`osmm_jax._src.planner.PlanTotals`). Cell
+by cell that is P^2 decisions for the one-dimensional splits over K (a K-split over 1024 ranks
+has a million cells) and P (pr + pc) for a pr x pc grid. Their layouts have a structure that
+makes the same decisions (:func:`osmm_jax._src.planner.decide`) countable in bulk:
+
+* ``rows, B split`` (A, B, C by rows; A and C split alike), ``cols, A split`` (its transpose)
+  and ``k_split`` (A by columns, B by rows, split alike over K; C by rows): every cell pairs
+  the rank that owns its C piece with one other rank, and which of the two serves it is a
+  threshold on the other's share of K. Sorting the shares once answers every pair:
+  O(P log P).
+* ``grid PRxPC`` (A, B and C on one grid, A's and C's rows split alike, B's and C's columns
+  alike): for each of the pr + pc - 1 pieces of K, the decisions of all pr x pc cells are
+  array operations, and each fetched piece and sent partial is counted once per rank that
+  needs it, as the planner makes them.
+
+:func:`family_totals` recognises these layouts and returns ``None`` for any other, which the
+caller then plans cell by cell. The results equal the cell-by-cell totals exactly (a property
+test compares them on random speeds and shapes).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from osmm_jax._src.layout import Layout
+from osmm_jax._src.planner import Totals, _cuts
+
+_NEVER = np.iinfo(np.int64).max  # a threshold every share is under
+
+
+def family_totals(a: Layout, b: Layout, c: Layout) -> Totals | None:
+    """The :class:`~osmm_jax._src.planner.Totals` of ``Plan(a, b, c)`` for the candidate
+    families above, or None when the layouts are not one of them."""
+    if a.is_replicated or b.is_replicated or c.is_replicated or a.nranks < 2:
+        return None
+    (M, K), N = a.shape, b.shape[1]
+    bands = [_bands(layout) for layout in (a, b, c)]
+    if None in bands:
+        return None
+    (a_rows, a_cols), (b_rows, b_cols), (c_rows, c_cols) = bands
+    whole_m, whole_k, whole_n = [(0, M)], [(0, K)], [(0, N)]
+    p = a.nranks
+    if a_cols == whole_k and b_cols == whole_n and c_cols == whole_n:
+        if a_rows == c_rows and len(c_rows) == p and len(b_rows) == p:
+            # rows, B split: C owner i holds A[i, :] and gets B[j, :], or rank j serves.
+            return _owner_and_other(_sizes(c_rows), _sizes(b_rows), N)
+    if a_rows == whole_m and b_rows == whole_k and c_rows == whole_m:
+        if b_cols == c_cols and len(c_cols) == p and len(a_cols) == p:
+            # cols, A split: the transpose.
+            return _owner_and_other(_sizes(c_cols), _sizes(a_cols), M)
+    if a_rows == whole_m and b_cols == whole_n and c_cols == whole_n:
+        if a_cols == b_rows and len(a_cols) == p and len(c_rows) == p:
+            return _k_split(_sizes(c_rows), _sizes(b_rows), N)
+    pr, pc = len(c_rows), len(c_cols)
+    if a_rows == c_rows and b_cols == c_cols and len(a_cols) == pc and len(b_rows) == pr:
+        return _grid(a_rows, a_cols, b_rows, b_cols, K)
+    return None
+
+
+def _bands(layout: Layout):
+    """``(row intervals, column intervals)`` when rank ``i * pc + j`` owns row band ``i`` times
+    column band ``j`` (rows: pc = 1, columns: pr = 1); else None."""
+    blocks = layout.blocks
+    p = len(blocks)
+    if layout.kind == "rows":
+        pc = 1
+    elif layout.kind == "cols":
+        pc = p
+    else:
+        pc = len({blk[1] for blk in blocks})
+    if pc < 1 or p % pc:
+        return None
+    rows = [blocks[i * pc][0] for i in range(p // pc)]
+    cols = [blocks[j][1] for j in range(pc)]
+    for r, (row, col) in enumerate(blocks):
+        if row != rows[r // pc] or col != cols[r % pc]:
+            return None
+    return rows, cols
+
+
+def _sizes(intervals) -> np.ndarray:
+    return np.array([hi - lo for lo, hi in intervals], dtype=np.int64)
+
+
+def _threshold_sums(x: np.ndarray, y: np.ndarray, threshold: np.ndarray):
+    """For every pair of distinct ranks (owner ``i``, other ``j``) with ``x[i] > 0`` and
+    ``y[j] > 0``, whether ``y[j] <= threshold[i]`` (the owner serves the pair).
+
+    Returns ``(y_served, owners_served, x_served, x_all, y_all)``: per owner ``i``, the sum of
+    ``y[j]`` over the pairs it serves; per other ``j``, how many owners serve its pair and the
+    sum of their ``x[i]``; and per rank the sums of ``x`` and of ``y`` over all its pairs.
+    """
+    x_ok, y_ok = x > 0, y > 0
+    xs, ys = np.where(x_ok, x, 0), np.where(y_ok, y, 0)
+    # Per owner: the sum of the others' y at or under its threshold.
+    order = np.sort(y[y_ok])
+    prefix = np.concatenate(([0], np.cumsum(order)))
+    under = np.searchsorted(order, threshold, side="right")
+    y_served = np.where(x_ok, prefix[under], 0)
+    # Per other: the owners whose threshold is at or over its y.
+    t_order = np.argsort(threshold[x_ok], kind="stable")
+    t_sorted = threshold[x_ok][t_order]
+    x_suffix = np.concatenate((np.cumsum(x[x_ok][t_order][::-1])[::-1], [0]))
+    first = np.searchsorted(t_sorted, y, side="left")
+    owners_served = np.where(y_ok, len(t_sorted) - first, 0)
+    x_served = np.where(y_ok, x_suffix[first], 0)
+    # A rank is never paired with itself.
+    diagonal = x_ok & y_ok & (y <= threshold)
+    y_served = y_served - np.where(diagonal, y, 0)
+    owners_served = owners_served - diagonal
+    x_served = x_served - np.where(diagonal, x, 0)
+    x_all = np.where(y_ok, xs.sum() - xs, 0)
+    y_all = np.where(x_ok, ys.sum() - ys, 0)
+    return y_served, owners_served, x_served, x_all, y_all
+
+
+def _owner_and_other(x, y, z):
+    """``rows, B split``: rank ``i`` owns C rows ``x[i]`` and the A rows beside them, rank
+    ``j`` B rows ``y[j]`` (a share of K), every row ``z`` wide. Cell ``(i, j)`` costs the
+    owner ``y z`` (it gets B[j]), rank ``j`` ``x y + x z`` (it gets A[i, j] and sends a
+    partial); the owner serves ties. ``cols, A split`` is the same with rows and columns
+    exchanged."""
+    threshold = np.where(z <= x, _NEVER, (x * z) // np.maximum(z - x, 1))
+    y_served, owners_served, x_served, x_all, y_all = _threshold_sums(x, y, threshold)
+    x_other = x_all - x_served  # per j: the owners' x of the pairs j serves
+    flops = 2 * z * (x * y_served + y * x_other + x * y)
+    inputs = y * z * owners_served + x * (y_all - y_served)
+    partials = z * x_other
+    return _totals(flops, inputs, partials)
+
+
+def _k_split(x, y, z):
+    """``k_split``: rank ``i`` owns C rows ``x[i]``, rank ``j`` A columns and B rows ``y[j]``
+    (its share of K); C is ``z`` wide. Cell ``(i, j)`` costs the owner ``x y + y z`` (it gets
+    both pieces), rank ``j`` ``x z`` (it sends a partial); the owner serves ties."""
+    threshold = (x * z) // np.maximum(x + z, 1)
+    y_served, owners_served, x_served, x_all, _ = _threshold_sums(x, y, threshold)
+    x_other = x_all - x_served
+    flops = 2 * z * (x * y_served + y * x_other + x * y)
+    inputs = y * (x_served + z * owners_served)
+    partials = z * x_other
+    return _totals(flops, inputs, partials)
+
+
+_CHUNK_CELLS = 1 << 18  # cells decided at once by :func:`_grid`: arrays of a few MiB
+
+
+def _grid(a_rows, a_cols, b_rows, b_cols, K) -> Totals:
+    """A, B and C on one pr x pc grid (see the module docstring), many K pieces at once.
+
+    Cell ``(i, t, j)`` (row band ``i``, K piece ``t``, column band ``j``) has its A piece on
+    rank ``(i, col_band[t])``, its B piece on ``(row_band[t], j)`` and its C piece on
+    ``(i, j)``. The A owner fetches nothing for it; a server lacking the A piece gets it once
+    (servers of one A piece differ from cell to cell along ``j``), likewise along ``i`` for B;
+    an A owner serving several K pieces of one column band sends one partial per C cell.
+    """
+    pr, pc = len(a_rows), len(b_cols)
+    m, n = _sizes(a_rows), _sizes(b_cols)
+    k_cuts = _cuts(K, a_cols, b_rows)
+    k = np.array([hi - lo for lo, hi in k_cuts], dtype=np.int64)
+    col_band = _band_of(a_cols, [lo for lo, _ in k_cuts])
+    row_band = _band_of(b_rows, [lo for lo, _ in k_cuts])
+    flops = np.zeros(pr * pc, dtype=np.int64)
+    inputs = np.zeros(pr * pc, dtype=np.int64)
+    partials = np.zeros(pr * pc, dtype=np.int64)
+    i = np.arange(pr)[None, :, None]
+    j = np.arange(pc)[None, None, :]
+    mm, nn = m[None, :, None], n[None, None, :]
+    exists = (mm > 0) & (nn > 0)
+    # The planner's cut indices (empty bands make no cut), for the turns of tied cells.
+    rotation = (np.cumsum(m > 0) - 1)[None, :, None] + (np.cumsum(n > 0) - 1)[None, None, :]
+    area = m[:, None] * n[None, :]
+    carried = {"A": None, "B": None}  # the last band's partial mask, continued by the next chunk
+
+    def runs(kind, bands, masks):
+        """Count one partial per (server, C cell) over each band's K pieces."""
+        starts = np.flatnonzero(np.diff(bands, prepend=-1))
+        merged = np.logical_or.reduceat(masks, starts, axis=0)
+        pending = carried[kind]
+        complete = []
+        for band, mask in zip(bands[starts], merged):
+            if pending is not None and pending[0] == band:
+                mask = mask | pending[1]
+            elif pending is not None:
+                complete.append(pending)
+            pending = (band, mask)
+        carried[kind] = pending
+        for band, mask in complete:
+            flush(kind, band, mask)
+
+    def flush(kind, band, mask):
+        if kind == "A":
+            partials[band::pc] += (area * mask).sum(axis=1)
+        else:
+            partials[band * pc : (band + 1) * pc] += (area * mask).sum(axis=0)
+
+    step = max(1, _CHUNK_CELLS // max(1, pr * pc))
+    rotation_even = rotation % 2 == 0
+    a_cheaper, a_b_tie = nn < mm, nn == mm  # off the special row and column: A owner vs B owner
+    for t0 in range(0, len(k_cuts), step):
+        t = np.arange(t0, min(t0 + step, len(k_cuts)))
+        kk = k[t][:, None, None]
+        cb, rb = col_band[t][:, None, None], row_band[t][:, None, None]
+        has_a = j == cb  # the C owner holds the A piece (one column per K piece)
+        has_b = i == rb  # ... the B piece (one row)
+        # Three different owners: the C owner moves m k + k n, the A owner k n + m n, the B
+        # owner m k + m n; the C owner serves when k <= m and k <= n.
+        by_c = (kk <= mm) & (kk <= nn)
+        # On the special column the B owner (m k + m n) competes with the C owner (k n), on
+        # the special row the A owner (k n + m n) with the C owner (m k).
+        by_c = np.where(has_a, kk * nn <= mm * kk + mm * nn, by_c)
+        by_c = np.where(has_b, mm * kk <= kk * nn + mm * nn, by_c)
+        by_c |= has_a & has_b
+        # Tied A and B owners take turns: the lower rank on even positions.
+        a_lower = (i < rb) | ((i == rb) & (cb < j))
+        even = rotation_even ^ (t[:, None, None] % 2 == 1)
+        by_a = ~by_c & ~has_a & (has_b | a_cheaper | (a_b_tie & (even == a_lower)))
+        by_b = ~by_c & ~by_a
+        live = exists & ~(has_a & has_b)
+        mk = mm[:, :, 0] * k[t][:, None]  # (T, pr)
+        kn = k[t][:, None] * nn[:, 0, :]  # (T, pc)
+        # Flops: 2 m k n per cell, to its server.
+        flops += 2 * area.ravel() * (np.where(exists & by_c, kk, 0)).sum(axis=0).ravel()
+        a_index = (np.arange(pr)[None, :] * pc + col_band[t][:, None]).ravel()
+        b_index = (row_band[t][:, None] * pc + np.arange(pc)[None, :]).ravel()
+        np.add.at(flops, a_index, (2 * mk * (np.where(exists & by_a, nn, 0)).sum(axis=2)).ravel())
+        np.add.at(flops, b_index, (2 * kn * (np.where(exists & by_b, mm, 0)).sum(axis=1)).ravel())
+        gets_a = live & ((by_c & ~has_a) | by_b)
+        gets_b = live & ((by_c & ~has_b) | by_a)
+        np.add.at(inputs, a_index, (mk * gets_a.sum(axis=2)).ravel())
+        np.add.at(inputs, b_index, (kn * gets_b.sum(axis=1)).ravel())
+        runs("A", col_band[t], live & by_a)
+        runs("B", row_band[t], live & by_b)
+    for kind, pending in carried.items():
+        if pending is not None:
+            flush(kind, *pending)
+    return _totals(flops, inputs, partials)
+
+
+def _band_of(intervals, points) -> np.ndarray:
+    """For each point, the index of the non-empty interval holding it."""
+    nonempty = [index for index, (lo, hi) in enumerate(intervals) if hi > lo]
+    starts = np.array([intervals[index][0] for index in nonempty], dtype=np.int64)
+    where = np.searchsorted(starts, np.asarray(points, dtype=np.int64), side="right") - 1
+    return np.array(nonempty, dtype=np.int64)[where]
+
+
+def _totals(flops, inputs, partials) -> Totals:
+    return Totals(
+        tuple(int(v) for v in flops), tuple(int(v) for v in inputs), tuple(int(v) for v in partials)
+    )
