@@ -84,10 +84,13 @@ def rank_bounds(M: int, K: int, N: int, weights: Sequence[float]) -> tuple[float
     if total <= 0:
         raise ValueError("the weights must not all be zero")
     sizes = (M * K, K * N, M * N)
-    return tuple(
-        moved_lower_bound(M * K * N * w / total, sizes, [s * w / total for s in sizes])
-        for w in weights
-    )
+    bounds: dict[float, float] = {}  # ranks of equal weight have equal bounds
+    for w in weights:
+        if w not in bounds:
+            bounds[w] = moved_lower_bound(
+                M * K * N * w / total, sizes, [s * w / total for s in sizes]
+            )
+    return tuple(bounds[w] for w in weights)
 
 
 def moved_elements(plan) -> tuple[int, ...]:

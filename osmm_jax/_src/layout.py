@@ -151,14 +151,7 @@ class Layout:
     def __post_init__(self):
         shape = _check_shape(self.shape)
         object.__setattr__(self, "shape", shape)
-        # checks.integer, not int(): a bound of 4.5 must be refused, not cut down to 4.
-        blocks = tuple(
-            tuple(
-                tuple(checks.integer(x, f"blocks[{r}][{d}][{i}]") for i, x in enumerate(iv))
-                for d, iv in enumerate(block)
-            )
-            for r, block in enumerate(self.blocks)
-        )
+        blocks = tuple(_block(r, block) for r, block in enumerate(self.blocks))
         object.__setattr__(self, "blocks", blocks)
         if not blocks:
             raise ValueError("a layout needs at least one rank")
@@ -193,6 +186,22 @@ class Layout:
     # -- constructors -------------------------------------------------------
 
     @classmethod
+    def _made(cls, shape, blocks, is_replicated: bool, kind: str) -> Layout:
+        """A layout the constructors below computed from checked sizes (or the transpose of a
+        checked layout): a partition by construction, so its blocks are not checked again,
+        which is most of the cost of a layout of thousands of ranks."""
+        layout = object.__new__(cls)
+        for name, value in (
+            ("shape", shape),
+            ("blocks", blocks),
+            ("is_replicated", is_replicated),
+            ("kind", kind),
+            ("reason", ""),
+        ):
+            object.__setattr__(layout, name, value)
+        return layout
+
+    @classmethod
     def rows(cls, shape, weights=None, sizes=None, nranks=None) -> Layout:
         """Contiguous row blocks in rank order.
 
@@ -204,7 +213,7 @@ class Layout:
         nranks = _infer_nranks(nranks, weights, sizes)
         heights = split_sizes(shape[0], nranks, weights, sizes)
         blocks = tuple((iv, (0, shape[1])) for iv in _intervals(heights))
-        return cls(shape, blocks, False, "rows")
+        return cls._made(shape, blocks, False, "rows")
 
     @classmethod
     def cols(cls, shape, weights=None, sizes=None, nranks=None) -> Layout:
@@ -213,7 +222,7 @@ class Layout:
         nranks = _infer_nranks(nranks, weights, sizes)
         widths = split_sizes(shape[1], nranks, weights, sizes)
         blocks = tuple(((0, shape[0]), iv) for iv in _intervals(widths))
-        return cls(shape, blocks, False, "cols")
+        return cls._made(shape, blocks, False, "cols")
 
     @classmethod
     def grid(
@@ -236,7 +245,7 @@ class Layout:
         widths = split_sizes(shape[1], pc, col_weights, col_sizes, what="col_sizes")
         row_ivs, col_ivs = _intervals(heights), _intervals(widths)
         blocks = tuple((row_ivs[i], col_ivs[j]) for i in range(pr) for j in range(pc))
-        return cls(shape, blocks, False, "grid")
+        return cls._made(shape, blocks, False, "grid")
 
     @classmethod
     def replicated(cls, shape, nranks=None) -> Layout:
@@ -244,7 +253,7 @@ class Layout:
         shape = _check_shape(shape)
         nranks = _check_nranks(nranks)
         full = ((0, shape[0]), (0, shape[1]))
-        return cls(shape, (full,) * nranks, True, "replicated")
+        return cls._made(shape, (full,) * nranks, True, "replicated")
 
     # -- queries ------------------------------------------------------------
 
@@ -260,7 +269,7 @@ class Layout:
         if self.is_replicated:
             kind = "replicated"
         blocks = tuple((cols, rows) for rows, cols in self.blocks)
-        return Layout((self.shape[1], self.shape[0]), blocks, self.is_replicated, kind)
+        return Layout._made((self.shape[1], self.shape[0]), blocks, self.is_replicated, kind)
 
     def local_shape(self, rank: int) -> tuple[int, int]:
         """Shape ``(rows, cols)`` of the block that ``rank`` holds."""
@@ -295,6 +304,25 @@ class Layout:
 
     def __repr__(self) -> str:
         return f"Layout({self.kind}, shape={self.shape}, nranks={self.nranks}, blocks={list(self.blocks)})"
+
+
+def _block(rank: int, block) -> Block:
+    """``block`` as ``((row_start, row_stop), (col_start, col_stop))`` of ints; TypeError or
+    ValueError (through checks.integer, not int(): a bound of 4.5 must be refused, not cut
+    down to 4) naming the bound otherwise."""
+    try:
+        (r0, r1), (c0, c1) = block
+    except (TypeError, ValueError):
+        pass
+    else:
+        # The common case, checked without a call per bound: layouts of thousands of ranks.
+        if type(r0) is int and type(r1) is int and type(c0) is int and type(c1) is int:
+            if r0 >= 0 and r1 >= 0 and c0 >= 0 and c1 >= 0:
+                return ((r0, r1), (c0, c1))
+    return tuple(
+        tuple(checks.integer(x, f"blocks[{rank}][{d}][{i}]") for i, x in enumerate(iv))
+        for d, iv in enumerate(block)
+    )
 
 
 def _infer_nranks(nranks, weights, sizes) -> int:
