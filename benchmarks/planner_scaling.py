@@ -312,7 +312,7 @@ def plot(report: dict, path: Path) -> bool:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-ranks", type=int, default=16384)
-    parser.add_argument("--auto-max-ranks", type=int, default=1024)
+    parser.add_argument("--auto-max-ranks", type=int, default=8192)
     parser.add_argument("--min-ranks", type=int, default=64)
     parser.add_argument("--budget", type=float, default=60.0, help="seconds per P before skipping")
     parser.add_argument(
