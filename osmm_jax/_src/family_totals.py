@@ -174,70 +174,96 @@ def _grid(a_rows, a_cols, b_rows, b_cols, K) -> Totals:
     # The planner's cut indices (empty bands make no cut), for the turns of tied cells.
     rotation = (np.cumsum(m > 0) - 1)[None, :, None] + (np.cumsum(n > 0) - 1)[None, None, :]
     area = m[:, None] * n[None, :]
+    rows, cols = np.arange(pr), np.arange(pc)
     carried = {"A": None, "B": None}  # the last band's partial mask, continued by the next chunk
 
     def runs(kind, bands, masks):
-        """Count one partial per (server, C cell) over each band's K pieces."""
+        """Count one partial per (server, C cell) over each band's K pieces: ``masks[t]`` says
+        which cells the band's owner serves at piece ``t``; a band's run may span chunks."""
         starts = np.flatnonzero(np.diff(bands, prepend=-1))
-        merged = np.logical_or.reduceat(masks, starts, axis=0)
-        pending = carried[kind]
-        complete = []
-        for band, mask in zip(bands[starts], merged):
-            if pending is not None and pending[0] == band:
-                mask = mask | pending[1]
-            elif pending is not None:
-                complete.append(pending)
-            pending = (band, mask)
-        carried[kind] = pending
-        for band, mask in complete:
-            flush(kind, band, mask)
-
-    def flush(kind, band, mask):
-        if kind == "A":
-            partials[band::pc] += (area * mask).sum(axis=1)
+        if len(starts) == len(bands):
+            merged = masks  # one K piece per band here: nothing to merge
         else:
-            partials[band * pc : (band + 1) * pc] += (area * mask).sum(axis=0)
+            merged = np.logical_or.reduceat(masks, starts, axis=0)
+        run_bands = bands[starts]
+        pending = carried[kind]
+        if pending is not None and pending[0] == run_bands[0]:
+            merged[0] |= pending[1]
+        elif pending is not None:
+            flush(kind, np.array([pending[0]]), pending[1][None])
+        carried[kind] = (run_bands[-1], merged[-1].copy())
+        if len(run_bands) > 1:
+            flush(kind, run_bands[:-1], merged[:-1])
+
+    def flush(kind, bands, masks):
+        """Add the partials of complete runs: ``masks[r]`` the C cells band ``bands[r]``'s
+        owners send to."""
+        if kind == "A":  # owner (i, band) sends m_i n_j to (i, j)
+            values = (masks @ n) * m[None, :]
+            np.add.at(partials, (rows[None, :] * pc + bands[:, None]).ravel(), values.ravel())
+        else:  # owner (band, j) sends m_i n_j to (i, j)
+            values = (m @ masks) * n[None, :]
+            np.add.at(partials, (bands[:, None] * pc + cols[None, :]).ravel(), values.ravel())
 
     step = max(1, _CHUNK_CELLS // max(1, pr * pc))
     rotation_even = rotation % 2 == 0
     a_cheaper, a_b_tie = nn < mm, nn == mm  # off the special row and column: A owner vs B owner
+    any_tie, all_exist = bool(a_b_tie.any()), bool(exists.all())
     for t0 in range(0, len(k_cuts), step):
         t = np.arange(t0, min(t0 + step, len(k_cuts)))
-        kk = k[t][:, None, None]
-        cb, rb = col_band[t][:, None, None], row_band[t][:, None, None]
+        kt, cbt, rbt = k[t], col_band[t], row_band[t]
+        kk = kt[:, None, None]
+        cb, rb = cbt[:, None, None], rbt[:, None, None]
         has_a = j == cb  # the C owner holds the A piece (one column per K piece)
         has_b = i == rb  # ... the B piece (one row)
+        mine = has_a & has_b
         # Three different owners: the C owner moves m k + k n, the A owner k n + m n, the B
-        # owner m k + m n; the C owner serves when k <= m and k <= n.
+        # owner m k + m n; the C owner serves when k <= m and k <= n, else the cheaper of the
+        # other two (n < m: the A owner), tied ones taking turns: the lower rank on even
+        # positions.
         by_c = (kk <= mm) & (kk <= nn)
-        # On the special column the B owner (m k + m n) competes with the C owner (k n), on
-        # the special row the A owner (k n + m n) with the C owner (m k).
-        by_c = np.where(has_a, kk * nn <= mm * kk + mm * nn, by_c)
-        by_c = np.where(has_b, mm * kk <= kk * nn + mm * nn, by_c)
-        by_c |= has_a & has_b
-        # Tied A and B owners take turns: the lower rank on even positions.
-        a_lower = (i < rb) | ((i == rb) & (cb < j))
-        even = rotation_even ^ (t[:, None, None] % 2 == 1)
-        by_a = ~by_c & ~has_a & (has_b | a_cheaper | (a_b_tie & (even == a_lower)))
+        by_a = a_cheaper
+        if any_tie:
+            a_lower = (i < rb) | ((i == rb) & (cb < j))
+            even = rotation_even ^ (t[:, None, None] % 2 == 1)
+            by_a = by_a | (a_b_tie & (even == a_lower))
+        by_a = ~by_c & by_a
+        # The special column (the C owner holds A): the C owner (k n) or the B owner
+        # (m k + m n); the special row (it holds B): the C owner (m k) or the A owner
+        # (k n + m n); their crossing: the C owner holds both.
+        tt = np.arange(len(t))
+        m_col, n_col = m[None, :], n[cbt][:, None]  # (T, pr) along the special column
+        col_c = kt[:, None] * n_col <= m_col * kt[:, None] + m_col * n_col
+        by_c[tt[:, None], rows[None, :], cbt[:, None]] = col_c
+        by_a[tt[:, None], rows[None, :], cbt[:, None]] = False
+        m_row, n_row = m[rbt][:, None], n[None, :]  # (T, pc) along the special row
+        row_c = m_row * kt[:, None] <= kt[:, None] * n_row + m_row * n_row
+        by_c[tt[:, None], rbt[:, None], cols[None, :]] = row_c
+        by_a[tt[:, None], rbt[:, None], cols[None, :]] = ~row_c
+        by_c[tt, rbt, cbt] = True
+        by_a[tt, rbt, cbt] = False
         by_b = ~by_c & ~by_a
-        live = exists & ~(has_a & has_b)
-        mk = mm[:, :, 0] * k[t][:, None]  # (T, pr)
-        kn = k[t][:, None] * nn[:, 0, :]  # (T, pc)
+        live = ~mine if all_exist else exists & ~mine
+        served_c, served_a, served_b = (
+            (by_c, by_a, by_b) if all_exist else (exists & by_c, exists & by_a, exists & by_b)
+        )
+        mk = mm[:, :, 0] * kt[:, None]  # (T, pr)
+        kn = kt[:, None] * nn[:, 0, :]  # (T, pc)
         # Flops: 2 m k n per cell, to its server.
-        flops += 2 * area.ravel() * (np.where(exists & by_c, kk, 0)).sum(axis=0).ravel()
-        a_index = (np.arange(pr)[None, :] * pc + col_band[t][:, None]).ravel()
-        b_index = (row_band[t][:, None] * pc + np.arange(pc)[None, :]).ravel()
-        np.add.at(flops, a_index, (2 * mk * (np.where(exists & by_a, nn, 0)).sum(axis=2)).ravel())
-        np.add.at(flops, b_index, (2 * kn * (np.where(exists & by_b, mm, 0)).sum(axis=1)).ravel())
+        flops += 2 * area.ravel() * (kt @ served_c.reshape(len(t), -1))
+        a_index = (rows[None, :] * pc + cbt[:, None]).ravel()
+        b_index = (rbt[:, None] * pc + cols[None, :]).ravel()
+        np.add.at(flops, a_index, (2 * mk * (served_a @ n)).ravel())
+        np.add.at(flops, b_index, (2 * kn * (m @ served_b)).ravel())
         gets_a = live & ((by_c & ~has_a) | by_b)
         gets_b = live & ((by_c & ~has_b) | by_a)
         np.add.at(inputs, a_index, (mk * gets_a.sum(axis=2)).ravel())
         np.add.at(inputs, b_index, (kn * gets_b.sum(axis=1)).ravel())
-        runs("A", col_band[t], live & by_a)
-        runs("B", row_band[t], live & by_b)
+        runs("A", cbt, live & by_a)
+        runs("B", rbt, live & by_b)
     for kind, pending in carried.items():
         if pending is not None:
-            flush(kind, *pending)
+            flush(kind, np.array([pending[0]]), pending[1][None])
     return _totals(flops, inputs, partials)
 
 
