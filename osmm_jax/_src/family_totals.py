@@ -125,12 +125,7 @@ def _owner_and_other(x, y, z):
     partial); the owner serves ties. ``cols, A split`` is the same with rows and columns
     exchanged."""
     threshold = np.where(z <= x, _NEVER, (x * z) // np.maximum(z - x, 1))
-    y_served, owners_served, x_served, x_all, y_all = _threshold_sums(x, y, threshold)
-    x_other = x_all - x_served  # per j: the owners' x of the pairs j serves
-    flops = 2 * z * (x * y_served + y * x_other + x * y)
-    inputs = y * z * owners_served + x * (y_all - y_served)
-    partials = z * x_other
-    return _totals(flops, inputs, partials)
+    return _pairs(x, y, z, threshold, owner_gets_both=False)
 
 
 def _k_split(x, y, z):
@@ -138,12 +133,22 @@ def _k_split(x, y, z):
     (its share of K); C is ``z`` wide. Cell ``(i, j)`` costs the owner ``x y + y z`` (it gets
     both pieces), rank ``j`` ``x z`` (it sends a partial); the owner serves ties."""
     threshold = (x * z) // np.maximum(x + z, 1)
-    y_served, owners_served, x_served, x_all, _ = _threshold_sums(x, y, threshold)
-    x_other = x_all - x_served
+    return _pairs(x, y, z, threshold, owner_gets_both=True)
+
+
+def _pairs(x, y, z, threshold, *, owner_gets_both: bool) -> Totals:
+    """The totals of the pairs (owner ``i``, other ``j``) where the owner serves iff
+    ``y[j] <= threshold[i]``; each cell is ``2 x y z`` flops, a pair the other serves sends one
+    ``x z`` partial. The owner, serving, gets ``y z`` (B[j]) from ``j``, plus ``x y`` (A[i, j])
+    when ``owner_gets_both``; otherwise ``j``, serving, gets ``x y`` (A[i, j]) from the owner."""
+    y_served, owners_served, x_served, x_all, y_all = _threshold_sums(x, y, threshold)
+    x_other = x_all - x_served  # per j: the owners' x of the pairs j serves
     flops = 2 * z * (x * y_served + y * x_other + x * y)
-    inputs = y * (x_served + z * owners_served)
-    partials = z * x_other
-    return _totals(flops, inputs, partials)
+    if owner_gets_both:
+        inputs = y * (x_served + z * owners_served)
+    else:
+        inputs = y * z * owners_served + x * (y_all - y_served)
+    return _totals(flops, inputs, z * x_other)
 
 
 _CHUNK_CELLS = 1 << 18  # cells decided at once by :func:`_grid`: arrays of a few MiB

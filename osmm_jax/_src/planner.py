@@ -402,18 +402,19 @@ class Plan:
             return None
         # Reduce-scatter, then all-gather: kept only if its busiest sender sends less and no
         # rank computes more than summing the replicated C directly.
-        with _collector_paused():
-            direct = schedule_totals(self.cells, self.compute_at_inputs)
-            staged = schedule_totals(stage.cells, stage.compute_at_inputs)
-        gathered = [0] * self.nranks
-        for t in _gathers(stage.c):
-            gathered[t.sender] += t.elements
-        staged_sent = [s + g for s, g in zip(staged.sent(), gathered)]
+        direct, staged = self._totals, stage._totals
+        staged_sent = [s + g for s, g in zip(staged.sent(), _gathered_elements(stage.c))]
         if max(staged_sent) < max(direct.sent()) and all(
             s <= d for s, d in zip(staged.flops, direct.flops)
         ):
             return stage
         return None
+
+    @functools.cached_property
+    def _totals(self) -> Totals:
+        """Every rank's :class:`Totals` of this plan's own cells (a staged plan's direct sum)."""
+        with _collector_paused():
+            return schedule_totals(self.cells, self.compute_at_inputs)
 
     def for_rank(self, rank: int) -> RankPlan:
         """``rank``'s part of the plan (its multiplies, the transfers it issues, serves and
@@ -735,6 +736,13 @@ def _gathers(split: Layout, origins: Iterable[int] | None = None, owner: int | N
             if rows[1] > rows[0] and cols[1] > cols[0]:
                 gathers.append(Transfer("get", "C", origin, block_owner, rows, cols))
     return tuple(gathers)
+
+
+def _gathered_elements(split: Layout) -> list[int]:
+    """Elements each rank sends in the gathers of ``split`` (:func:`_gathers`, counted at the
+    owner): its block, once to every other rank."""
+    others = split.nranks - 1
+    return [_area(split, r) * others for r in range(split.nranks)]
 
 
 def _check_layouts(a: Layout, b: Layout, c: Layout) -> None:
@@ -1126,17 +1134,14 @@ class PlanTotals:
             return
         plan = Plan(a, b, c)
         stage = plan.gather_stage
-        with _collector_paused():
-            if stage is None:
-                totals = schedule_totals(plan.cells, plan.compute_at_inputs)
-                self._inputs = totals.inputs
-            else:
-                totals = schedule_totals(stage.cells, stage.compute_at_inputs)
-                gathered = [0] * self.nranks
-                for t in plan.gathers:
-                    gathered[t.sender] += t.elements
-                # Gathered C blocks travel in the input dtype, like the A/B pieces.
-                self._inputs = tuple(i + g for i, g in zip(totals.inputs, gathered))
+        if stage is None:
+            totals = plan._totals
+            self._inputs = totals.inputs
+        else:
+            totals = stage._totals
+            # Gathered C blocks travel in the input dtype, like the A/B pieces.
+            gathered = _gathered_elements(stage.c)
+            self._inputs = tuple(i + g for i, g in zip(totals.inputs, gathered))
         self.flops = totals.flops
         self._partials = totals.partials
 
