@@ -125,7 +125,9 @@ def in_graph_comm(key: int) -> MPI.Intracomm:
     return _in_graph[key]
 
 
-def agree(comm: MPI.Intracomm, what: str, token: str, local_error, *, must_match: str = "") -> None:
+def agree(
+    comm: MPI.Intracomm, what: str, token: str, local_error, *, must_match: str = "", share=None
+) -> list:
     """Collectively check that every rank is about to do the same thing, with valid inputs.
 
     Each rank contributes ``token`` (e.g. a plan fingerprint and method) and the
@@ -133,24 +135,29 @@ def agree(comm: MPI.Intracomm, what: str, token: str, local_error, *, must_match
     the same error on every rank if any rank found one (a TypeError when every
     failing rank had a TypeError, else a ValueError) or if the tokens differ,
     naming the ranks. ``must_match`` says what has to agree, for the message.
+
+    ``share`` is any small picklable value that travels in the same exchange;
+    returns every rank's ``share``, in rank order (so that callers need no
+    collective of their own for what the ranks must combine).
     """
     if isinstance(local_error, BaseException):
         mine = (type(local_error).__name__, str(local_error))
     else:
         mine = None if local_error is None else ("ValueError", str(local_error))
-    records = comm.allgather((token, mine))
-    errors = [(r, err) for r, (_, err) in enumerate(records) if err is not None]
+    records = comm.allgather((token, mine, share))
+    errors = [(r, err) for r, (_, err, _) in enumerate(records) if err is not None]
     if errors:
         cls = TypeError if all(kind == "TypeError" for _, (kind, _) in errors) else ValueError
         detail = "; ".join(f"rank {r}: {msg}" for r, (_, msg) in errors)
         raise cls(f"{what}: invalid input on {len(errors)} of {len(records)} ranks: {detail}")
     groups: dict[str, list[int]] = {}
-    for r, (tok, _) in enumerate(records):
+    for r, (tok, _, _) in enumerate(records):
         groups.setdefault(tok, []).append(r)
     if len(groups) > 1:
         detail = "; ".join(f"ranks {ranks} have {tok}" for tok, ranks in groups.items())
         needed = must_match or "the same layouts, plan and method"
         raise ValueError(f"{what}: ranks disagree (every rank must call with {needed}): {detail}")
+    return [shared for _, _, shared in records]
 
 
 def _shutdown() -> None:

@@ -44,7 +44,7 @@ from osmm_jax._src import (
     one_sided,
     watchdog,
 )
-from osmm_jax._src.planner import Plan, PlanFacts, backward_plans
+from osmm_jax._src.planner import Plan, PlanFacts, backward_plans, combine_facts
 
 # -- public function ------------------------------------------------------------------
 
@@ -118,9 +118,44 @@ def matmul(
         watchdog.apply_settings()
     except (TypeError, ValueError) as exc:
         error = error or exc
+    share = None
+    if error is None and options.method == "one_sided":
+        share = _facts_to_share(plan, rank)
     with watchdog.host_step(comm, "osmm_jax.matmul's checks"):
-        communicators.agree(comm, "osmm_jax.matmul", f"plan {plan.fingerprint} {options}", error)
+        shared = communicators.agree(
+            comm, "osmm_jax.matmul", f"plan {plan.fingerprint} {options}", error, share=share
+        )
+    if share is not None:
+        _adopt_facts(plan, shared)
     return _matmul(plan, options, a_local, b_local)
+
+
+def _executed_plans(plan: Plan) -> tuple[Plan, ...]:
+    """The plans a product of ``plan`` and its gradient run: the product and its two backward
+    products, each as executed (its gather stage where it has one)."""
+    return tuple(
+        p.gather_stage if p.gather_stage is not None else p for p in (plan, *backward_plans(plan))
+    )
+
+
+def _facts_to_share(plan: Plan, rank: int) -> tuple[PlanFacts, ...]:
+    """This rank's :class:`~osmm_jax._src.planner.PlanFacts` of every executed plan (cached in
+    the plans after the first product: later calls only look them up).
+
+    Sent on every call, not only until the plans have adopted the combined facts: another rank
+    may hold a new, equal plan object that has not."""
+    return tuple(p.for_rank(rank).facts for p in _executed_plans(plan))
+
+
+def _adopt_facts(plan: Plan, shared: list[tuple[PlanFacts, ...]]) -> None:
+    """Give each executed plan the facts combined over ranks, so that running it (and its
+    gradient) builds only this rank's part of the plan, never the whole schedule."""
+    executed = _executed_plans(plan)
+    for i, target in enumerate(executed):
+        if not target._agreed:
+            target.adopt_facts(combine_facts(rank_facts[i] for rank_facts in shared))
+    if not plan._agreed:
+        plan.adopt_facts(executed[0].facts)
 
 
 # -- input checks -----------------------------------------------------------------------
@@ -192,10 +227,7 @@ def _batchable_forward(plan: Plan, options: _Options):
     issue a different number of collectives. Looping over the batch instead
     runs ``axis_size`` complete products, identically on every rank.
     """
-    host_comm = communicators.comm_for_key(plan.comm_key)
-    rank = host_comm.Get_rank()
-    with watchdog.host_step(host_comm, "osmm_jax.matmul's plan agreement"):
-        _agree_facts(plan, host_comm, rank)
+    rank = communicators.comm_for_key(plan.comm_key).Get_rank()
     comm = communicators.in_graph_comm(plan.comm_key)
     if options.method == "allreduce":
         execute = allreduce.forward
@@ -223,26 +255,6 @@ def _batchable_forward(plan: Plan, options: _Options):
         return jnp.stack(outs), True
 
     return forward
-
-
-def _agree_facts(plan: Plan, comm, rank: int) -> None:
-    """Combine every rank's share of the plan's :class:`~osmm_jax._src.planner.PlanFacts`
-    (whether anyone gets or delivers, the largest exposed blocks) in one all-reduce, and give
-    them to the plan: each rank then builds only its own part of the plan, never the whole.
-
-    A collective on the host communicator: called by every rank where the product is first
-    traced (:func:`_batchable_forward` is cached alike on every rank).
-    """
-    from mpi4py import MPI
-
-    executed = plan.gather_stage if plan.gather_stage is not None else plan
-    mine = executed.for_rank(rank).facts
-    local = np.array([mine.has_gets, mine.has_deliveries, *mine.expose_elements], dtype=np.int64)
-    combined = np.empty_like(local)
-    comm.Allreduce(local, combined, op=MPI.MAX)
-    facts = PlanFacts(bool(combined[0]), bool(combined[1]), (int(combined[2]), int(combined[3])))
-    for target in {plan, executed}:
-        target.adopt_facts(facts)
 
 
 # -- differentiation ------------------------------------------------------------------------
