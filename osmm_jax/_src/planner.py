@@ -30,7 +30,7 @@ from the cells it owns a piece of, in time and memory that grow with its share o
 product, not with the rank count: that is what each rank of a job builds for itself
 (:func:`osmm_jax.plan`, with ``rank=`` to inspect any rank's part without MPI). The few facts
 all ranks must share (whether anyone gets or delivers, the largest exposed block) are
-combined when the product is first traced (:class:`PlanFacts`). The whole schedule
+combined in the agreement every product starts with (:class:`PlanFacts`). The whole schedule
 (``multiplies``, ``transfers``, ``describe()``, ``plot()``) is built only when asked for.
 Whether a replicated C is summed in a gather stage is the one decision that looks at every
 cell (:attr:`Plan.gather_stage`).
