@@ -286,17 +286,33 @@ def _matmul(plan: Plan, options: _Options, a, b):
 
 
 def _matmul_fwd(plan: Plan, options: _Options, a, b):
-    return _forward(plan, options, _first_order_only(a), _first_order_only(b)), (a, b)
+    """The product, keeping what the backward products will need: B for dA only when A is
+    differentiated, A for dB only when B is.
+
+    ``a`` and ``b`` are :class:`jax.custom_derivatives.CustomVJPPrimal` (``symbolic_zeros``):
+    ``perturbed`` is False for an input no derivative is taken with respect to, such as a
+    model's input batch or a frozen weight."""
+    c = _forward(plan, options, _first_order_only(a.value), _first_order_only(b.value))
+    return c, (b.value if a.perturbed else None, a.value if b.perturbed else None)
 
 
 def _matmul_bwd(plan: Plan, options: _Options, residuals, d_c):
-    """dA = dC @ B.T and dB = A.T @ dC, each a distributed product with transposed layouts."""
-    a, b = residuals
+    """dA = dC @ B.T and dB = A.T @ dC, each a distributed product with transposed layouts.
+
+    Only the products whose result is needed run: the custom calls move data between ranks, so
+    XLA may not drop an unused one, and an input that is not differentiated (the first layer's
+    batch) would otherwise cost a whole distributed product per step. Whether an input is
+    differentiated is a property of the traced program, the same on every rank."""
+    b_for_da, a_for_db = residuals
+    if isinstance(d_c, jax.custom_derivatives.SymbolicZero):
+        return None, None
     plan_da, plan_db = backward_plans(plan)
-    d_c = d_c.astype(a.dtype)
-    d_a = _matmul(plan_da, options, d_c, b.T)
-    d_b = _matmul(plan_db, options, a.T, d_c)
+    d_a = d_b = None
+    if b_for_da is not None:
+        d_a = _matmul(plan_da, options, d_c.astype(b_for_da.dtype), b_for_da.T)
+    if a_for_db is not None:
+        d_b = _matmul(plan_db, options, a_for_db.T, d_c.astype(a_for_db.dtype))
     return d_a, d_b
 
 
-_matmul.defvjp(_matmul_fwd, _matmul_bwd)
+_matmul.defvjp(_matmul_fwd, _matmul_bwd, symbolic_zeros=True)

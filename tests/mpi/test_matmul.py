@@ -8,6 +8,7 @@ against numpy.
 from __future__ import annotations
 
 import itertools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +27,7 @@ from product_cases import (
 )
 
 import osmm_jax as om
+from osmm_jax._src import matmul as matmul_module
 
 jax.config.update("jax_enable_x64", True)
 
@@ -154,6 +156,37 @@ def test_row_split_weights_gradient_arrives_summed_on_every_rank():
         "dB must arrive by one-sided accumulation"
     )
     assert sum(plan_db.flops) == 2 * M * K * N
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_gradient_for_one_input_runs_only_its_backward_product(method):
+    """The batch of a data-parallel layer is not differentiated: dB alone must run. Its dA would
+    be a whole distributed product per step that XLA cannot drop (it has MPI side effects)."""
+    a_layout = om.Layout.rows((M, K), weights=uneven_weights(SIZE))
+    b_layout = om.Layout.replicated((K, N))
+    plan = om.plan(a_layout, b_layout, om.Layout.rows((M, N), weights=uneven_weights(SIZE)))
+    a, b, _ = global_inputs(seed=5)
+    x = a_layout.shard(a, RANK)
+    loss = lambda x, w: jnp.sum(om.matmul(x, w, plan, method=method) ** 2)  # noqa: E731
+    plan_da, plan_db = plan.backward()
+    for argnums, expected in ((0, [plan, plan_da]), (1, [plan, plan_db]), ((0, 1), None)):
+        traced = []
+        real_forward = matmul_module._forward
+
+        def counting_forward(p, *args, traced=traced, real_forward=real_forward):
+            traced.append(p)
+            return real_forward(p, *args)
+
+        with mock.patch.object(matmul_module, "_forward", counting_forward):
+            jax.make_jaxpr(jax.grad(loss, argnums=argnums))(x, b)
+        assert traced == (expected or [plan, plan_da, plan_db])
+    before = om.stats()["accumulates"]
+    dx = jax.jit(jax.grad(loss, argnums=0))(x, b)
+    np.testing.assert_allclose(dx, a_layout.shard(2 * (a @ b) @ b.T, RANK), rtol=1e-12)
+    # dA of rows x replicated is local: no rank sends anything when only dA is asked for.
+    assert om.stats()["accumulates"] == before
+    db = jax.jit(jax.grad(loss, argnums=1))(x, b)
+    np.testing.assert_allclose(db, a.T @ (2 * (a @ b)), rtol=1e-12)
 
 
 def test_k_split_moves_fewer_bytes_than_the_allreduce_baseline():
