@@ -160,8 +160,8 @@ def test_row_split_weights_gradient_arrives_summed_on_every_rank():
 
 @pytest.mark.parametrize("method", METHODS)
 def test_gradient_for_one_input_runs_only_its_backward_product(method):
-    """The batch of a data-parallel layer is not differentiated: dB alone must run. Its dA would
-    be a whole distributed product per step that XLA cannot drop (it has MPI side effects)."""
+    """Only the backward products of differentiated inputs are traced: here the batch's dA is
+    local, but where such a product communicates XLA could not drop it (MPI side effects)."""
     a_layout = om.Layout.rows((M, K), weights=uneven_weights(SIZE))
     b_layout = om.Layout.replicated((K, N))
     plan = om.plan(a_layout, b_layout, om.Layout.rows((M, N), weights=uneven_weights(SIZE)))
