@@ -69,11 +69,13 @@ def _products(plan: Plan, rank: int, a, b, multiplies, remote: dict) -> dict:
     """The GEMMs of ``multiplies``: ``{(rows, inner, cols): A[rows, inner] @ B[inner, cols]}``.
 
     Local pieces are cut from ``a``/``b``; others come from ``remote``, keyed
-    ``(matrix, rows, cols)``. Products are in the accumulation dtype.
+    ``(matrix, rows, cols)``. Products are in the accumulation dtype, formed as the one-sided
+    executor forms them (:func:`osmm_jax._src.one_sided.products`).
     """
+    requests = [(m, m.rows) for m in multiplies]
     return {
-        (m.rows, m.inner, m.cols): one_sided.product(plan, rank, a, b, m, m.rows, remote)
-        for m in multiplies
+        (m.rows, m.inner, m.cols): part
+        for (m, _), part in zip(requests, one_sided.products(plan, rank, a, b, requests, remote))
     }
 
 

@@ -1,0 +1,94 @@
+"""How the one-sided executor forms its GEMMs (``one_sided.products``), without MPI.
+
+Every product a rank forms must equal numpy's for its rectangle, whether it was computed alone
+or sliced from a merged GEMM; merging must happen exactly where the local tiles cover one
+rectangle over one inner range.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from osmm_jax._src import one_sided
+from osmm_jax._src.layout import Layout
+from osmm_jax._src.planner import Plan, backward_plans
+
+
+def _local_requests(plan: Plan, rank: int):
+    return [(m, m.rows) for m in plan.for_rank(rank).multiplies]
+
+
+def _check_products(plan: Plan, rank: int, a, b, requests):
+    local_a = np.asarray(plan.a.shard(a, rank))
+    local_b = np.asarray(plan.b.shard(b, rank))
+    parts = one_sided.products(plan, rank, local_a, local_b, requests, remote={})
+    for (m, rows), part in zip(requests, parts):
+        expected = (
+            a[rows[0] : rows[1], m.inner[0] : m.inner[1]]
+            @ b[m.inner[0] : m.inner[1], m.cols[0] : m.cols[1]]
+        )
+        np.testing.assert_allclose(np.asarray(part), expected, rtol=1e-5, atol=1e-5)
+    return parts
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 5])
+def test_weight_gradient_of_a_data_parallel_layer_is_one_gemm_per_rank(nranks):
+    """dW = x.T @ dY of rows x replicated -> rows, as its plan runs: when staged, each rank's
+    partials for every owner of the even split of dW share the rank's inner range and tile dW,
+    and are one GEMM; unstaged, dW is one multiply already."""
+    tokens, k, n = 60, 24, 16
+    weights = [1 + r % 3 for r in range(nranks)]
+    forward = Plan(
+        Layout.rows((tokens, k), weights=weights),
+        Layout.replicated((k, n), nranks=nranks),
+        Layout.rows((tokens, n), weights=weights),
+    )
+    _, d_w = backward_plans(forward)
+    stage = d_w.gather_stage if d_w.gather_stage is not None else d_w
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((k, tokens)).astype(np.float32)
+    b = rng.standard_normal((tokens, n)).astype(np.float32)
+    for rank in range(nranks):
+        requests = _local_requests(stage, rank)
+        # Staged (a gather stage for the replicated dW): one request per owner of its split.
+        assert len(requests) == (nranks if stage is not d_w else 1)
+        assert len(one_sided._gemm_groups(rank, requests)) == 1
+        _check_products(stage, rank, a, b, requests)
+        local_a, local_b = stage.a.shard(a, rank), stage.b.shard(b, rank)
+        jaxpr = jax.make_jaxpr(
+            lambda x, y, rank=rank, requests=requests: one_sided.products(
+                stage, rank, x, y, requests, remote={}
+            )
+        )(local_a, local_b)
+        assert str(jaxpr).count("dot_general") == 1
+
+
+def test_tiles_that_do_not_cover_a_rectangle_are_not_merged():
+    assert one_sided._tiled_rectangle([((0, 2), (0, 3)), ((2, 4), (0, 3))]) == ((0, 4), (0, 3))
+    assert one_sided._tiled_rectangle([((0, 2), (0, 3)), ((0, 2), (3, 5))]) == ((0, 2), (0, 5))
+    grid = [((r, r + 2), (c, c + 3)) for r in (0, 2) for c in (0, 3)]
+    assert one_sided._tiled_rectangle(grid) == ((0, 4), (0, 6))
+    assert one_sided._tiled_rectangle([((0, 2), (0, 3)), ((3, 4), (0, 3))]) is None  # a gap
+    assert one_sided._tiled_rectangle(grid[:3]) is None  # a corner missing
+    assert one_sided._tiled_rectangle([((0, 2), (0, 3))] * 2) is None  # twice the same tile
+
+
+@pytest.mark.parametrize("kinds", [("cols", "rows", "rows"), ("grid", "grid", "grid")])
+def test_products_equal_numpy_for_every_rank_of_a_plan(kinds):
+    """Plans whose ranks mix merged, single and (unused here) remote GEMMs."""
+    nranks, m, k, n = 4, 20, 28, 12
+    make = {
+        "rows": lambda shape: Layout.rows(shape, weights=[1, 2, 1, 3]),
+        "cols": lambda shape: Layout.cols(shape, weights=[2, 1, 1, 1]),
+        "grid": lambda shape: Layout.grid(shape, (2, 2)),
+    }
+    plan = Plan(make[kinds[0]]((m, k)), make[kinds[1]]((k, n)), make[kinds[2]]((m, n)))
+    rng = np.random.default_rng(1)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    for rank in range(nranks):
+        requests = [(mm, mm.rows) for mm in plan.for_rank(rank).multiplies]
+        local = [(mm, rows) for mm, rows in requests if mm.a_source == mm.b_source == rank]
+        _check_products(plan, rank, a, b, local)
