@@ -13,16 +13,23 @@ starting from the same parameters. Timed side by side in the same run (interleav
 rounds, a barrier before each step, the slowest rank's time; medians after one checked call and
 one warm-up call each):
 
-* ``osmm DP, speed-weighted (one_sided)``: train_lm's ``dp`` mode, sequences per rank in
-  proportion to the measured GEMM rates (``osmm_jax.balance``);
+* ``osmm DP, speed-weighted (one fused sum)``: the stock model (no osmm_jax layer; dense
+  layers on the 2-D view of their input, ``train_lm.StockLinear``) on sequences per rank in
+  proportion to the measured GEMM rates (``osmm_jax.balance``), every gradient summed by
+  ``osmm_jax.flax.value_and_grad`` in one fused one_sided transfer after the backward pass;
+* ``osmm DP layers, speed-weighted (one_sided)``: train_lm's ``dp`` mode, the same sequences,
+  each dense layer's weight gradient summed by its own backward product (``osmm_jax.flax.Linear``)
+  and the rest in one fused transfer;
 * ``osmm TP, speed-weighted (one_sided)``: ``tp`` mode, heads and MLP hidden features per rank
   in proportion to the same rates;
-* ``all-reduce DP, even (allreduce)``: ``dp`` mode with equal sequences per rank and osmm_jax's
-  mpi4jax all-reduce method (what DistributedDataParallel does);
+* ``all-reduce DP, even (one fused all-reduce)``: the stock model on equal sequences per rank,
+  every gradient summed in one flat all-reduce (mpi4jax), what DistributedDataParallel does;
 * ``JAX NamedSharding DP, even``: ``jax`` mode (equal sequences, replicated parameters, JAX's
   gradient all-reduce over gloo);
 * ``no-communication floor (speed-weighted rows)``: every rank runs the stock model on its
   ``dp`` sequences alone, nothing summed (the split's own imbalance, without communication);
+* ``no-communication floor (even rows)``: the same on the even split; its ratio to the
+  speed-weighted floor is what speed-weighting can gain over an even split on these ranks;
 * ``one process, whole batch (every rank at once)``: every rank runs the stock model on the
   whole batch by itself, at the same time as the others (so ranks sharing a core share it as
   they do in the distributed steps); its row is the slowest rank's time, and each rank's own
@@ -68,11 +75,13 @@ RTOL, ATOL = 1e-4, 1e-5  # first-step loss against one process, as train_lm --ch
 LEARNING_RATE = 3e-3
 WARMUP = 1  # warm-up calls per step after the checked (compiling) call
 
-DP = "osmm DP, speed-weighted (one_sided)"
+DP = "osmm DP, speed-weighted (one fused sum)"
+LAYERS = "osmm DP layers, speed-weighted (one_sided)"
 TP = "osmm TP, speed-weighted (one_sided)"
-EVEN = "all-reduce DP, even (allreduce)"
+EVEN = "all-reduce DP, even (one fused all-reduce)"
 JAX = "JAX NamedSharding DP, even"
 FLOOR = "no-communication floor (speed-weighted rows)"
+EVEN_FLOOR = "no-communication floor (even rows)"
 ALONE = "one process, whole batch (every rank at once)"
 
 
@@ -160,7 +169,14 @@ def main(argv=None) -> int:
         step, params, opt_state = lm.make_step(build(lm.Layers("single")), LEARNING_RATE, tokens)
         return step, (params, opt_state, jnp.asarray(x[rows]), jnp.asarray(y[rows]))
 
-    def dp_step(sizes, method):
+    def fused_step(sizes, method):
+        step, params, opt_state = lm.make_step(
+            build(lm.Layers("single")), LEARNING_RATE, tokens, dp=True, sum_method=method
+        )
+        rows = _rows(sizes)
+        return step, (params, opt_state, jnp.asarray(x[rows]), jnp.asarray(y[rows]))
+
+    def layers_step(sizes, method):
         layers = lm.Layers("dp", row_sizes=[s * args.context for s in sizes], method=method)
         step, params, opt_state = lm.make_step(build(layers), LEARNING_RATE, tokens, dp=True)
         rows = _rows(sizes)
@@ -176,14 +192,16 @@ def main(argv=None) -> int:
         build(lm.Layers("single")), LEARNING_RATE, tokens, mesh=mesh
     )
     fns = {
-        DP: dp_step(weighted, "one_sided"),
+        DP: fused_step(weighted, "one_sided"),
+        LAYERS: layers_step(weighted, "one_sided"),
         TP: (tp_step, (tp_params, tp_opt, jnp.asarray(x), jnp.asarray(y))),
-        EVEN: dp_step(even, "allreduce"),
+        EVEN: fused_step(even, "allreduce"),
         JAX: (
             jax_step,
             (jax_params, jax_opt, lm.shard_batch(x, mesh), lm.shard_batch(y, mesh)),
         ),
         FLOOR: stock_step(_rows(weighted)),
+        EVEN_FLOOR: stock_step(_rows(even)),
         ALONE: stock_step(slice(None)),
     }
 
@@ -191,11 +209,11 @@ def main(argv=None) -> int:
     losses = {}
     for name, (fn, fn_args) in fns.items():
         loss = jax.device_get(fn(*fn_args)[2].addressable_data(0))
-        losses[name] = float(COMM.allreduce(float(loss)) if name in (DP, EVEN) else loss)
+        losses[name] = float(COMM.allreduce(float(loss)) if name in (DP, LAYERS, EVEN) else loss)
     reference = losses[ALONE]
     wrong = [
         name
-        for name in (DP, TP, EVEN, JAX)
+        for name in (DP, LAYERS, TP, EVEN, JAX)
         if not abs(losses[name] - reference) <= RTOL * abs(reference) + ATOL
     ]
     if wrong:
@@ -219,12 +237,15 @@ def main(argv=None) -> int:
     seconds = {e["name"]: e["seconds"] for e in entries}
     ratios = {
         "even_allreduce_over_dp": seconds[EVEN] / seconds[DP],
+        "even_allreduce_over_layers": seconds[EVEN] / seconds[LAYERS],
+        "layers_over_limit": seconds[LAYERS] / limit,
         "even_allreduce_over_tp": seconds[EVEN] / seconds[TP],
         "jax_over_dp": seconds[JAX] / seconds[DP],
         "dp_over_limit": seconds[DP] / limit,
         "tp_over_limit": seconds[TP] / limit,
         "even_allreduce_over_limit": seconds[EVEN] / limit,
         "floor_over_limit": seconds[FLOOR] / limit,
+        "even_floor_over_floor": seconds[EVEN_FLOOR] / seconds[FLOOR],
     }
     record = {
         "case": "lm_step",
@@ -285,7 +306,12 @@ def _notes(record: dict) -> list[str]:
         f"DP step's time (target >= 1.2) and {r['even_allreduce_over_tp']:.2f}x the speed-weighted "
         f"TP step's; DP takes {r['dp_over_limit']:.2f}x the aggregate limit and TP "
         f"{r['tp_over_limit']:.2f}x (target <= 1.15); JAX NamedSharding takes "
-        f"{r['jax_over_dp']:.2f}x DP's time.",
+        f"{r['jax_over_dp']:.2f}x DP's time. With osmm_jax's DP layers (one sum per layer) "
+        f"instead of one fused sum, DP takes {r['layers_over_limit']:.2f}x the aggregate limit "
+        f"and the even all-reduce step {r['even_allreduce_over_layers']:.2f}x its time. Without any "
+        f"communication, the even split takes {r['even_floor_over_floor']:.2f}x the "
+        "speed-weighted split's time: no even-split step can be slower than that by its split "
+        "alone.",
         f"Aggregate limit {limit * 1e3:.0f} ms = 1 / sum(1 / T_r), T_r = each rank's own median "
         f"time for the whole step alone, all ranks at once: {alone} ms (from GEMM rates instead: "
         f"{record['aggregate_limit_gemm_s'] * 1e3:.0f} ms).",
@@ -343,6 +369,13 @@ def markdown(record: dict) -> str:
     targets = [
         ("even all-reduce DP ÷ speed-weighted DP", r["even_allreduce_over_dp"], ">=", 1.2),
         ("speed-weighted DP ÷ aggregate limit", r["dp_over_limit"], "<=", 1.15),
+        (
+            "even all-reduce DP ÷ speed-weighted DP layers",
+            r["even_allreduce_over_layers"],
+            ">=",
+            1.2,
+        ),
+        ("speed-weighted DP layers ÷ aggregate limit", r["layers_over_limit"], "<=", 1.15),
         ("even all-reduce DP ÷ speed-weighted TP", r["even_allreduce_over_tp"], ">=", 1.2),
         ("speed-weighted TP ÷ aggregate limit", r["tp_over_limit"], "<=", 1.15),
     ]

@@ -181,11 +181,13 @@ def test_the_lm_step_benchmark_runs_and_writes_its_results(tmp_path):
     (record,) = json.loads(raw.read_text())
     names = [e["name"] for e in record["entries"]]
     assert names == [
-        "osmm DP, speed-weighted (one_sided)",
+        "osmm DP, speed-weighted (one fused sum)",
+        "osmm DP layers, speed-weighted (one_sided)",
         "osmm TP, speed-weighted (one_sided)",
-        "all-reduce DP, even (allreduce)",
+        "all-reduce DP, even (one fused all-reduce)",
         "JAX NamedSharding DP, even",
         "no-communication floor (speed-weighted rows)",
+        "no-communication floor (even rows)",
         "one process, whole batch (every rank at once)",
     ], out
     assert all(e["seconds"] > 0 and e["tokens_per_s"] > 0 for e in record["entries"])
@@ -193,7 +195,14 @@ def test_the_lm_step_benchmark_runs_and_writes_its_results(tmp_path):
     # The limit is the harmonic combination of each rank's time for the whole step.
     alone = record["alone_seconds_per_rank"]
     assert record["aggregate_limit_s"] == pytest.approx(1.0 / sum(1.0 / t for t in alone))
-    assert set(record["ratios"]) >= {"even_allreduce_over_dp", "dp_over_limit", "tp_over_limit"}
+    assert set(record["ratios"]) >= {
+        "even_allreduce_over_dp",
+        "dp_over_limit",
+        "tp_over_limit",
+        "even_allreduce_over_layers",
+        "layers_over_limit",
+        "even_floor_over_floor",
+    }
     text = (tmp_path / "lm_step.md").read_text()
     for part in ("load average", "aggregate limit", "speed-weighted DP ÷ aggregate limit"):
         assert part in text, text
