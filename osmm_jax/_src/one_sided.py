@@ -92,7 +92,14 @@ def product(plan: Plan, rank: int, a, b, m, rows, remote: dict, after=None):
         # A data dependency XLA cannot drop (it removes optimization barriers without a
         # trace on CPU): the ticket is never negative, so this selects a_piece unchanged.
         a_piece = jnp.where(after < 0, jnp.zeros((), a_piece.dtype), a_piece)
-    return jnp.dot(a_piece, b_piece, preferred_element_type=dtypes.accumulation_dtype(a.dtype))
+    acc = dtypes.accumulation_dtype(a.dtype)
+    if a_piece.dtype != acc and jax.default_backend() == "cpu":
+        # XLA's CPU runtime fails some 16-bit dots with a float32 result ("Unsupported
+        # element type for DotThunk::Execute: BF16 x BF16 = F32", jaxlib 0.10, depending on
+        # how a small dot is fused), on some ranks only, leaving the others waiting. Widening
+        # first is exact and computes the same sums, in float32 as the CPU does anyway.
+        a_piece, b_piece = a_piece.astype(acc), b_piece.astype(acc)
+    return jnp.dot(a_piece, b_piece, preferred_element_type=acc)
 
 
 def products(plan: Plan, rank: int, a, b, requests, remote: dict, after=None) -> list:
