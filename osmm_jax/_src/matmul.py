@@ -118,9 +118,8 @@ def matmul(
         watchdog.apply_settings()
     except (TypeError, ValueError) as exc:
         error = error or exc
-    share = None
-    if error is None and options.method == "one_sided":
-        share = _facts_to_share(plan, rank)
+    # Both executors read the plan facts (whether anyone gets or delivers).
+    share = _facts_to_share(plan, rank) if error is None else None
     with watchdog.host_step(comm, "osmm_jax.matmul's checks"):
         shared = communicators.agree(
             comm, "osmm_jax.matmul", f"plan {plan.fingerprint} {options}", error, share=share
