@@ -165,22 +165,17 @@ def main(argv=None) -> int:
     def build(layers):
         return lm.GPT(vocab, args.context, args.d, args.heads, args.layers, layers, nnx.Rngs(0))
 
-    def stock_step(rows):
-        step, params, opt_state = lm.make_step(build(lm.Layers("single")), LEARNING_RATE, tokens)
-        return step, (params, opt_state, jnp.asarray(x[rows]), jnp.asarray(y[rows]))
-
-    def fused_step(sizes, method):
+    def step_on(rows, layers=None, *, dp=False, sum_method=None):
+        """A step of the model with ``layers`` (stock ones by default) on sequences ``rows``."""
+        model = build(layers or lm.Layers("single"))
         step, params, opt_state = lm.make_step(
-            build(lm.Layers("single")), LEARNING_RATE, tokens, dp=True, sum_method=method
+            model, LEARNING_RATE, tokens, dp=dp, sum_method=sum_method
         )
-        rows = _rows(sizes)
         return step, (params, opt_state, jnp.asarray(x[rows]), jnp.asarray(y[rows]))
 
     def layers_step(sizes, method):
         layers = lm.Layers("dp", row_sizes=[s * args.context for s in sizes], method=method)
-        step, params, opt_state = lm.make_step(build(layers), LEARNING_RATE, tokens, dp=True)
-        rows = _rows(sizes)
-        return step, (params, opt_state, jnp.asarray(x[rows]), jnp.asarray(y[rows]))
+        return step_on(_rows(sizes), layers, dp=True)
 
     weighted = om.balance(args.batch, speeds, min_rows=1).sizes
     even = [args.batch // SIZE] * SIZE
@@ -192,17 +187,17 @@ def main(argv=None) -> int:
         build(lm.Layers("single")), LEARNING_RATE, tokens, mesh=mesh
     )
     fns = {
-        DP: fused_step(weighted, "one_sided"),
+        DP: step_on(_rows(weighted), dp=True, sum_method="one_sided"),
         LAYERS: layers_step(weighted, "one_sided"),
         TP: (tp_step, (tp_params, tp_opt, jnp.asarray(x), jnp.asarray(y))),
-        EVEN: fused_step(even, "allreduce"),
+        EVEN: step_on(_rows(even), dp=True, sum_method="allreduce"),
         JAX: (
             jax_step,
             (jax_params, jax_opt, lm.shard_batch(x, mesh), lm.shard_batch(y, mesh)),
         ),
-        FLOOR: stock_step(_rows(weighted)),
-        EVEN_FLOOR: stock_step(_rows(even)),
-        ALONE: stock_step(slice(None)),
+        FLOOR: step_on(_rows(weighted)),
+        EVEN_FLOOR: step_on(_rows(even)),
+        ALONE: step_on(slice(None)),
     }
 
     # The first call of each step compiles it; its loss is checked against one process's.

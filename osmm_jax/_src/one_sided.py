@@ -312,8 +312,8 @@ def _deliver(operands: _Operands, cells: list[_Cell], local, chunk_bytes: int, o
     merge = not overlap and _gemm_count(operands, chunks[0] + own) < (
         _gemm_count(operands, chunks[0]) + _gemm_count(operands, own)
     )
+    kept = own if merge else []  # merge implies a single chunk
     for index, pieces in enumerate(chunks):
-        kept = own if merge else []
         local, buffer = _chunk_partials(operands, pieces, local, ticket, kept)
         buffers.append(buffer)
         if index == 0:
