@@ -72,12 +72,32 @@ parameters (built whole, then cut); :func:`shard_params` cuts a stock
 ``kernel``/``bias`` checkpoint for one rank and :func:`gather_params` (every
 rank) or :func:`join_params` (all shards at hand) joins the shards back.
 
+Sequence parallelism: give both layers of a pair ``batch_sizes`` (the entries
+of the activations' first dimension, e.g. sequences, per rank; uneven, possibly
+0). Between the pairs the activations are then split by batch entry instead of
+replicated, so the work outside the pairs (embeddings, LayerNorms, residual
+sums, an output layer) is split too. The column-parallel layer takes this
+rank's ``(batch_sizes[rank], ..., in)`` and gives every entry of its features,
+``(sum(batch_sizes), ..., sizes[rank])`` (the rows are gathered); the
+row-parallel one takes ``(sum(batch_sizes), ..., sizes[rank])`` and gives this
+rank's entries of the sum, ``(batch_sizes[rank], ..., out)`` (a reduce-scatter;
+the bias added to them). Each rank's loss is its entries' share of the global
+loss, as in data parallelism: the kernels' gradients (and a column-parallel
+bias's) come complete from the products; every other gradient (the
+row-parallel biases, LayerNorms, embeddings, stock layers) is this rank's
+entries' alone, and :func:`value_and_grad` / :func:`sync_grads` with
+:func:`summed_paths` sum exactly those. It moves the same bytes as the
+reductions it replaces, in twice as many transfers.
+
 Supported combinations, on one communicator (``comm``, default COMM_WORLD):
 
 * data parallelism alone (:class:`Dense` / :class:`Linear`, stock layers and
   other parameters synchronised by :func:`value_and_grad` or :func:`sync_grads`);
 * tensor parallelism alone (column- and row-parallel layers, any stock layer
   computed the same on every rank on replicated values between them);
+* tensor with sequence parallelism (the same layers with ``batch_sizes``, the
+  rest of the model on each rank's own batch entries, gradients summed by
+  :func:`value_and_grad`);
 * both in one model on the same ranks only where the data is laid out as each
   layer expects: a data-parallel layer's output is split by batch rows, a
   column-parallel layer needs every row on every rank, and osmm_jax does not
@@ -93,9 +113,9 @@ Supported combinations, on one communicator (``comm``, default COMM_WORLD):
   ``skip``.
 
 Every rank calls a layer at the same point with the same ``row_sizes`` /
-``sizes`` (a rank with no rows or no columns included); bad or disagreeing
-arguments (wrong count, negative or non-integer entries, sizes that do not sum
-to the split dimension, an input of the wrong shape) raise the same
+``sizes`` / ``batch_sizes`` (a rank with no rows or no columns included); bad or
+disagreeing arguments (wrong count, negative or non-integer entries, sizes that
+do not sum to the split dimension, an input of the wrong shape) raise the same
 ``ValueError`` / ``TypeError`` on every rank before any data moves. Not
 supported: ``precision``, ``out_sharding``, forward-mode or higher-order
 derivatives. How the data-parallel layers work, when copies stay
@@ -309,21 +329,34 @@ class ColumnParallelDense(nn.Dense):
             COMM_WORLD).
         method: ``"one_sided"`` (default), ``"allreduce"`` or None (reads
             ``OSMM_USE_ALLREDUCE``).
+        batch_sizes: None, or the input's first-dimension entries per rank
+            (sequence parallelism): then each rank gives its own entries,
+            ``(batch_sizes[rank], ..., in_features)``, and gets every entry of
+            its features, ``(sum(batch_sizes), ..., sizes[rank])``.
 
     The input's gradient is the whole gradient (summed over every rank's
-    columns), the same on every rank.
+    columns), the same on every rank (with ``batch_sizes``: this rank's
+    entries of it).
     """
 
     sizes: Sequence[int] = dataclasses.field(kw_only=True)
     comm: Any = None
     method: str | None = None
+    batch_sizes: Sequence[int] | None = None
 
     @nn.compact
     def __call__(self, inputs):
         """This rank's output columns of ``inputs @ kernel + bias``; shape ``(..., sizes[rank])``."""
         name = "osmm_jax.flax.ColumnParallelDense"
         _no_dot_general(name, self)
-        dot = TensorParallelDot("column", self.sizes, comm=self.comm, method=self.method, name=name)
+        dot = TensorParallelDot(
+            "column",
+            self.sizes,
+            comm=self.comm,
+            method=self.method,
+            name=name,
+            batch_sizes=self.batch_sizes,
+        )
         in_features = jnp.shape(inputs)[-1] if jnp.ndim(inputs) else 0
         sizes, rank, private = dot.check(
             in_features,
@@ -342,7 +375,7 @@ class ColumnParallelDense(nn.Dense):
             bias = self.param(
                 "bias", lambda key: self.bias_init(key, (self.features,), self.param_dtype)[part]
             )
-        _linen_differentiated(self, kernel, bias, data_parallel=False)
+        _linen_tensor_parallel(self, dot, kernel, bias)
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         y = dot.product(inputs, kernel, sizes, private)
         return y if bias is None else y + bias
@@ -363,21 +396,36 @@ class RowParallelDense(nn.Dense):
         sizes: input features (kernel rows) per rank, in rank order; their sum
             is the layer's ``in_features``. Required, keyword-only.
         comm, method: as for :class:`ColumnParallelDense`.
+        batch_sizes: None, or the output's first-dimension entries per rank
+            (sequence parallelism): then the input holds every entry,
+            ``(sum(batch_sizes), ..., sizes[rank])``, and each rank gets its own
+            entries of the sum, ``(batch_sizes[rank], ..., features)``, the bias
+            added to them (its gradient is then this rank's entries' alone).
 
     Its output is replicated: its cotangent is taken to be the same on every
-    rank (every rank computes the same loss from it).
+    rank (every rank computes the same loss from it). With ``batch_sizes`` it
+    is split by entries instead, each rank's cotangent its own entries'.
     """
 
     sizes: Sequence[int] = dataclasses.field(kw_only=True)
     comm: Any = None
     method: str | None = None
+    batch_sizes: Sequence[int] | None = None
 
     @nn.compact
     def __call__(self, inputs):
-        """``inputs_all @ kernel + bias``, the same on every rank; shape ``(..., features)``."""
+        """``inputs_all @ kernel + bias``, the same on every rank; shape ``(..., features)``
+        (with ``batch_sizes``: this rank's batch entries of it)."""
         name = "osmm_jax.flax.RowParallelDense"
         _no_dot_general(name, self)
-        dot = TensorParallelDot("row", self.sizes, comm=self.comm, method=self.method, name=name)
+        dot = TensorParallelDot(
+            "row",
+            self.sizes,
+            comm=self.comm,
+            method=self.method,
+            name=name,
+            batch_sizes=self.batch_sizes,
+        )
         sizes, rank, private = dot.check(
             None,
             self.features,
@@ -393,7 +441,7 @@ class RowParallelDense(nn.Dense):
         bias = None
         if self.use_bias:
             bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype)
-        _linen_differentiated(self, kernel, bias, data_parallel=False)
+        _linen_tensor_parallel(self, dot, kernel, bias)
         inputs, kernel, bias = self.promote_dtype(inputs, kernel, bias, dtype=self.dtype)
         y = dot.product(inputs, kernel, sizes, private)
         return y if bias is None else y + bias
@@ -412,6 +460,7 @@ class _TensorParallelLinear(nnx.Linear):
         sizes: Sequence[int],
         comm=None,
         method: str | None = None,
+        batch_sizes: Sequence[int] | None = None,
         **kwargs,
     ):
         name = f"osmm_jax.flax.{type(self).__name__}"
@@ -419,7 +468,9 @@ class _TensorParallelLinear(nnx.Linear):
             raise ValueError(
                 f"{name} computes its product with osmm_jax.matmul: do not pass dot_general"
             )
-        dot = TensorParallelDot(self._split, sizes, comm=comm, method=method, name=name)
+        dot = TensorParallelDot(
+            self._split, sizes, comm=comm, method=method, name=name, batch_sizes=batch_sizes
+        )
         checked, rank, _ = dot.check(
             in_features, out_features, use_bias=kwargs.get("use_bias", True)
         )
@@ -452,7 +503,14 @@ class _TensorParallelLinear(nnx.Linear):
         )
         kernel = self.kernel[...]
         bias = self.bias[...] if self.bias is not None else None
-        unsummed_grads.note_tensor_parallel((kernel, bias), dot.comm)
+        if dot.sequence_parallel:
+            # Complete gradients (the rows were gathered): summed, as a data-parallel layer's;
+            # a row-parallel bias, added to this rank's rows only, is left to be summed.
+            complete = (kernel, bias) if self._split == "column" else (kernel,)
+            unsummed_grads.note_sequence_parallel((kernel, bias), dot.comm)
+            unsummed_grads.note_differentiated(complete, lambda: _nnx_unsummed(self))
+        else:
+            unsummed_grads.note_tensor_parallel((kernel, bias), dot.comm)
         inputs, kernel, bias = self.promote_dtype((inputs, kernel, bias), dtype=self.dtype)
         y = dot.product(inputs, kernel, sizes, private)
         if bias is not None:
@@ -473,6 +531,9 @@ class ColumnParallelLinear(_TensorParallelLinear):
             COMM_WORLD).
         method: ``"one_sided"`` (default), ``"allreduce"`` or None (reads
             ``OSMM_USE_ALLREDUCE``).
+        batch_sizes: None, or the activations' first-dimension entries per
+            rank (sequence parallelism; see :class:`ColumnParallelDense` and
+            :class:`RowParallelDense` for the shapes).
         **kwargs: ``nnx.Linear``'s other keyword arguments (``rngs``,
             ``use_bias``, ``dtype``, ``param_dtype``, ``kernel_init``,
             ``bias_init``, ...); not ``dot_general``.
@@ -494,7 +555,7 @@ class RowParallelLinear(_TensorParallelLinear):
         in_features, out_features: the whole layer's, as for ``nnx.Linear``.
         sizes: input features (kernel rows) per rank, in rank order, summing
             to ``in_features``; uneven, possibly 0.
-        comm, method, **kwargs: as for :class:`ColumnParallelLinear`.
+        comm, method, batch_sizes, **kwargs: as for :class:`ColumnParallelLinear`.
 
     Rank ``r`` stores ``kernel`` ``(sizes[r], out_features)`` (its rows of the
     stock kernel) and the whole ``bias``, added once after the sum. Call with
@@ -565,7 +626,10 @@ def gather_params(params, sizes: Sequence[int], *, split: str, comm=None) -> dic
 
 
 def summed_paths(model, *args, **kwargs) -> frozenset[tuple]:
-    """Where ``model``'s data-parallel layers (:class:`Dense`, :class:`Linear`) keep parameters.
+    """Where ``model``'s data-parallel layers (:class:`Dense`, :class:`Linear`) keep parameters,
+    and its sequence-parallel layers (tensor-parallel ones with ``batch_sizes``) the
+    parameters whose gradients their products complete (a column-parallel layer's kernel and
+    bias, a row-parallel one's kernel: ``(*path, "kernel")``).
 
     Their gradients arrive already summed over ranks, so :func:`sync_grads`
     leaves them alone. For an ``nnx.Module`` the paths come from its graph
@@ -576,7 +640,9 @@ def summed_paths(model, *args, **kwargs) -> frozenset[tuple]:
     """
     if isinstance(model, nnx.Module):
         return frozenset(
-            tuple(path) for path, node in nnx.iter_graph(model) if isinstance(node, Linear)
+            prefix
+            for path, node in nnx.iter_graph(model)
+            for prefix in _nnx_summed_prefixes(tuple(path), node)
         )
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -587,8 +653,16 @@ def summed_paths(model, *args, **kwargs) -> frozenset[tuple]:
     found = set()
 
     def record(next_fun, call_args, call_kwargs, context):
-        if isinstance(context.module, Dense) and context.module.scope is not None:
-            found.add(("params", *context.module.scope.path))
+        module = context.module
+        if module.scope is not None:
+            path = ("params", *module.scope.path)
+            if isinstance(module, Dense):
+                found.add(path)
+            elif isinstance(module, (ColumnParallelDense, RowParallelDense)):
+                if module.batch_sizes is not None:
+                    found.add(
+                        path if isinstance(module, ColumnParallelDense) else (*path, "kernel")
+                    )
         return next_fun(*call_args, **call_kwargs)
 
     with nn.intercept_methods(record):
@@ -614,10 +688,27 @@ def _under(names: tuple, prefixes) -> bool:
 # -- noticing un-summed gradients (see osmm_jax._src.unsummed_grads) -----------------------------
 
 
-def _linen_differentiated(module, kernel, bias, *, data_parallel: bool) -> None:
+def _linen_tensor_parallel(module, dot, kernel, bias) -> None:
+    """:func:`_linen_differentiated` for a tensor-parallel layer: with sequence parallelism its
+    kernel's gradient (and a column-parallel bias's) is complete, like a data-parallel
+    layer's; a row-parallel bias, added to this rank's rows only, is left to be summed."""
+    if not dot.sequence_parallel:
+        _linen_differentiated(module, kernel, bias, data_parallel=False)
+        return
+    unsummed_grads.note_sequence_parallel((kernel, bias), dot.comm)
+    if dot.split == "column":
+        _linen_differentiated(module, kernel, bias, data_parallel=True)
+    else:
+        _linen_differentiated(module, kernel, None, data_parallel=True, only="kernel")
+
+
+def _linen_differentiated(
+    module, kernel, bias, *, data_parallel: bool, only: str | None = None
+) -> None:
     """A linen osmm_jax layer's parameters may be being differentiated: record that its path is
     covered in its model's record; a data-parallel layer also notes the differentiation, a
-    tensor-parallel one reports its communicator (see :mod:`osmm_jax._src.unsummed_grads`)."""
+    tensor-parallel one reports its communicator (see :mod:`osmm_jax._src.unsummed_grads`).
+    ``only``: the one parameter under the layer's path that it covers (default: all)."""
     if not data_parallel:
         unsummed_grads.note_tensor_parallel((kernel, bias), module.comm)
     if module.scope is None or not unsummed_grads.differentiated((kernel, bias)):
@@ -639,7 +730,7 @@ def _linen_differentiated(module, kernel, bias, *, data_parallel: bool) -> None:
             _path_names(path) for path, leaf in flat if unsummed_grads.differentiated((leaf,))
         ]
         record["covered"] = set()
-    record["covered"].add(path)
+    record["covered"].add(path if only is None else (*path, only))
     if data_parallel:
         unsummed_grads.note_differentiated(
             (kernel, bias),
@@ -695,6 +786,20 @@ def _caller_frames(limit: int = 64):
         frame = frame.f_back
 
 
+def _nnx_summed_prefixes(path: tuple, node, *, tensor_parallel: bool = False) -> list[tuple]:
+    """The parameter paths under ``node`` (at ``path``) whose gradients its product completes
+    over ranks: a data-parallel :class:`Linear`'s, a sequence-parallel layer's kernel (and a
+    column-parallel one's bias); with ``tensor_parallel``, a tensor-parallel layer's shards too
+    (not summed, but not another rank's to sum either)."""
+    if isinstance(node, Linear):
+        return [path]
+    if isinstance(node, _TensorParallelLinear):
+        if not node.tensor_parallel.sequence_parallel:
+            return [path] if tensor_parallel else []
+        return [path] if node.tensor_parallel.split == "column" else [(*path, "kernel")]
+    return []
+
+
 def _nnx_unsummed(layer):
     """For a differentiated nnx data-parallel layer: the function naming the parameters of its
     model outside osmm_jax layers. The model is the largest ``nnx.Module`` among the local
@@ -716,7 +821,9 @@ def _nnx_unsummed(layer):
     if "unsummed" not in record:
         record["node_ids"] = {id(node) for _, node in nnx.iter_graph(root)}
         covered = [
-            tuple(path) for path, node in nnx.iter_graph(root) if isinstance(node, _OSMM_LAYERS_NNX)
+            prefix
+            for path, node in nnx.iter_graph(root)
+            for prefix in _nnx_summed_prefixes(tuple(path), node, tensor_parallel=True)
         ]
         record["unsummed"] = [
             "/".join(map(str, path))
@@ -834,7 +941,9 @@ def value_and_grad(
     / ``jax.checkpoint``, ``scan``, a ``jit`` inside ``fun`` or a dtype cast: there use
     ``jax.value_and_grad`` with :func:`sync_grads` and :func:`summed_paths`); and a
     tensor-parallel layer may not share ``comm`` (its shards differ from rank to rank; in
-    2-D parallelism pass the replicas' communicator).
+    2-D parallelism pass the replicas' communicator), and a sequence-parallel one (with
+    ``batch_sizes``) must be on ``comm`` (the gradients it completes are complete over its
+    own ranks only).
     """
     many = not isinstance(argnums, int)
     nums = tuple(argnums) if many else (argnums,)
@@ -853,16 +962,14 @@ def value_and_grad(
                 "parameters, not both in one call"
             )
         if all(modules):
-            tensor_parallel: list = []
+            layer_comms: dict[str, list] = {"tensor_parallel": [], "sequence_parallel": []}
             with unsummed_grads.collecting(
-                lambda kind, value: (
-                    tensor_parallel.append(value) if kind == "tensor_parallel" else None
-                )
+                lambda kind, value: layer_comms[kind].append(value) if kind in layer_comms else None
             ):
                 value, grads = nnx.value_and_grad(fun, argnums=argnums, has_aux=has_aux)(
                     *args, **kwargs
                 )
-            _check_tensor_parallel(tensor_parallel, comm)
+            _check_layer_comms(layer_comms, comm)
             parts = list(grads) if many else [grads]
             for slot, i in enumerate(nums):
                 parts[slot] = sync_grads(parts[slot], args[i], comm=comm, method=method)
@@ -872,19 +979,33 @@ def value_and_grad(
     return differentiate
 
 
-def _check_tensor_parallel(comms: list, comm) -> None:
+def _check_layer_comms(layer_comms: dict, comm) -> None:
     """Refuse to sum gradients over ``comm`` when a differentiated tensor-parallel layer shares
-    its ranks: their shards are different parameters, not copies."""
-    if not comms:
+    its ranks (their shards are different parameters, not copies), or when a
+    sequence-parallel layer does not (the gradients it completes are complete over its own
+    ranks only, and which others to sum them over cannot be told)."""
+    if not layer_comms["tensor_parallel"] and not layer_comms["sequence_parallel"]:
         return
     from mpi4py import MPI
 
     from osmm_jax._src import communicators
 
     mine = communicators.private_comm(comm)
-    for layer_comm in comms:
-        same = MPI.Comm.Compare(communicators.private_comm(layer_comm), mine)
-        if same in (MPI.IDENT, MPI.CONGRUENT):
+
+    def same(layer_comm) -> bool:
+        relation = MPI.Comm.Compare(communicators.private_comm(layer_comm), mine)
+        return relation in (MPI.IDENT, MPI.CONGRUENT)
+
+    if not all(same(c) for c in layer_comms["sequence_parallel"]):
+        raise ValueError(
+            "osmm_jax.flax.value_and_grad: a sequence-parallel layer (a tensor-parallel layer "
+            "with batch_sizes) is differentiated on a communicator other than the one whose "
+            "gradients it sums; its gradients are complete over its own ranks only. Use "
+            "sequence parallelism on the summing communicator, or jax.value_and_grad and sum "
+            "each gradient over the ranks it needs by hand"
+        )
+    for layer_comm in layer_comms["tensor_parallel"]:
+        if same(layer_comm):
             raise ValueError(
                 "osmm_jax.flax.value_and_grad: a tensor-parallel layer is differentiated on "
                 "the communicator whose gradients it would sum; its shards are different "
@@ -901,7 +1022,7 @@ def _pytree_value_and_grad(fun, nums, many, has_aux, comm, method, args, kwargs)
 
     summed: set[int] = set()  # positions, over the differentiated arguments' leaves
     strays: list = []
-    tensor_parallel: list = []
+    layer_comms: dict[str, list] = {"tensor_parallel": [], "sequence_parallel": []}
 
     def traced(*inner_args):
         leaves = [leaf for i in nums for leaf in jax.tree_util.tree_leaves(inner_args[i])]
@@ -909,8 +1030,8 @@ def _pytree_value_and_grad(fun, nums, many, has_aux, comm, method, args, kwargs)
         ours = next((leaf._trace for leaf in leaves if isinstance(leaf, jax.core.Tracer)), None)
 
         def report(kind, value):
-            if kind == "tensor_parallel":
-                tensor_parallel.append(value)
+            if kind in layer_comms:
+                layer_comms[kind].append(value)
                 return
             j = position.get(id(value))
             if j is not None and leaves[j] is value:
@@ -930,7 +1051,7 @@ def _pytree_value_and_grad(fun, nums, many, has_aux, comm, method, args, kwargs)
             "its product already sums cannot be told; use jax.value_and_grad with "
             "osmm_jax.flax.sync_grads(grads, summed_paths(model, ...)) there"
         )
-    _check_tensor_parallel(tensor_parallel, comm)
+    _check_layer_comms(layer_comms, comm)
     flat = [jax.tree_util.tree_flatten(g) for g in grads]
     leaves = [leaf for g_leaves, _ in flat for leaf in g_leaves]
     index = [j for j in range(len(leaves)) if j not in summed]

@@ -86,6 +86,26 @@ def check_sizes(sizes, nranks: int, total: int | None = None, *, what: str = "co
     return out
 
 
+def check_batch_sizes(batch_sizes, nranks: int) -> tuple[int, ...]:
+    """``batch_sizes`` (entries of the activations' batch dimension per rank, for sequence
+    parallelism) as a tuple of ``nranks`` non-negative ints.
+
+    Raises:
+        TypeError: not a sequence, or a non-integer entry (a float or a bool included).
+        ValueError: the wrong number of entries, or a negative one.
+    """
+    if isinstance(batch_sizes, (str, bytes)) or not _is_sequence(batch_sizes):
+        raise TypeError(
+            f"batch_sizes must be a sequence of batch entries, one per rank, got {batch_sizes!r}"
+        )
+    if len(batch_sizes) != nranks:
+        raise ValueError(
+            f"batch_sizes {list(batch_sizes)} has {len(batch_sizes)} entries but the "
+            f"communicator has {nranks} ranks: give the batch entries of every rank"
+        )
+    return tuple(checks.integer(s, f"batch_sizes[{i}]") for i, s in enumerate(batch_sizes))
+
+
 def span(sizes: Sequence[int], rank: int) -> slice:
     """The slice of the split dimension that ``rank`` holds: ``sizes[rank]`` entries."""
     start = sum(sizes[:rank])
@@ -98,17 +118,37 @@ def input_error(
     in_features: int,
     sizes: Sequence[int],
     rank: int,
+    batch_sizes: Sequence[int] | None = None,
 ) -> str | None:
     """What is wrong with ``rank``'s input of ``shape``, or None.
 
     Column-parallel: the whole input, ``(..., in_features)``. Row-parallel:
     this rank's ``sizes[rank]`` input features, ``(..., sizes[rank])``. At
     least one dimension either way (leading dimensions flatten to rows, the
-    same on every rank).
+    same on every rank). With ``batch_sizes`` (sequence parallelism) the input
+    has a batch dimension first: ``batch_sizes[rank]`` entries of it for a
+    column-parallel layer, all ``sum(batch_sizes)`` for a row-parallel one.
     """
     shape = tuple(shape)
     if len(shape) < 1:
         return "the input is a scalar; a dense layer needs (..., features)"
+    if batch_sizes is not None:
+        if len(shape) < 2:
+            return (
+                f"the input has shape {shape}; with batch_sizes a layer needs "
+                "(batch, ..., features)"
+            )
+        want = batch_sizes[rank] if split == "column" else sum(batch_sizes)
+        if shape[0] != want:
+            whose = (
+                f"this rank's batch_sizes[{rank}]"
+                if split == "column"
+                else "every rank's (the sum of batch_sizes)"
+            )
+            return (
+                f"the input has {shape[0]} batch entries (shape {shape}) but {whose} is "
+                f"{want} (batch_sizes {list(batch_sizes)})"
+            )
     if split == "column":
         if shape[-1] != in_features:
             return (
@@ -214,15 +254,25 @@ class TensorParallelDot:
         method: ``"one_sided"``, ``"allreduce"`` or None, for
             :func:`osmm_jax.matmul`.
         name: the name errors start with.
+        batch_sizes: None (every rank holds every row of the activations), or
+            the entries of the activations' first (batch) dimension per rank,
+            for sequence parallelism: a column-parallel product then takes
+            this rank's ``batch_sizes[r]`` entries and gives every entry of its
+            columns (the rows are gathered), a row-parallel one takes every
+            entry of its features and gives this rank's entries of the sum
+            (the partials are reduce-scattered).
     """
 
-    __slots__ = ("split", "sizes", "comm", "method", "name")
+    __slots__ = ("split", "sizes", "comm", "method", "name", "batch_sizes")
 
-    def __init__(self, split, sizes, *, comm=None, method=None, name=None):
+    def __init__(self, split, sizes, *, comm=None, method=None, name=None, batch_sizes=None):
         if not isinstance(sizes, (str, bytes)) and hasattr(sizes, "__iter__"):
             sizes = tuple(sizes)  # anything else is reported, by all ranks, when it is used
+        if not isinstance(batch_sizes, (str, bytes)) and hasattr(batch_sizes, "__iter__"):
+            batch_sizes = tuple(batch_sizes)
         self.split = check_split(split)
         self.sizes = sizes
+        self.batch_sizes = batch_sizes
         self.comm = comm
         self.method = method
         self.name = name or f"osmm_jax.flax ({split}-parallel)"
@@ -235,7 +285,7 @@ class TensorParallelDot:
 
     def _key(self):
         comm = None if self.comm is None else getattr(self.comm, "handle", id(self.comm))
-        return (self.split, repr(self.sizes), comm, self.method, self.name)
+        return (self.split, repr(self.sizes), comm, self.method, self.name, repr(self.batch_sizes))
 
     def __eq__(self, other):
         return isinstance(other, TensorParallelDot) and self._key() == other._key()
@@ -244,7 +294,16 @@ class TensorParallelDot:
         return hash(self._key())
 
     def __repr__(self):
-        return f"TensorParallelDot({self.split!r}, sizes={self.sizes!r}, method={self.method!r})"
+        batch = "" if self.batch_sizes is None else f", batch_sizes={self.batch_sizes!r}"
+        return (
+            f"TensorParallelDot({self.split!r}, sizes={self.sizes!r}, method={self.method!r}"
+            f"{batch})"
+        )
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether the activations are split by batch entries (``batch_sizes`` given)."""
+        return self.batch_sizes is not None
 
     def check(
         self,
@@ -260,32 +319,40 @@ class TensorParallelDot:
         ``in_features`` is the kernel's full row count (None for a row-parallel
         layer that learns it from ``sizes``); ``inputs_shape`` this rank's
         input's shape, if there is one yet. Raises the same ``ValueError`` /
-        ``TypeError`` on every rank when any rank has bad sizes or a bad input,
-        or when ranks disagree on the sizes, the layer's shape, the input's
-        leading dimensions or the method; nothing else moves before that.
+        ``TypeError`` on every rank when any rank has bad sizes, bad
+        ``batch_sizes`` or a bad input, or when ranks disagree on the sizes,
+        the batch sizes, the layer's shape, the input's leading dimensions
+        (after the batch dimension, with ``batch_sizes``) or the method;
+        nothing else moves before that.
         """
         from osmm_jax._src import communicators
 
         private = communicators.private_comm(self.comm)
         nranks, rank = private.Get_size(), private.Get_rank()
-        sizes = None
+        sizes = batch = None
         total = out_features if self.split == "column" else in_features
         try:
             sizes = check_sizes(self.sizes, nranks, total, what=_what(self.split))
+            if self.batch_sizes is not None:
+                batch = check_batch_sizes(self.batch_sizes, nranks)
         except (TypeError, ValueError) as exc:
             error = error or exc
         if in_features is None and sizes is not None:
             in_features = sum(sizes)
         if error is None and inputs_shape is not None:
-            error = input_error(self.split, inputs_shape, in_features, sizes, rank)
+            error = input_error(self.split, inputs_shape, in_features, sizes, rank, batch)
         lead = None if inputs_shape is None else tuple(inputs_shape)[:-1]
-        token = repr((self.split, sizes, in_features, out_features, use_bias, lead, self.method))
+        if lead is not None and self.batch_sizes is not None:
+            lead = lead[1:]  # the batch dimension differs from rank to rank
+        token = repr(
+            (self.split, sizes, batch, in_features, out_features, use_bias, lead, self.method)
+        )
         communicators.agree(
             private,
             self.name,
             token,
             error,
-            must_match="the same sizes, layer shape, input rows and method",
+            must_match="the same sizes, batch sizes, layer shape, input rows and method",
         )
         return sizes, rank, private
 
@@ -296,6 +363,13 @@ class TensorParallelDot:
         returns ``(..., sizes[r])``. Row-parallel: ``inputs (..., sizes[r])``,
         ``kernel (sizes[r], out)``; returns ``(..., out)``, the sum over ranks,
         the same on every rank.
+
+        With ``batch_sizes`` (sequence parallelism): column-parallel takes
+        ``inputs (batch_sizes[r], ..., in)`` and returns ``(sum(batch_sizes),
+        ..., sizes[r])``; row-parallel takes ``inputs (sum(batch_sizes), ...,
+        sizes[r])`` and returns this rank's ``(batch_sizes[r], ..., out)`` of
+        the sum. The rows of the activations are then split by batch entry
+        (``Layout.rows``) where they would otherwise be replicated.
         """
         import jax.numpy as jnp
 
@@ -305,17 +379,34 @@ class TensorParallelDot:
 
         nranks = len(sizes)
         lead = tuple(inputs.shape[:-1])
-        rows = math.prod(lead)
-        x = jnp.reshape(inputs, (rows, inputs.shape[-1]))
+        if self.batch_sizes is None:
+            whole, total_lead = math.prod(lead), lead
+
+            def split_rows(shape):
+                return Layout.replicated(shape, nranks=nranks)
+
+        else:
+            per_entry = math.prod(lead[1:])
+            row_sizes = [b * per_entry for b in self.batch_sizes]
+            whole, total_lead = sum(row_sizes), (sum(self.batch_sizes), *lead[1:])
+
+            def split_rows(shape):
+                return Layout.rows(shape, sizes=row_sizes)
+
+        x = jnp.reshape(inputs, (math.prod(lead), inputs.shape[-1]))
         if self.split == "column":
             k, n = kernel.shape[0], sum(sizes)
-            a = Layout.replicated((rows, k), nranks=nranks)
+            a = split_rows((whole, k))
             b = Layout.cols((k, n), sizes=sizes)
-            c = Layout.cols((rows, n), sizes=sizes)
+            c = Layout.cols((whole, n), sizes=sizes)
+            out_lead = total_lead
         else:
             k, n = sum(sizes), kernel.shape[1]
-            a = Layout.cols((rows, k), sizes=sizes)
+            a = Layout.cols((whole, k), sizes=sizes)
             b = Layout.rows((k, n), sizes=sizes)
-            c = Layout.replicated((rows, n), nranks=nranks)
+            c = split_rows((whole, n))
+            out_lead = lead
+            if self.batch_sizes is not None:
+                out_lead = (self.batch_sizes[private.Get_rank()], *lead[1:])
         y = matmul(x, kernel, plan(a, b, c, comm=private), method=self.method)
-        return jnp.reshape(y, lead + (y.shape[1],))
+        return jnp.reshape(y, out_lead + (y.shape[1],))

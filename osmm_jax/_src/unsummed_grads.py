@@ -100,8 +100,10 @@ def _staged(trace) -> bool:
 @contextlib.contextmanager
 def collecting(callback: Callable):
     """Within the block, osmm_jax layers report to ``callback`` instead of noting anything:
-    ``callback("data_parallel", param)`` per differentiated parameter of a data-parallel layer,
-    ``callback("tensor_parallel", comm)`` per tensor-parallel layer call."""
+    ``callback("data_parallel", param)`` per differentiated parameter of a data-parallel layer
+    (or one whose gradient a sequence-parallel layer completes), ``callback("tensor_parallel",
+    comm)`` per tensor-parallel layer call and ``callback("sequence_parallel", comm)`` per
+    sequence-parallel one."""
     token = _collecting.set(callback)
     try:
         yield
@@ -145,6 +147,16 @@ def note_tensor_parallel(params: Iterable, comm) -> None:
     callback = _collecting.get()
     if callback is not None and differentiated(params):
         callback("tensor_parallel", comm)
+
+
+def note_sequence_parallel(params: Iterable, comm) -> None:
+    """Called by a sequence-parallel layer with its parameters and communicator: inside
+    :func:`collecting`, when they are differentiated, its communicator goes to the callback
+    as ``("sequence_parallel", comm)`` (the gradients it completes are complete over those
+    ranks only)."""
+    callback = _collecting.get()
+    if callback is not None and differentiated(params):
+        callback("sequence_parallel", comm)
 
 
 def derived_from(value, trace) -> bool:

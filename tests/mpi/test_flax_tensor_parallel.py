@@ -8,6 +8,14 @@ rank's shard of the stock parameter gradients. sync_grads and value_and_grad
 must make a data-parallel model with parameters outside the osmm_jax layers
 get the gradient of one process on the whole batch, and leaving those
 gradients un-summed must be noticed.
+
+Sequence parallelism (``batch_sizes``): the activations' first dimension is
+split over the ranks, unevenly (a rank with no batch entries from 2 ranks on).
+The column-then-row block must give each rank its rows of the stock block's
+output and of the input gradient; value_and_grad (or sync_grads with
+summed_paths) must give each rank its shard of the stock parameter gradients
+and the whole row-parallel bias gradient, and the one-process gradient of a
+parameter outside the layers.
 """
 
 from __future__ import annotations
@@ -31,6 +39,11 @@ TOL = {"rtol": 1e-5, "atol": 1e-5}
 # Hidden features (the column layer's columns, the row layer's rows) per rank.
 SIZES = {1: [6], 2: [4, 2], 3: [4, 0, 2], 4: [1, 3, 0, 2]}[SIZE]
 SIZES_ZERO_FIRST = {1: [6], 2: [0, 6], 3: [3, 3, 0], 4: [0, 2, 2, 2]}[SIZE]
+# Sequence parallelism: batch entries (the activations' first dimension) per rank, and the
+# second leading dimension (e.g. positions in a sequence) of every entry.
+BATCH = {1: [3], 2: [1, 2], 3: [2, 0, 1], 4: [1, 2, 0, 1]}[SIZE]
+BATCH_ZERO_FIRST = {1: [3], 2: [0, 3], 3: [0, 2, 1], 4: [0, 1, 2, 1]}[SIZE]
+T = 2
 
 
 def _close(actual, expected):
@@ -55,12 +68,18 @@ class _Block(nn.Module):
     method: str | None = None
     stock: bool = False
     comm: object = None
+    batch_sizes: tuple | None = None
 
     @nn.compact
     def __call__(self, x):
         if self.stock:
             return nn.Dense(OUT, name="down")(jnp.tanh(nn.Dense(HID, name="up")(x)))
-        kw = {"sizes": self.sizes, "method": self.method, "comm": self.comm}
+        kw = {
+            "sizes": self.sizes,
+            "method": self.method,
+            "comm": self.comm,
+            "batch_sizes": self.batch_sizes,
+        }
         h = om_flax.ColumnParallelDense(HID, name="up", **kw)(x)
         return om_flax.RowParallelDense(OUT, name="down", **kw)(jnp.tanh(h))
 
@@ -150,9 +169,11 @@ def test_linen_init_gives_the_stock_parameters_cut_and_gather_params_joins_them(
 
 
 class _NnxBlock(nnx.Module):
-    def __init__(self, sizes, method, rngs):
-        self.up = om_flax.ColumnParallelLinear(IN, HID, sizes=sizes, method=method, rngs=rngs)
-        self.down = om_flax.RowParallelLinear(HID, OUT, sizes=sizes, method=method, rngs=rngs)
+    def __init__(self, sizes, method, rngs, batch_sizes=None, comm=None):
+        kw = {"sizes": sizes, "method": method, "batch_sizes": batch_sizes, "rngs": rngs}
+        kw["comm"] = comm
+        self.up = om_flax.ColumnParallelLinear(IN, HID, **kw)
+        self.down = om_flax.RowParallelLinear(HID, OUT, **kw)
 
     def __call__(self, x):
         return self.down(jnp.tanh(self.up(x)))
@@ -465,3 +486,332 @@ def test_tensor_parallel_groups_replicated_data_parallel():
         "down": om_flax.shard_params(ref_grads["params"]["down"], sizes, tp_rank, split="row"),
     }
     jax.tree.map(_close, d_params["params"], expected)
+
+
+@pytest.mark.ranks(4, reason="two replicas of a two-rank sequence-parallel group")
+def test_value_and_grad_refuses_sequence_parallel_layers_on_another_communicator():
+    """Sequence-parallel layers on a group's communicator complete their gradients over that
+    group only: summing over the replicas' communicator (or the world's) would leave them
+    partial, so value_and_grad refuses, on every rank, for nnx and linen."""
+    tp_comm = MPI.COMM_WORLD.Split(RANK // 2, RANK)
+    dp_comm = MPI.COMM_WORLD.Split(RANK % 2, RANK)
+    sizes, batch = (4, 2), (1, 2)
+    x = jnp.ones((batch[RANK % 2], T, IN), jnp.float32)
+    ours = _NnxBlock(sizes, None, nnx.Rngs(0), batch, comm=tp_comm)
+    linen = _Block(sizes, comm=tp_comm, batch_sizes=batch)
+    params = linen.init(jax.random.key(0), x)
+    message = "sequence-parallel layer .* on a communicator other than"
+    for comm in (dp_comm, None):
+        with pytest.raises(ValueError, match=message):
+            om_flax.value_and_grad(lambda m, x: jnp.sum(m(x)), comm=comm)(ours, x)
+        with pytest.raises(ValueError, match=message):
+            om_flax.value_and_grad(lambda p, x: jnp.sum(linen.apply(p, x)), comm=comm)(params, x)
+    # On the layers' own communicator it sums what they leave (here: nothing else).
+    om_flax.value_and_grad(lambda m, x: jnp.sum(m(x)), comm=tp_comm)(ours, x)
+
+
+# -- sequence parallelism: the activations split by batch entries (batch_sizes) ----------------
+
+
+def _seq_data(batch, seed):
+    """The whole input (B, T, IN) and output cotangent (B, T, OUT), B = sum(batch), the same
+    on every rank: each rank takes its own batch entries of them."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.standard_normal((sum(batch), T, IN)), jnp.float32)
+    g = jnp.asarray(rng.standard_normal((sum(batch), T, OUT)), jnp.float32)
+    return x, g
+
+
+def _shards(block, sizes):
+    """This rank's shards of a stock block's ``{"up": ..., "down": ...}`` parameters (or
+    gradients): the column layer's columns, the row layer's rows and its whole bias."""
+    return {
+        "up": om_flax.shard_params(block["up"], sizes, RANK, split="column"),
+        "down": om_flax.shard_params(block["down"], sizes, RANK, split="row"),
+    }
+
+
+@pytest.mark.parametrize("method", ["one_sided", "allreduce"])
+def test_linen_sequence_parallel_block_gives_this_ranks_batch_entries(method):
+    batch, sizes = BATCH_ZERO_FIRST, SIZES
+    x, g = _seq_data(batch, 20)
+    rows = _mine(batch)
+    stock = _Block(stock=True)
+    ours = _Block(tuple(sizes), method, batch_sizes=tuple(batch))
+    ref = _stock_params(3)
+    params = {"params": _shards(ref["params"], sizes)}
+
+    def loss(p, x):
+        return jnp.sum(ours.apply(p, x) * g[rows])  # this rank's share of the global loss
+
+    @jax.jit
+    def step(p, x):
+        value, d_params = om_flax.value_and_grad(loss)(p, x)
+        return ours.apply(p, x), value, d_params, jax.grad(loss, argnums=1)(p, x)
+
+    y, value, d_params, d_x = step(params, x[rows])
+    ref_loss, (ref_params, ref_x) = jax.value_and_grad(
+        lambda p, x: jnp.sum(stock.apply(p, x) * g), argnums=(0, 1)
+    )(ref, x)
+
+    assert y.shape == (batch[RANK], T, OUT) and d_x.shape == (batch[RANK], T, IN)
+    _close(y, stock.apply(ref, x)[rows])
+    _close(d_x, ref_x[rows])  # this rank's entries of the whole input gradient
+    np.testing.assert_allclose(MPI.COMM_WORLD.allreduce(float(value)), float(ref_loss), **TOL)
+    assert d_params["params"]["up"]["kernel"].shape == (IN, sizes[RANK])
+    assert d_params["params"]["down"]["bias"].shape == (OUT,)
+    # Kernel shards and the column bias shard as the layers complete them; the row bias (this
+    # rank's entries only) summed by value_and_grad: the whole stock gradient.
+    jax.tree.map(_close, d_params["params"], _shards(ref_params["params"], sizes))
+
+
+def _nnx_pair(sizes, method=None, batch_sizes=None, seed=7):
+    """Ours (this rank's shards) and the stock block, with nonzero biases."""
+    stock = _NnxStock(nnx.Rngs(seed))
+    stock.up.bias[...] = jnp.linspace(-1.0, 1.0, HID)
+    stock.down.bias[...] = jnp.linspace(0.5, 1.0, OUT)
+    ours = _NnxBlock(sizes, method, nnx.Rngs(seed), batch_sizes)
+    for name, split in (("up", "column"), ("down", "row")):
+        shard = om_flax.shard_params(nnx.state(getattr(stock, name)), sizes, RANK, split=split)
+        nnx.update(getattr(ours, name), shard)
+    return ours, stock
+
+
+def _stock_loss(g):
+    """The global loss of a stock nnx model on the whole batch."""
+    return lambda m, x: jnp.sum(m(x) * g)
+
+
+@pytest.mark.parametrize("method", ["one_sided", "allreduce"])
+def test_nnx_sequence_parallel_block_gives_this_ranks_batch_entries(method):
+    batch, sizes = BATCH, SIZES_ZERO_FIRST
+    x, g = _seq_data(batch, 21)
+    rows = _mine(batch)
+    ours, stock = _nnx_pair(sizes, method, batch)
+
+    def loss(m, x):
+        return jnp.sum(m(x) * g[rows])
+
+    @nnx.jit
+    def step(model, x):
+        value, d_model = om_flax.value_and_grad(loss)(model, x)
+        return model(x), value, d_model, nnx.grad(loss, argnums=1)(model, x)
+
+    y, value, d_model, d_x = step(ours, x[rows])
+    ref_loss, (ref_model, ref_x) = nnx.value_and_grad(_stock_loss(g), argnums=(0, 1))(stock, x)
+
+    assert y.shape == (batch[RANK], T, OUT) and d_x.shape == (batch[RANK], T, IN)
+    _close(y, stock(x)[rows])
+    _close(d_x, ref_x[rows])
+    np.testing.assert_allclose(MPI.COMM_WORLD.allreduce(float(value)), float(ref_loss), **TOL)
+    expected = _shards(nnx.to_pure_dict(ref_model), sizes)
+    jax.tree.map(_close, nnx.to_pure_dict(d_model), expected)
+
+
+class _NormBlock(nn.Module):
+    """A LayerNorm (parameters outside the osmm_jax layers) then the block."""
+
+    sizes: tuple = ()
+    batch_sizes: tuple | None = None
+    stock: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm(name="norm")(x)
+        return _Block(self.sizes, stock=self.stock, batch_sizes=self.batch_sizes, name="block")(h)
+
+
+def test_linen_sequence_parallel_parameters_outside_the_layers_get_one_process_gradients():
+    batch, sizes = BATCH, SIZES
+    x, g = _seq_data(batch, 22)
+    rows = _mine(batch)
+    stock, ours = _NormBlock(stock=True), _NormBlock(tuple(sizes), tuple(batch))
+    ref = stock.init(jax.random.key(6), x)
+    ref = jax.tree.map(lambda p: p + 0.1 if p.ndim == 1 else p, ref)  # LayerNorm too
+    params = {"params": {"norm": ref["params"]["norm"]}}
+    params["params"]["block"] = _shards(ref["params"]["block"], sizes)
+
+    def loss(p, x):
+        return jnp.sum(ours.apply(p, x) * g[rows])
+
+    skip = om_flax.summed_paths(ours, x[rows])
+    assert skip == {("params", "block", "up"), ("params", "block", "down", "kernel")}
+    _, by_value_and_grad = jax.jit(om_flax.value_and_grad(loss))(params, x[rows])
+    by_hand = jax.jit(lambda p, x: om_flax.sync_grads(jax.grad(loss)(p, x), skip))(params, x[rows])
+
+    ref_grads = jax.grad(lambda p: jnp.sum(stock.apply(p, x) * g))(ref)["params"]
+    expected = {"norm": ref_grads["norm"], "block": _shards(ref_grads["block"], sizes)}
+    jax.tree.map(_close, by_value_and_grad["params"], expected)
+    jax.tree.map(_close, by_hand["params"], expected)
+
+
+class _NnxNormBlock(nnx.Module):
+    """A LayerNorm (parameters outside the osmm_jax layers) then a block."""
+
+    def __init__(self, block):
+        self.norm = nnx.LayerNorm(IN, rngs=nnx.Rngs(0))
+        self.norm.scale[...] = jnp.linspace(0.5, 1.5, IN)
+        self.norm.bias[...] = jnp.linspace(-0.2, 0.2, IN)
+        self.block = block
+
+    def __call__(self, x):
+        return self.block(self.norm(x))
+
+
+def test_nnx_sequence_parallel_parameters_outside_the_layers_get_one_process_gradients():
+    batch, sizes = BATCH, SIZES_ZERO_FIRST
+    x, g = _seq_data(batch, 23)
+    rows = _mine(batch)
+    ours, stock = (_NnxNormBlock(block) for block in _nnx_pair(sizes, batch_sizes=batch))
+
+    def loss(m, x):
+        return jnp.sum(m(x) * g[rows])
+
+    skip = om_flax.summed_paths(ours)
+    assert skip == {("block", "up"), ("block", "down", "kernel")}
+    _, by_value_and_grad = nnx.jit(om_flax.value_and_grad(loss))(ours, x[rows])
+    by_model = nnx.jit(lambda m, x: om_flax.sync_grads(nnx.grad(loss)(m, x), m))(ours, x[rows])
+    by_paths = nnx.jit(lambda m, x: om_flax.sync_grads(nnx.grad(loss)(m, x), skip))(ours, x[rows])
+
+    ref = nnx.to_pure_dict(nnx.grad(_stock_loss(g))(stock, x))
+    expected = {"norm": ref["norm"], "block": _shards(ref["block"], sizes)}
+    for grads in (by_value_and_grad, by_model, by_paths):
+        jax.tree.map(_close, nnx.to_pure_dict(grads), expected)
+
+
+def test_summed_paths_name_what_sequence_parallel_layers_complete():
+    x = jnp.zeros((BATCH[RANK], T, IN))
+    sp, _ = _nnx_pair(SIZES, batch_sizes=BATCH)
+    tp, _ = _nnx_pair(SIZES)
+    # The column layer's kernel and bias, the row layer's kernel (its bias is this rank's
+    # entries' only); without batch_sizes the shards are not summed at all: nothing.
+    assert om_flax.summed_paths(sp) == {("up",), ("down", "kernel")}
+    assert om_flax.summed_paths(tp) == frozenset()
+    linen_sp = _Block(tuple(SIZES), batch_sizes=tuple(BATCH))
+    assert om_flax.summed_paths(linen_sp, x) == {("params", "up"), ("params", "down", "kernel")}
+    whole = jnp.zeros((sum(BATCH), T, IN))
+    assert om_flax.summed_paths(_Block(tuple(SIZES)), whole) == frozenset()
+
+
+def test_an_unsummed_row_parallel_bias_is_noticed():
+    from osmm_jax._src import unsummed_grads
+
+    x, g = _seq_data(BATCH, 24)
+    rows = _mine(BATCH)
+    ours, _ = _nnx_pair(SIZES, batch_sizes=BATCH)
+    linen = _Block(tuple(SIZES), batch_sizes=tuple(BATCH))
+    params = {"params": _shards(_stock_params(4)["params"], SIZES)}
+
+    def nnx_loss(m, x):
+        return jnp.sum(m(x) * g[rows])
+
+    def linen_loss(p, x):
+        return jnp.sum(linen.apply(p, x) * g[rows])
+
+    unsummed_grads.reset()
+    with pytest.warns(om_flax.UnsummedGradientsWarning, match=r"\('down/bias'\)"):
+        nnx.jit(nnx.grad(nnx_loss))(ours, x[rows])
+    unsummed_grads.reset()
+    with pytest.warns(om_flax.UnsummedGradientsWarning, match=r"\('down/bias'\)"):
+        jax.jit(jax.grad(linen_loss))(params, x[rows])
+    unsummed_grads.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", om_flax.UnsummedGradientsWarning)
+        nnx.jit(om_flax.value_and_grad(nnx_loss))(ours, x[rows])
+        jax.jit(om_flax.value_and_grad(linen_loss))(params, x[rows])
+    unsummed_grads.reset()
+
+
+# -- bad batch_sizes and inputs: the same clear error on every rank --------------------------
+
+
+def _sp_layers(batch_sizes, sizes=SIZES):
+    """Build (and for linen, initialise on this rank's input) every sequence-parallel layer with
+    ``batch_sizes``: the two linen ones, the two nnx ones."""
+    column = om_flax.ColumnParallelDense(HID, sizes=sizes, batch_sizes=batch_sizes)
+    row = om_flax.RowParallelDense(OUT, sizes=sizes, batch_sizes=batch_sizes)
+    yield lambda: column.init(jax.random.key(0), jnp.zeros((BATCH[RANK], T, IN)))
+    yield lambda: row.init(jax.random.key(0), jnp.zeros((sum(BATCH), T, sizes[RANK])))
+    kw = {"sizes": sizes, "batch_sizes": batch_sizes, "rngs": nnx.Rngs(0)}
+    yield lambda: om_flax.ColumnParallelLinear(IN, HID, **kw)
+    yield lambda: om_flax.RowParallelLinear(HID, OUT, **kw)
+
+
+def test_bad_batch_sizes_raise_on_every_rank():
+    cases = [
+        ([*BATCH, 1], ValueError, rf"has {SIZE + 1} entries but the communicator has {SIZE} ranks"),
+        ([*BATCH[:-1], -1], ValueError, rf"rank 0: batch_sizes\[{SIZE - 1}\] must be at least 0"),
+        ([float(BATCH[0]), *BATCH[1:]], TypeError, r"rank 0: batch_sizes\[0\] must be an integer"),
+        (BATCH[RANK], TypeError, "batch_sizes must be a sequence of batch entries, one per rank"),
+        ("3", TypeError, "batch_sizes must be a sequence of batch entries"),
+    ]
+    for batch_sizes, error, message in cases:
+        for build in _sp_layers(batch_sizes):
+            # Every rank finds it (they all hold the same list) and says so, before any data moves.
+            with pytest.raises(
+                error, match=rf"invalid input on {SIZE} of {SIZE} ranks: .*{message}"
+            ):
+                build()
+    # Still usable afterwards, all of them.
+    for build in _sp_layers(BATCH):
+        build()
+
+
+def test_inputs_of_other_batch_entries_raise_on_every_rank():
+    column = om_flax.ColumnParallelDense(HID, sizes=SIZES, batch_sizes=BATCH)
+    row = om_flax.RowParallelDense(OUT, sizes=SIZES, batch_sizes=BATCH)
+    key = jax.random.key(0)
+    extra = 1 if RANK == 0 else 0  # rank 0's input only is wrong
+    with pytest.raises(
+        ValueError,
+        match=rf"invalid input on 1 of {SIZE} ranks: rank 0: the input has {BATCH[0] + 1} batch "
+        rf"entries \(shape .*\) but this rank's batch_sizes\[0\] is {BATCH[0]}",
+    ):
+        column.init(key, jnp.zeros((BATCH[RANK] + extra, T, IN)))
+    with pytest.raises(
+        ValueError,
+        match=rf"rank 0: the input has {sum(BATCH) + 1} batch entries .* but every rank's \(the "
+        rf"sum of batch_sizes\) is {sum(BATCH)}",
+    ):
+        row.init(key, jnp.zeros((sum(BATCH) + extra, T, SIZES[RANK])))
+    # A row-parallel layer takes every rank's entries, not this rank's own.
+    if sum(BATCH) != BATCH[0]:
+        with pytest.raises(ValueError, match=r"rank 0: the input has \d+ batch entries"):
+            row.init(key, jnp.zeros((BATCH[RANK], T, SIZES[RANK])))
+    with pytest.raises(
+        ValueError, match=r"with batch_sizes a layer needs \(batch, \.\.\., features\)"
+    ):
+        column.init(key, jnp.zeros((IN,)))
+    # nnx: checked at the call.
+    layer = om_flax.ColumnParallelLinear(IN, HID, sizes=SIZES, batch_sizes=BATCH, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"rank 0: the input has .* batch_sizes\[0\] is"):
+        layer(jnp.zeros((BATCH[RANK] + extra, T, IN)))
+    with pytest.raises(ValueError, match=r"rank 0: the input has .* batch_sizes\[0\] is"):
+        nnx.jit(lambda m, x: m(x))(layer, jnp.zeros((BATCH[RANK] + extra, T, IN)))
+    # Still usable afterwards: the rows of every rank gathered.
+    y = layer(jnp.ones((BATCH[RANK], T, IN)))
+    assert y.shape == (sum(BATCH), T, SIZES[RANK])
+    params = column.init(key, jnp.ones((BATCH[RANK], T, IN)))
+    assert column.apply(params, jnp.ones((BATCH[RANK], T, IN))).shape == y.shape
+
+
+@pytest.mark.ranks(min=2, reason="a rank cannot disagree with itself")
+def test_ranks_that_disagree_on_batch_sizes():
+    key = jax.random.key(0)
+    x = jnp.zeros((BATCH[RANK], T, IN))
+    # Rank 0's own entry is right, but its list differs from the others'.
+    other = [*BATCH[:-1], BATCH[-1] + 1]
+    with pytest.raises(ValueError, match="ranks disagree .* same sizes, batch sizes"):
+        om_flax.ColumnParallelDense(
+            HID, sizes=SIZES, batch_sizes=other if RANK == 0 else BATCH
+        ).init(key, x)
+    # batch_sizes on some ranks only.
+    with pytest.raises(ValueError, match="ranks disagree"):
+        om_flax.ColumnParallelDense(
+            HID, sizes=SIZES, batch_sizes=None if RANK == 0 else BATCH
+        ).init(key, x)
+    # The dimensions after the batch dimension must agree.
+    with pytest.raises(ValueError, match="ranks disagree"):
+        om_flax.ColumnParallelDense(HID, sizes=SIZES, batch_sizes=BATCH).init(
+            key, jnp.zeros((BATCH[RANK], T + (RANK == 0), IN))
+        )
