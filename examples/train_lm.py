@@ -1,13 +1,15 @@
 """Train a small GPT-style character-level language model on osmm_jax, and check it.
 
 Run on 3 ranks: ``mpiexec -n 3 .venv/bin/python examples/train_lm.py --mode dp --check``
-(or ``--mode tp``, or ``--mode jax`` for JAX's own sharding); ``--mode single`` is one
+(or ``--mode tp``, ``--mode sp``, or ``--mode jax`` for JAX's own sharding); ``--mode single`` is one
 process with stock layers.
 
 The model (Flax nnx): token embedding plus learned positions, ``--layers``
 pre-LayerNorm Transformer blocks (causal multi-head self-attention, then a
 GELU MLP of width 4·d), a final LayerNorm and an output projection to the
-vocabulary. The text needs no download: the source files of Python's own
+vocabulary. The query, key and value projections are one dense layer whose
+columns are grouped by head (each head's query, key, value), so that whole
+heads split over ranks as one column-parallel layer. The text needs no download: the source files of Python's own
 ``json`` package (``os.path.dirname(json.__file__)``), read at run time; the
 vocabulary is the set of characters in it. Batches are windows of
 ``--context`` characters at positions drawn from a seeded generator, the same
@@ -24,12 +26,24 @@ Modes:
   (embeddings, positions, LayerNorms). Each rank's loss is its tokens'
   cross-entropy summed and divided by the global token count.
 * ``tp``: tensor parallel. In every block the query, key and value
-  projections are ``ColumnParallelLinear`` layers (whole heads per rank,
+  projection is a ``ColumnParallelLinear`` layer (whole heads per rank,
   uneven: ``balance(heads, speeds)``) and the attention output projection a
   ``RowParallelLinear``; the MLP is a column- then row-parallel pair with
   uneven hidden ``sizes``. Every rank holds the whole batch; embeddings,
   LayerNorms and the output projection are stock layers computed alike on
   every rank, and every gradient is complete on every rank as it comes.
+* ``sp``: tensor parallel with sequence parallelism. The same column- and
+  row-parallel layers, given ``batch_sizes``: between them the activations
+  are split by sequences in proportion to speed (as in ``dp``), so the
+  embeddings, LayerNorms, residual sums and the output projection run on each
+  rank's own sequences instead of on all of them on every rank. A
+  column-parallel layer gathers every rank's sequences for its heads or hidden
+  features, a row-parallel one sums the partials of each rank's sequences onto
+  that rank (a reduce-scatter instead of a reduction onto every rank). Each
+  rank's loss is its tokens' share of the global loss, and
+  ``osmm_jax.flax.value_and_grad`` sums the gradients the layers did not
+  complete (embeddings, positions, LayerNorms, the output projection, the
+  row-parallel biases).
 * ``jax``: JAX's own multi-process sharding, for comparison: stock layers,
   JAX's distributed runtime over the MPI ranks
   (``jax.distributed.initialize(cluster_detection_method="mpi4py")``, gloo
@@ -114,20 +128,33 @@ class Layers:
 
     ``column`` / ``row`` are the halves of a tensor-parallel pair (with their
     ``sizes``); ``other`` is any other dense layer (the output projection).
+    ``batch_sizes`` (``tp`` only): sequences per rank between the pairs
+    (sequence parallelism).
     """
 
-    def __init__(self, mode: str, *, row_sizes=None, head_sizes=None, mlp_sizes=None, method=None):
+    def __init__(
+        self,
+        mode: str,
+        *,
+        row_sizes=None,
+        head_sizes=None,
+        mlp_sizes=None,
+        method=None,
+        batch_sizes=None,
+    ):
         self.mode = mode
         self.row_sizes, self.method = row_sizes, method
         self.head_sizes, self.mlp_sizes = head_sizes, mlp_sizes
+        self.batch_sizes = batch_sizes
 
     def dense(self, kind: str, n_in: int, n_out: int, rngs, sizes=None):
         if self.mode == "dp":
             return Linear(n_in, n_out, row_sizes=self.row_sizes, method=self.method, rngs=rngs)
+        tp = {"sizes": sizes, "method": self.method, "batch_sizes": self.batch_sizes}
         if self.mode == "tp" and kind == "column":
-            return ColumnParallelLinear(n_in, n_out, sizes=sizes, method=self.method, rngs=rngs)
+            return ColumnParallelLinear(n_in, n_out, **tp, rngs=rngs)
         if self.mode == "tp" and kind == "row":
-            return RowParallelLinear(n_in, n_out, sizes=sizes, method=self.method, rngs=rngs)
+            return RowParallelLinear(n_in, n_out, **tp, rngs=rngs)
         return StockLinear(n_in, n_out, rngs=rngs)
 
 
@@ -136,23 +163,24 @@ class Block(nnx.Module):
 
     def __init__(self, d: int, heads: int, layers: Layers, rngs: nnx.Rngs):
         self.heads, self.head_dim = heads, d // heads
-        head_cols = (
-            None if layers.head_sizes is None else [h * self.head_dim for h in layers.head_sizes]
-        )
+        sizes = layers.head_sizes
+        head_cols = None if sizes is None else [h * self.head_dim for h in sizes]
+        qkv_cols = None if sizes is None else [3 * h * self.head_dim for h in sizes]
         self.ln1 = nnx.LayerNorm(d, rngs=rngs)
-        self.q = layers.dense("column", d, d, rngs, head_cols)
-        self.k = layers.dense("column", d, d, rngs, head_cols)
-        self.v = layers.dense("column", d, d, rngs, head_cols)
+        # Columns per head: its query, key and value (head_dim each).
+        self.qkv = layers.dense("column", d, 3 * d, rngs, qkv_cols)
         self.proj = layers.dense("row", d, d, rngs, head_cols)
         self.ln2 = nnx.LayerNorm(d, rngs=rngs)
         self.up = layers.dense("column", d, 4 * d, rngs, layers.mlp_sizes)
         self.down = layers.dense("row", 4 * d, d, rngs, layers.mlp_sizes)
 
     def __call__(self, x):
-        b, t, _ = x.shape
-        h = self.ln1(x)
-        # This rank's heads: all of them, or (tensor parallel) its share of whole heads.
-        q, k, v = (jnp.reshape(f(h), (b, t, -1, self.head_dim)) for f in (self.q, self.k, self.v))
+        qkv = self.qkv(self.ln1(x))
+        # This rank's heads: all of them, or (tensor parallel) its share of whole heads, for
+        # every sequence (sequence parallel: gathered from every rank).
+        b, t = qkv.shape[:2]
+        qkv = jnp.reshape(qkv, (b, t, -1, 3, self.head_dim))
+        q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
         scores = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(self.head_dim)
         causal = jnp.tril(jnp.ones((t, t), bool))
         weights = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1)
@@ -314,7 +342,7 @@ def train(model, data, args, *, rows=None, dp=False, comm=None, mesh=None):
 
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=("dp", "tp", "jax", "single"), default="dp")
+    parser.add_argument("--mode", choices=("dp", "tp", "sp", "jax", "single"), default="dp")
     parser.add_argument(
         "--method",
         choices=("one_sided", "allreduce"),
@@ -344,12 +372,12 @@ def _parse(argv):
         parser.error("--steps must be at least 2")
     if args.d % args.heads:
         parser.error("--d must be a multiple of --heads")
-    if args.mode == "dp" and args.batch < size:
-        parser.error(f"--batch must be at least the number of ranks ({size}) in dp")
+    if args.mode in ("dp", "sp") and args.batch < size:
+        parser.error(f"--batch must be at least the number of ranks ({size}) in {args.mode}")
     if args.mode == "jax" and args.batch % size:
         parser.error(f"--batch must be a multiple of the number of ranks ({size}) in jax")
-    if args.mode == "tp" and args.heads < size:
-        parser.error(f"--heads must be at least the number of ranks ({size}) in tp")
+    if args.mode in ("tp", "sp") and args.heads < size:
+        parser.error(f"--heads must be at least the number of ranks ({size}) in {args.mode}")
     if args.mode == "single" and size != 1:
         parser.error("--mode single runs on one process")
     if args.speeds is not None and len(args.speeds) != size:
@@ -413,18 +441,22 @@ def main(argv=None) -> int:
             else om.profile_speeds(size=256, repeats=3, progress=False)
         )
         say("speeds: " + ", ".join(f"{s:.1f}" for s in speeds))
-        if args.mode == "dp":
+        seqs, rows = None, None  # sequences per rank, this rank's (dp, sp)
+        if args.mode in ("dp", "sp"):
             seqs = om.balance(args.batch, speeds, min_rows=1).sizes
-            first = sum(seqs[:rank])
-            rows = slice(first, first + seqs[rank])
+            rows = slice(sum(seqs[:rank]), sum(seqs[: rank + 1]))
+        if args.mode == "dp":
             layers = Layers("dp", row_sizes=[s * args.context for s in seqs], method=args.method)
             say(f"sequences per rank: {list(seqs)}")
         else:
             heads = om.balance(args.heads, speeds, min_rows=1).sizes
             hidden = om.balance(4 * args.d, speeds, min_rows=1).sizes
-            layers = Layers("tp", head_sizes=heads, mlp_sizes=hidden, method=args.method)
-            rows = None
+            layers = Layers(
+                "tp", head_sizes=heads, mlp_sizes=hidden, method=args.method, batch_sizes=seqs
+            )
             say(f"heads per rank: {list(heads)}, MLP hidden features per rank: {list(hidden)}")
+            if seqs is not None:
+                say(f"sequences per rank between the layer pairs: {list(seqs)}")
 
     def build(kind: Layers):
         return GPT(vocab, args.context, args.d, args.heads, args.layers, kind, nnx.Rngs(args.seed))
@@ -435,7 +467,7 @@ def main(argv=None) -> int:
         data,
         args,
         rows=rows,
-        dp=args.mode == "dp",
+        dp=args.mode in ("dp", "sp"),
         comm=None if size == 1 else COMM,
         mesh=mesh,
     )

@@ -1,11 +1,11 @@
-"""The character-level language model example trains like one process: data and tensor parallel
-on osmm_jax, and data parallel on JAX's own sharding.
+"""The character-level language model example trains like one process: data, tensor and tensor
+with sequence parallel on osmm_jax, and data parallel on JAX's own sharding.
 
 Runs ``examples/train_lm.py --check`` at a tiny size (one block, a few steps, uneven
-``--speeds``, which ``jax`` mode ignores: it splits evenly) in ``dp``, ``tp`` and ``jax`` mode,
-on 1 rank (plain Python) and on 3 ranks (``mpiexec -n 3``, a subprocess with a hard timeout):
-each run compares every step's loss with the single-process reference on rank 0 and exits
-non-zero on a mismatch.
+``--speeds``, which ``jax`` mode ignores: it splits evenly) in ``dp``, ``tp``, ``sp`` and
+``jax`` mode, on 1 rank (plain Python) and on 3 ranks (``mpiexec -n 3``, a subprocess with a
+hard timeout): each run compares every step's loss with the single-process reference on rank 0
+and exits non-zero on a mismatch.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _run(ranks: int, mode: str) -> str:
     return end.stdout
 
 
-@pytest.mark.parametrize("mode", ["dp", "tp", "jax"])
+@pytest.mark.parametrize("mode", ["dp", "tp", "sp", "jax"])
 @pytest.mark.parametrize("ranks", [1, 3])
 def test_losses_agree_with_one_process(ranks, mode):
     if ranks > 1 and not MPIEXEC.exists():
