@@ -22,6 +22,8 @@ one warm-up call each):
   and the rest in one fused transfer;
 * ``osmm TP, speed-weighted (one_sided)``: ``tp`` mode, heads and MLP hidden features per rank
   in proportion to the same rates;
+* ``osmm TP + sequence parallel, speed-weighted (one_sided)``: ``sp`` mode, the same shards,
+  and between the layer pairs each rank's own sequences (the DP split) instead of all of them;
 * ``all-reduce DP, even (one fused all-reduce)``: the stock model on equal sequences per rank,
   every gradient summed in one flat all-reduce (mpi4jax), what DistributedDataParallel does;
 * ``JAX NamedSharding DP, even``: ``jax`` mode (equal sequences, replicated parameters, JAX's
@@ -30,6 +32,10 @@ one warm-up call each):
   ``dp`` sequences alone, nothing summed (the split's own imbalance, without communication);
 * ``no-communication floor (even rows)``: the same on the even split; its ratio to the
   speed-weighted floor is what speed-weighting can gain over an even split on these ranks;
+* ``no-communication floor (TP shards)``: every rank runs the model cut to its TP shards
+  (its heads and MLP hidden features, stock layers) on the whole batch, nothing summed: the
+  part of the TP step that no communication scheme can remove, since the embeddings,
+  LayerNorms, residual sums and output projection run on every rank;
 * ``one process, whole batch (every rank at once)``: every rank runs the stock model on the
   whole batch by itself, at the same time as the others (so ranks sharing a core share it as
   they do in the distributed steps); its row is the slowest rank's time, and each rank's own
@@ -78,10 +84,12 @@ WARMUP = 1  # warm-up calls per step after the checked (compiling) call
 DP = "osmm DP, speed-weighted (one fused sum)"
 LAYERS = "osmm DP layers, speed-weighted (one_sided)"
 TP = "osmm TP, speed-weighted (one_sided)"
+SP = "osmm TP + sequence parallel, speed-weighted (one_sided)"
 EVEN = "all-reduce DP, even (one fused all-reduce)"
 JAX = "JAX NamedSharding DP, even"
 FLOOR = "no-communication floor (speed-weighted rows)"
 EVEN_FLOOR = "no-communication floor (even rows)"
+TP_FLOOR = "no-communication floor (TP shards)"
 ALONE = "one process, whole batch (every rank at once)"
 
 
@@ -96,6 +104,18 @@ def _load_train_lm():
 
 
 lm = _load_train_lm()
+
+
+class ShardLayers(lm.Layers):
+    """Stock dense layers cut to this rank's tensor-parallel shard: what a TP step computes,
+    without its sums (the TP no-communication floor)."""
+
+    def dense(self, kind: str, n_in: int, n_out: int, rngs, sizes=None):
+        if kind == "column":
+            return lm.StockLinear(n_in, sizes[RANK], rngs=rngs)
+        if kind == "row":
+            return lm.StockLinear(sizes[RANK], n_out, rngs=rngs)
+        return lm.StockLinear(n_in, n_out, rngs=rngs)
 
 
 def step_flops(tokens: int, d: int, n_layers: int, context: int, vocab: int) -> float:
@@ -182,6 +202,9 @@ def main(argv=None) -> int:
     heads = om.balance(args.heads, speeds, min_rows=1).sizes
     hidden = om.balance(4 * args.d, speeds, min_rows=1).sizes
     tp_layers = lm.Layers("tp", head_sizes=heads, mlp_sizes=hidden, method="one_sided")
+    sp_layers = lm.Layers(
+        "tp", head_sizes=heads, mlp_sizes=hidden, method="one_sided", batch_sizes=weighted
+    )
     tp_step, tp_params, tp_opt = lm.make_step(build(tp_layers), LEARNING_RATE, tokens)
     jax_step, jax_params, jax_opt = lm.make_step(
         build(lm.Layers("single")), LEARNING_RATE, tokens, mesh=mesh
@@ -190,6 +213,7 @@ def main(argv=None) -> int:
         DP: step_on(_rows(weighted), dp=True, sum_method="one_sided"),
         LAYERS: layers_step(weighted, "one_sided"),
         TP: (tp_step, (tp_params, tp_opt, jnp.asarray(x), jnp.asarray(y))),
+        SP: step_on(_rows(weighted), sp_layers, dp=True),
         EVEN: step_on(_rows(even), dp=True, sum_method="allreduce"),
         JAX: (
             jax_step,
@@ -197,6 +221,7 @@ def main(argv=None) -> int:
         ),
         FLOOR: step_on(_rows(weighted)),
         EVEN_FLOOR: step_on(_rows(even)),
+        TP_FLOOR: step_on(slice(None), ShardLayers("tp", head_sizes=heads, mlp_sizes=hidden)),
         ALONE: step_on(slice(None)),
     }
 
@@ -204,11 +229,12 @@ def main(argv=None) -> int:
     losses = {}
     for name, (fn, fn_args) in fns.items():
         loss = jax.device_get(fn(*fn_args)[2].addressable_data(0))
-        losses[name] = float(COMM.allreduce(float(loss)) if name in (DP, LAYERS, EVEN) else loss)
+        summed = name in (DP, LAYERS, SP, EVEN)
+        losses[name] = float(COMM.allreduce(float(loss)) if summed else loss)
     reference = losses[ALONE]
     wrong = [
         name
-        for name in (DP, LAYERS, TP, EVEN, JAX)
+        for name in (DP, LAYERS, TP, SP, EVEN, JAX)
         if not abs(losses[name] - reference) <= RTOL * abs(reference) + ATOL
     ]
     if wrong:
@@ -238,6 +264,9 @@ def main(argv=None) -> int:
         "jax_over_dp": seconds[JAX] / seconds[DP],
         "dp_over_limit": seconds[DP] / limit,
         "tp_over_limit": seconds[TP] / limit,
+        "sp_over_limit": seconds[SP] / limit,
+        "tp_floor_over_limit": seconds[TP_FLOOR] / limit,
+        "tp_over_tp_floor": seconds[TP] / seconds[TP_FLOOR],
         "even_allreduce_over_limit": seconds[EVEN] / limit,
         "floor_over_limit": seconds[FLOOR] / limit,
         "even_floor_over_floor": seconds[EVEN_FLOOR] / seconds[FLOOR],
@@ -301,7 +330,10 @@ def _notes(record: dict) -> list[str]:
         f"DP step's time (target >= 1.2) and {r['even_allreduce_over_tp']:.2f}x the speed-weighted "
         f"TP step's; DP takes {r['dp_over_limit']:.2f}x the aggregate limit and TP "
         f"{r['tp_over_limit']:.2f}x (target <= 1.15); JAX NamedSharding takes "
-        f"{r['jax_over_dp']:.2f}x DP's time. With osmm_jax's DP layers (one sum per layer) "
+        f"{r['jax_over_dp']:.2f}x DP's time. TP with sequence parallelism takes "
+        f"{r['sp_over_limit']:.2f}x the limit. TP's own no-communication floor (each rank's "
+        f"shards, the rest of the model on every rank) is {r['tp_floor_over_limit']:.2f}x the "
+        f"limit, and TP takes {r['tp_over_tp_floor']:.2f}x that floor. With osmm_jax's DP layers (one sum per layer) "
         f"instead of one fused sum, DP takes {r['layers_over_limit']:.2f}x the aggregate limit "
         f"and the even all-reduce step {r['even_allreduce_over_layers']:.2f}x its time. Without any "
         f"communication, the even split takes {r['even_floor_over_floor']:.2f}x the "
@@ -373,6 +405,7 @@ def markdown(record: dict) -> str:
         ("speed-weighted DP layers ÷ aggregate limit", r["layers_over_limit"], "<=", 1.15),
         ("even all-reduce DP ÷ speed-weighted TP", r["even_allreduce_over_tp"], ">=", 1.2),
         ("speed-weighted TP ÷ aggregate limit", r["tp_over_limit"], "<=", 1.15),
+        ("speed-weighted TP + sequence parallel ÷ aggregate limit", r["sp_over_limit"], "<=", 1.15),
     ]
     lines += [
         "",

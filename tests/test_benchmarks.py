@@ -184,10 +184,12 @@ def test_the_lm_step_benchmark_runs_and_writes_its_results(tmp_path):
         "osmm DP, speed-weighted (one fused sum)",
         "osmm DP layers, speed-weighted (one_sided)",
         "osmm TP, speed-weighted (one_sided)",
+        "osmm TP + sequence parallel, speed-weighted (one_sided)",
         "all-reduce DP, even (one fused all-reduce)",
         "JAX NamedSharding DP, even",
         "no-communication floor (speed-weighted rows)",
         "no-communication floor (even rows)",
+        "no-communication floor (TP shards)",
         "one process, whole batch (every rank at once)",
     ], out
     assert all(e["seconds"] > 0 and e["tokens_per_s"] > 0 for e in record["entries"])
@@ -199,6 +201,8 @@ def test_the_lm_step_benchmark_runs_and_writes_its_results(tmp_path):
         "even_allreduce_over_dp",
         "dp_over_limit",
         "tp_over_limit",
+        "sp_over_limit",
+        "tp_floor_over_limit",
         "even_allreduce_over_layers",
         "layers_over_limit",
         "even_floor_over_floor",
