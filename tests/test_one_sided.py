@@ -1,8 +1,8 @@
 """How the one-sided executor forms its GEMMs (``one_sided.products``), without MPI.
 
 Every product a rank forms must equal numpy's for its rectangle, whether it was computed alone
-or sliced from a merged GEMM; merging must happen exactly where the local tiles cover one
-rectangle over one inner range.
+or sliced from a merged GEMM; merging must happen exactly where the tiles (of local or fetched
+pieces) cover one rectangle over one inner range.
 """
 
 from __future__ import annotations
@@ -20,10 +20,22 @@ def _local_requests(plan: Plan, rank: int):
     return [(m, m.rows) for m in plan.for_rank(rank).multiplies]
 
 
-def _check_products(plan: Plan, rank: int, a, b, requests):
+def _remote_pieces(plan: Plan, rank: int, a, b) -> dict:
+    """What this rank's gets would fetch, keyed as the executor keys them, cut from the whole
+    matrices."""
+    remote = {}
+    for m in plan.for_rank(rank).multiplies:
+        if m.a_source != rank:
+            remote[("A", m.rows, m.inner)] = a[m.rows[0] : m.rows[1], m.inner[0] : m.inner[1]]
+        if m.b_source != rank:
+            remote[("B", m.inner, m.cols)] = b[m.inner[0] : m.inner[1], m.cols[0] : m.cols[1]]
+    return remote
+
+
+def _check_products(plan: Plan, rank: int, a, b, requests, remote=None):
     local_a = np.asarray(plan.a.shard(a, rank))
     local_b = np.asarray(plan.b.shard(b, rank))
-    parts = one_sided.products(plan, rank, local_a, local_b, requests, remote={})
+    parts = one_sided.products(plan, rank, local_a, local_b, requests, remote=remote or {})
     for (m, rows), part in zip(requests, parts):
         expected = (
             a[rows[0] : rows[1], m.inner[0] : m.inner[1]]
@@ -54,12 +66,42 @@ def test_weight_gradient_of_a_data_parallel_layer_is_one_gemm_per_rank(nranks):
         requests = _local_requests(stage, rank)
         # Staged (a gather stage for the replicated dW): one request per owner of its split.
         assert len(requests) == (nranks if stage is not d_w else 1)
-        assert len(one_sided._gemm_groups(rank, requests)) == 1
+        assert len(one_sided._gemm_groups(requests)) == 1
         _check_products(stage, rank, a, b, requests)
         local_a, local_b = stage.a.shard(a, rank), stage.b.shard(b, rank)
         jaxpr = jax.make_jaxpr(
             lambda x, y, rank=rank, requests=requests: one_sided.products(
                 stage, rank, x, y, requests, remote={}
+            )
+        )(local_a, local_b)
+        assert str(jaxpr).count("dot_general") == 1
+
+
+@pytest.mark.parametrize("nranks", [2, 3, 4])
+def test_a_gathered_input_is_one_gemm_per_rank(nranks):
+    """A split by rows (uneven) x B split by columns -> C split by columns (a column-parallel
+    layer with sequence parallelism): each rank multiplies its own rows and the rows it
+    fetched by its B block; the pieces tile its C block and are one GEMM, equal to numpy."""
+    m, k, n = 30, 4, 8 * nranks  # fetching A's rows moves less than delivering C's
+    plan = Plan(
+        Layout.rows((m, k), weights=[1 + r for r in range(nranks)]),
+        Layout.cols((k, n), nranks=nranks),
+        Layout.cols((m, n), nranks=nranks),
+    )
+    rng = np.random.default_rng(2)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    for rank in range(nranks):
+        requests = _local_requests(plan, rank)
+        assert len(requests) == nranks  # one per owner of rows
+        assert any(mm.a_source != rank for mm, _ in requests)
+        assert len(one_sided._gemm_groups(requests)) == 1
+        remote = _remote_pieces(plan, rank, a, b)
+        _check_products(plan, rank, a, b, requests, remote)
+        local_a, local_b = plan.a.shard(a, rank), plan.b.shard(b, rank)
+        jaxpr = jax.make_jaxpr(
+            lambda x, y, rank=rank, requests=requests: one_sided.products(
+                plan, rank, x, y, requests, remote=remote
             )
         )(local_a, local_b)
         assert str(jaxpr).count("dot_general") == 1
@@ -77,7 +119,7 @@ def test_tiles_that_do_not_cover_a_rectangle_are_not_merged():
 
 @pytest.mark.parametrize("kinds", [("cols", "rows", "rows"), ("grid", "grid", "grid")])
 def test_products_equal_numpy_for_every_rank_of_a_plan(kinds):
-    """Plans whose ranks mix merged, single and (unused here) remote GEMMs."""
+    """Plans whose ranks mix merged and single GEMMs over local and fetched pieces."""
     nranks, m, k, n = 4, 20, 28, 12
     make = {
         "rows": lambda shape: Layout.rows(shape, weights=[1, 2, 1, 3]),
@@ -92,3 +134,4 @@ def test_products_equal_numpy_for_every_rank_of_a_plan(kinds):
         requests = [(mm, mm.rows) for mm in plan.for_rank(rank).multiplies]
         local = [(mm, rows) for mm, rows in requests if mm.a_source == mm.b_source == rank]
         _check_products(plan, rank, a, b, local)
+        _check_products(plan, rank, a, b, requests, _remote_pieces(plan, rank, a, b))

@@ -66,6 +66,10 @@ def forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0):
     ticket, buffers = None, []
     if plan.has_deliveries:
         local, buffers, ticket, own = _deliver(operands, cells, local, chunk_bytes, own)
+    if not plan.has_deliveries:
+        whole = _whole_block(operands, own)
+        if whole is not None:
+            return whole.astype(a.dtype)
     for (cell, rows), part in zip(own, _partials(operands, own, ticket)):
         local = _add_local(operands, local, rows, cell.cols, part)
     if not plan.has_deliveries:
@@ -80,19 +84,31 @@ def product(plan: Plan, rank: int, a, b, m, rows, remote: dict, after=None):
     ``(matrix, rows, cols)``. The product is in the accumulation dtype.
     ``after``: a value the GEMM must wait for (a chunk's ticket), or None.
     """
+    a_piece = _a_piece(plan, rank, a, m, rows, remote)
+    return _dot(a_piece, _b_piece(plan, rank, b, m, remote), after)
+
+
+def _a_piece(plan: Plan, rank: int, a, m, rows, remote: dict):
+    """``A[rows, m.inner]``: cut from this rank's block, or from the fetched piece."""
     if m.a_source == rank:
-        a_piece = _local_piece(a, plan.a, rank, rows, m.inner)
-    else:
-        a_piece = remote[("A", m.rows, m.inner)][rows[0] - m.rows[0] : rows[1] - m.rows[0]]
+        return _local_piece(a, plan.a, rank, rows, m.inner)
+    return remote[("A", m.rows, m.inner)][rows[0] - m.rows[0] : rows[1] - m.rows[0]]
+
+
+def _b_piece(plan: Plan, rank: int, b, m, remote: dict):
+    """``B[m.inner, m.cols]``: cut from this rank's block, or the fetched piece."""
     if m.b_source == rank:
-        b_piece = _local_piece(b, plan.b, rank, m.inner, m.cols)
-    else:
-        b_piece = remote[("B", m.inner, m.cols)]
+        return _local_piece(b, plan.b, rank, m.inner, m.cols)
+    return remote[("B", m.inner, m.cols)]
+
+
+def _dot(a_piece, b_piece, after=None):
+    """``a_piece @ b_piece`` in the accumulation dtype, after ``after`` (or None)."""
     if after is not None:
         # A data dependency XLA cannot drop (it removes optimization barriers without a
         # trace on CPU): the ticket is never negative, so this selects a_piece unchanged.
         a_piece = jnp.where(after < 0, jnp.zeros((), a_piece.dtype), a_piece)
-    acc = dtypes.accumulation_dtype(a.dtype)
+    acc = dtypes.accumulation_dtype(a_piece.dtype)
     if a_piece.dtype != acc and jax.default_backend() == "cpu":
         # XLA's CPU runtime fails some 16-bit dots with a float32 result ("Unsupported
         # element type for DotThunk::Execute: BF16 x BF16 = F32", jaxlib 0.10, depending on
@@ -106,40 +122,59 @@ def products(plan: Plan, rank: int, a, b, requests, remote: dict, after=None) ->
     """``[product(plan, rank, a, b, m, rows, remote, after) for m, rows in requests]``, with the
     GEMMs merged where that is exact and cheaper.
 
-    Requests whose A and B pieces are both local, over the same inner range, and whose
-    ``rows x m.cols`` rectangles tile one larger rectangle are computed as ONE GEMM over that
-    rectangle, which is then sliced. One large GEMM runs faster than several thin ones, and
-    cutting an operand along its strided dimension copies it: the weight gradient of a
-    data-parallel layer, ``A = x.T`` split by C's owners, became several copies of the batch
-    and as many thin GEMMs, 2.5x the time of one GEMM (6144 x 1024 x 256, float32, one core).
-    Slicing the product copies only C. Every element is still one dot product over the same
-    inner range (a GEMM of another shape may round differently in the last bits).
+    Requests over the same inner range whose ``rows x m.cols`` rectangles tile one larger
+    rectangle are computed as ONE GEMM over that rectangle, which is then sliced. One large
+    GEMM runs faster than several thin ones, and cutting an operand along its strided
+    dimension copies it: the weight gradient of a data-parallel layer, ``A = x.T`` split by
+    C's owners, became several copies of the batch and as many thin GEMMs, 2.5x the time of
+    one GEMM (6144 x 1024 x 256, float32, one core). When every piece is local, the merged
+    GEMM's operands are cut from this rank's blocks; otherwise (fetched pieces) they are
+    joined first: the A pieces of the rectangle's row ranges one above the other, the B
+    pieces of its column ranges side by side. Joining copies A and B once, which costs less
+    than the separate GEMMs: a sequence-parallel layer's own rows and the rows it fetched
+    (1536 + 1536 + 3072 rows x 256 @ 256 x 257, float32, one core) take 8.6 ms as three
+    GEMMs and 5.2 ms joined, against 4.7 ms for one GEMM on rows already together. Every
+    element is still one dot product over the same inner range (a GEMM of another shape may
+    round differently in the last bits).
     """
     results: list = [None] * len(requests)
-    for members, union in _gemm_groups(rank, requests):
+    for members, union in _gemm_groups(requests):
         if union is None:
             (i,) = members
             m, rows = requests[i]
             results[i] = product(plan, rank, a, b, m, rows, remote, after)
             continue
         (r0, _), (c0, _) = union
-        whole = dataclasses.replace(requests[members[0]][0], rows=union[0], cols=union[1])
-        block = product(plan, rank, a, b, whole, union[0], remote, after)
+        block = _merged_gemm(plan, rank, a, b, [requests[i] for i in members], union, remote, after)
         for i in members:
             m, rows = requests[i]
             results[i] = block[rows[0] - r0 : rows[1] - r0, m.cols[0] - c0 : m.cols[1] - c0]
     return results
 
 
-def _gemm_groups(rank: int, requests) -> list:
+def _merged_gemm(plan: Plan, rank: int, a, b, requests, union, remote: dict, after=None):
+    """The product over ``union``, the rectangle that ``requests`` (over one inner range) tile."""
+    first = requests[0][0]
+    if all(m.a_source == m.b_source == rank for m, _ in requests):
+        whole = dataclasses.replace(first, rows=union[0], cols=union[1])
+        return product(plan, rank, a, b, whole, union[0], remote, after)
+    by_rows = {rows: m for m, rows in requests}
+    by_cols = {m.cols: m for m, _ in requests}
+    a_joined = jnp.concatenate(
+        [_a_piece(plan, rank, a, by_rows[r], r, remote) for r in sorted(by_rows)]
+    )
+    b_joined = jnp.concatenate(
+        [_b_piece(plan, rank, b, by_cols[c], remote) for c in sorted(by_cols)], axis=1
+    )
+    return _dot(a_joined, b_joined, after)
+
+
+def _gemm_groups(requests) -> list:
     """The GEMMs :func:`products` runs for ``requests``: ``(indices, union)`` each, ``union``
     the merged rectangle of several requests, or None for a single request's own GEMM."""
     groups, gemms = {}, []
     for i, (m, _) in enumerate(requests):
-        if m.a_source == rank and m.b_source == rank:
-            groups.setdefault(m.inner, []).append(i)
-        else:
-            gemms.append(((i,), None))
+        groups.setdefault(m.inner, []).append(i)
     for members in groups.values():
         union = None
         if len(members) > 1:
@@ -198,6 +233,21 @@ def _partials(operands: _Operands, pieces, after=None) -> list:
     return sums
 
 
+def _whole_block(operands: _Operands, pieces):
+    """This rank's whole C block as one GEMM, when ``pieces`` tile it over one inner range
+    (e.g. its own rows and the rows it fetched, by its B block); None otherwise. Returned as
+    it is, the block is neither sliced into the pieces nor added into a zero block again."""
+    requests, owners = _requests(operands, pieces)
+    if not requests or len(set(owners)) != len(owners):
+        return None  # nothing, or a piece summed over several inner ranges
+    groups = _gemm_groups(requests)
+    block = tuple(operands.plan.c.blocks[operands.rank])
+    if len(groups) != 1 or groups[0][1] != block:
+        return None
+    plan, rank, a, b, remote = operands[:5]
+    return _merged_gemm(plan, rank, a, b, requests, block, remote)
+
+
 def _requests(operands: _Operands, pieces) -> tuple[list, list]:
     """The GEMM requests ``(multiply, rows)`` of ``pieces``, and the piece each belongs to."""
     requests, owners = [], []
@@ -209,7 +259,7 @@ def _requests(operands: _Operands, pieces) -> tuple[list, list]:
 
 
 def _gemm_count(operands: _Operands, pieces) -> int:
-    return len(_gemm_groups(operands.rank, _requests(operands, pieces)[0]))
+    return len(_gemm_groups(_requests(operands, pieces)[0]))
 
 
 def _add_local(operands: _Operands, local, rows, cols, part):
