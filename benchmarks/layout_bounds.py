@@ -6,8 +6,10 @@ moves (the input pieces it gets, the partials it sends to other ranks, and its s
 a replicated operand in sync: a third of ``2 (P-1)/P`` of it, as auto_layouts prices it) with the most any rank must move with any
 layout when work and data are shared by speed (:func:`osmm_jax._src.comm_bound.rank_bounds`,
 Loomis-Whitney). The same comparison for every candidate says whether a gap is the choice's
-or the candidates' (``best candidate``). Deterministic: the results do not depend on the
-machine.
+or the candidates' (``best candidate``). The chosen layouts' figure is
+``LayoutChoice.bound_ratio``; auto_layouts itself prices each rank's link by the larger of what
+it sends and what it receives, which the bound does not limit, so a choice may trade a little
+of this ratio for a less loaded link. Deterministic: the results do not depend on the machine.
 
 Shapes: square 8192^3, tall-skinny 65536 x 4096 x 4096, K-large 2048 x 65536 x 2048, flat
 16384 x 1024 x 16384, and the GPT-3 FFN products 8192 x 12288 x 49152 and 8192 x 49152 x 12288

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from osmm_jax._src import planner
+from osmm_jax._src import comm_bound, planner
 from osmm_jax._src.auto_layout import (
     DEFAULT_BANDWIDTH,
     LayoutChoice,
@@ -220,6 +220,41 @@ def test_the_choice_reports_its_distance_from_the_lower_bound():
     )
     assert square.name == "grid 2x2"
     assert square.bound_ratio == pytest.approx(1.13, abs=0.01)
+
+
+def test_a_rank_is_priced_by_the_busier_direction_of_its_link():
+    # A K-split over unequal speeds: the fast ranks own more C rows, so more partials arrive
+    # at them than they send; the model prices each rank by the larger of the two.
+    M, K, N = 2048, 12288, 3072
+    speeds = [1.0, 1.0, 2.0, 2.0] * 2
+    choice = auto_layouts(M, K, N, speeds, memory_budget=math.inf)
+    by_name = {c.name: c for c in choice.candidates}
+    layouts = {n: (a, b, c) for n, a, b, c in candidate_layouts(M, K, N, speeds)}
+    for name in ("k_split", "grid 4x2", "rows, B split"):
+        plan, cand = Plan(*layouts[name]), by_name[name]
+        sent = plan.bytes_sent()
+        received = planner.per_rank_totals(plan.transfers, plan.nranks, "receiver", "elements")
+        received = tuple(4 * r for r in received)  # float32 pieces and partials
+        link = max(max(s, r) for s, r in zip(sent, received))
+        assert cand.sent_bytes == max(sent), name
+        assert cand.link_bytes == link, name
+        assert cand.link_elements == link // 4, name
+        assert cand.comm_seconds == pytest.approx((link + cand.sync_bytes) / DEFAULT_BANDWIDTH)
+        assert cand.moved_elements == max(comm_bound.moved_elements(plan)), name
+        assert predict(plan, speeds).comm_seconds == pytest.approx(link / DEFAULT_BANDWIDTH)
+    assert by_name["k_split"].link_bytes > by_name["k_split"].sent_bytes
+
+
+def test_the_bound_ratio_is_the_benchmarks_measure():
+    # The most elements one rank gets and delivers (the bound's terms), sync included.
+    M, K, N = 2048, 12288, 3072
+    for speeds, replication in (([1.0, 1.0, 2.0, 2.0] * 2, "synced"), ([1.0] * 6, "fetched")):
+        choice = auto_layouts(M, K, N, speeds, replication=replication, memory_budget=math.inf)
+        best = next(c for c in choice.candidates if c.name == choice.name)
+        plan = Plan(choice.a, choice.b, choice.c)
+        moved = max(comm_bound.moved_elements(plan)) + best.sync_bytes / 4
+        bound = max(comm_bound.rank_bounds(M, K, N, speeds))
+        assert choice.bound_ratio == pytest.approx(moved / bound, rel=1e-12)
 
 
 def test_grid_weights_are_the_speed_sums_of_grid_rows_and_columns():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -9,7 +11,13 @@ from hypothesis import strategies as st
 from osmm_jax._src.auto_layout import candidate_layouts
 from osmm_jax._src.family_totals import family_totals
 from osmm_jax._src.layout import Layout
-from osmm_jax._src.planner import Plan, cut_cells, schedule_totals
+from osmm_jax._src.planner import (
+    Plan,
+    build_schedule,
+    cut_cells,
+    per_rank_totals,
+    schedule_totals,
+)
 
 
 @st.composite
@@ -35,7 +43,14 @@ def test_bulk_totals_equal_the_planners(strategies):
             # Only an operand held whole, or a grid with an empty band, is planned cell by cell.
             assert any(x.is_replicated for x in (a, b, c)) or name.startswith("grid"), name
             continue
-        assert bulk == schedule_totals(cut_cells(a, b, c)), name
+        cell_by_cell = schedule_totals(cut_cells(a, b, c))
+        # Every field, the received elements included.
+        for field in cell_by_cell._fields:
+            assert getattr(bulk, field) == getattr(cell_by_cell, field), (name, field)
+        assert len(bulk.received_inputs) == len(bulk.received_partials) == a.nranks, name
+        # Each transfer is counted once where it leaves and once where it arrives.
+        assert sum(bulk.inputs) == sum(bulk.received_inputs), name
+        assert sum(bulk.partials) == sum(bulk.received_partials), name
 
 
 def test_the_families_are_recognised_and_others_are_not():
@@ -58,3 +73,20 @@ def test_bulk_totals_at_scale_match_the_plan(nranks):
             plan = Plan(a, b, c)
             assert bulk.flops == plan.flops, name
             assert tuple(i + p for i, p in zip(bulk.inputs, bulk.partials)) == plan.bytes_sent(1, 1)
+            received = per_rank_totals(plan.transfers, nranks, "receiver", "elements")
+            assert bulk.received() == received, name
+
+
+def test_received_totals_of_a_replicated_c_count_every_other_server():
+    # Every rank but a cell's server receives its partial of a replicated C.
+    p, shape = 3, (6, 6)
+    rows = Layout.rows(shape, nranks=p)
+    a, b, c = rows, Layout.cols(shape, nranks=p), Layout.replicated(shape, nranks=p)
+    cells = cut_cells(a, b, c)
+    totals = schedule_totals(cells)
+    # The direct sum (a plan may stage it instead): the schedule of every cell.
+    every = itertools.product(range(len(cells.m)), range(len(cells.k)), range(len(cells.n)))
+    schedule = build_schedule(cells, every, None, False)
+    expected = per_rank_totals(schedule.gets + schedule.deliveries, p, "receiver", "elements")
+    assert totals.received() == expected
+    assert sum(totals.received_partials) == sum(totals.partials) > 0

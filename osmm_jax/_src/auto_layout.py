@@ -7,13 +7,18 @@ to the speeds, plans every one with the planner, and returns the
 with the least predicted time among those that fit the memory budget::
 
     predicted = max_r flops[r] / (speeds[r] * 1e9)
-                + max_r (bytes_sent[r] + sync_bytes) / bandwidth
+                + max_r (max(bytes_sent[r], bytes_received[r]) + sync_bytes) / bandwidth
 
-``flops`` and ``bytes_sent`` are the plan's own per-rank figures (gets
-included); ``bandwidth`` is bytes/s. Candidates, in this order: ``rows``,
-``cols``, (with ``"synced"`` replication) ``rows, B split`` and ``cols, A
-split``, ``k_split``, and ``grid PRxPC`` for every ``P = PR * PC`` with ``PR,
-PC > 1``. ``rows`` and ``cols`` hold one operand whole on every rank; how that
+``flops``, ``bytes_sent`` and ``bytes_received`` are the plan's own per-rank figures:
+a rank sends the pieces other ranks get from it and the partials it delivers, and
+receives the pieces it gets and the partials delivered into its C block. Its link
+carries both, each way at ``bandwidth`` bytes/s, so the busier direction is what
+it takes: a rank that mostly receives (the owner of a large C block that others
+compute for, a rank that gets most of its inputs) is priced by what arrives.
+
+Candidates, in this order: ``rows``, ``cols``, (with ``"synced"`` replication)
+``rows, B split`` and ``cols, A split``, ``k_split``, and ``grid PRxPC`` for every
+``P = PR * PC`` with ``PR, PC > 1``. ``rows`` and ``cols`` hold one operand whole on every rank; how that
 is priced is ``replication``:
 
 * ``"synced"`` (default): the operand is on every rank, as a trained weight is in
@@ -38,7 +43,8 @@ Predictions within :data:`TIE_TOLERANCE` of the fastest tie; a tie goes to the
 candidate that moves the fewest bytes, then to the earlier one.
 
 The choice also says how far its communication is from the lower bound of any
-layout (:mod:`osmm_jax._src.comm_bound`): ``LayoutChoice.bound_ratio``.
+layout (:mod:`osmm_jax._src.comm_bound`): ``LayoutChoice.bound_ratio``, in the
+bound's own terms (the pieces a rank gets plus the partials it delivers).
 
 A guide for large products, not a timer: no latency, no contention, and no
 credit for overlapping sends with GEMMs. The candidates, the caveats and what
@@ -55,7 +61,7 @@ from typing import NamedTuple
 
 from osmm_jax._src import checks, comm_bound, config, units
 from osmm_jax._src.layout import Layout
-from osmm_jax._src.planner import Plan, PlanTotals
+from osmm_jax._src.planner import Plan, PlanTotals, _nbytes, per_rank_totals
 
 DEFAULT_BANDWIDTH = 5e9
 """Bytes/s one rank can send, when the caller gives none: one-sided accumulates
@@ -83,8 +89,15 @@ class Candidate(NamedTuple):
 
     ``predicted_seconds = compute_seconds + comm_seconds``; ``compute_seconds``
     is the slowest rank's compute time, ``comm_seconds`` the time of the rank
-    that sends the most bytes (``sent_bytes``, the keeping of replicas in sync,
-    ``sync_bytes``, included; ``sent_elements``: the same rank's in elements).
+    whose link is busiest: ``(link_bytes + sync_bytes) / bandwidth``.
+    ``link_bytes``: the most bytes one rank moves per product, the larger of what
+    it sends and what it receives (``link_elements``: the same in elements, a
+    partial and a piece alike); ``sync_bytes``: the keeping of replicas in sync,
+    per rank. ``sent_bytes`` and ``sent_elements``: the most one rank sends (the
+    pieces other ranks get from it and its partials), the figure the model
+    priced before received bytes were counted. ``moved_elements``: the most
+    elements one rank gets and delivers (its gets and its partials, the terms of
+    :func:`osmm_jax._src.comm_bound.moved_elements`).
     ``memory_bytes``: the most operand bytes one rank holds (its own A, B and C
     blocks; input pieces it fetches and partials it computes for other ranks come
     on top, for the time of the product); ``fits``: whether that is within the
@@ -100,6 +113,9 @@ class Candidate(NamedTuple):
     memory_bytes: int = 0
     fits: bool = True
     sent_elements: int = 0
+    link_bytes: int = 0
+    link_elements: int = 0
+    moved_elements: int = 0
 
 
 @dataclass(frozen=True)
@@ -114,12 +130,14 @@ class LayoutChoice:
         predicted_seconds: the model's time of one product with these layouts.
         reason: one line saying why it won, against the runner-up.
         candidates: every strategy considered, in the order considered (:class:`Candidate`).
-        bound_ratio: the most one rank sends with these layouts (pieces others get from it,
-            its partials, its share of keeping replicas in sync), in elements, over the most
-            any rank must move with any layout when work and data are shared by speed
-            (:func:`osmm_jax._src.comm_bound.rank_bounds`); 1.0 when neither moves anything.
-            A sender-side count from the plan's totals; ``benchmarks/layout_bounds.py``
-            compares each rank's own gets and sends with the bound exactly.
+        bound_ratio: the most one rank moves with these layouts in the bound's terms (the
+            pieces it gets, the partials it delivers, its share of keeping replicas in sync),
+            in elements, over the most any rank must move with any layout when work and data
+            are shared by speed (:func:`osmm_jax._src.comm_bound.rank_bounds`); 1.0 when
+            neither moves anything. The bound limits what a rank must fetch and deliver, not
+            what arrives at or leaves its link, so this is not the figure the model prices
+            (``Candidate.link_elements``); it is the ratio ``benchmarks/layout_bounds.py``
+            reports for the chosen layouts, from the plan's totals.
     """
 
     a: Layout
@@ -205,7 +223,8 @@ def predict(
     """The model's time of ``plan`` on ranks of ``speeds`` GFLOP/s (name left empty).
 
     ``plan`` may be a :class:`~osmm_jax._src.planner.PlanTotals`: only its ``nranks``,
-    ``flops`` and ``bytes_sent`` are used.
+    ``flops``, ``bytes_sent`` and ``bytes_received`` are used. ``comm_seconds`` is the
+    busiest link's: the most bytes one rank sends or receives, over ``bandwidth``.
 
     A rank with work and speed 0 takes forever (``inf``). Partials travel in the
     accumulation type: ``max(itemsize, 4)`` bytes per element.
@@ -218,8 +237,24 @@ def predict(
     compute = max(
         (f / (s * 1e9) if s > 0 else math.inf) if f else 0.0 for f, s in zip(plan.flops, speeds)
     )
-    comm = max(plan.bytes_sent(itemsize, max(itemsize, 4))) / bandwidth
+    comm = max(_link_bytes(plan, itemsize, max(itemsize, 4))) / bandwidth
     return Candidate("", compute + comm, compute, comm)
+
+
+def _bytes_received(plan: Plan | PlanTotals, input_itemsize: int, accum_itemsize: int):
+    """Each rank's bytes received per product (for a Plan, from its transfers)."""
+    if isinstance(plan, PlanTotals):
+        return plan.bytes_received(input_itemsize, accum_itemsize)
+    return per_rank_totals(
+        plan.transfers, plan.nranks, "receiver", _nbytes(input_itemsize, accum_itemsize)
+    )
+
+
+def _link_bytes(plan: Plan | PlanTotals, input_itemsize: int, accum_itemsize: int):
+    """Each rank's link load per product: the larger of the bytes it sends and receives."""
+    sent = plan.bytes_sent(input_itemsize, accum_itemsize)
+    received = _bytes_received(plan, input_itemsize, accum_itemsize)
+    return tuple(max(s, r) for s, r in zip(sent, received))
 
 
 def auto_layouts(
@@ -240,7 +275,7 @@ def auto_layouts(
         M, K, N: the product's dimensions (positive).
         speeds: one GEMM rate per rank, GFLOP/s (finite, >= 0, not all 0); the
             rank count is ``len(speeds)``. Shares are proportional to them.
-        bandwidth: bytes/s a rank sends; default :data:`DEFAULT_BANDWIDTH`.
+        bandwidth: bytes/s a rank sends, and receives; default :data:`DEFAULT_BANDWIDTH`.
         itemsize: bytes per input element (4 for float32, 2 for bfloat16, 8 for float64).
         replication: ``"synced"`` (default), ``"free"`` or ``"fetched"``: how an
             operand held on every rank is priced (see the module docstring).
@@ -287,18 +322,20 @@ def auto_layouts(
                     rows, cols = layout.shape
                     sync += 2 * (p - 1) * rows * cols * accum // (p * PRODUCTS_PER_SYNC)
         cost = predict(totals, speeds, bandwidth=bandwidth, itemsize=itemsize)
-        sent = max(totals.bytes_sent(itemsize, accum))
-        sent_elements = max(totals.bytes_sent(1, 1))
+        link = max(_link_bytes(totals, itemsize, accum))
         memory = _memory_bytes((a, b, c), itemsize)
         cost = cost._replace(
             name=name,
-            comm_seconds=(sent + sync) / bandwidth,
-            predicted_seconds=cost.compute_seconds + (sent + sync) / bandwidth,
-            sent_bytes=sent,
+            comm_seconds=(link + sync) / bandwidth,
+            predicted_seconds=cost.compute_seconds + (link + sync) / bandwidth,
+            sent_bytes=max(totals.bytes_sent(itemsize, accum)),
             sync_bytes=sync,
             memory_bytes=memory,
             fits=memory <= budget,
-            sent_elements=sent_elements,
+            sent_elements=max(totals.bytes_sent(1, 1)),
+            link_bytes=link,
+            link_elements=max(_link_bytes(totals, 1, 1)),
+            moved_elements=max(totals.bytes_issued(1, 1)),
         )
         scored.append((cost, (a, b, c)))
     fitting = [i for i, (s, _) in enumerate(scored) if s.fits]
@@ -312,7 +349,7 @@ def auto_layouts(
         )
     fastest = min(scored[i][0].predicted_seconds for i in fitting)
     tied = [i for i in fitting if _ties(scored[i][0].predicted_seconds, fastest)]
-    pick = min(tied, key=lambda i: (scored[i][0].sent_bytes + scored[i][0].sync_bytes, i))
+    pick = min(tied, key=lambda i: (scored[i][0].link_bytes + scored[i][0].sync_bytes, i))
     best, (a, b, c) = scored[pick]
     rest = sorted(
         (s for i, (s, _) in enumerate(scored) if i != pick and s.fits),
@@ -369,9 +406,15 @@ def _memory_bytes(layouts, itemsize: int) -> int:
 
 
 def _bound_ratio(M, K, N, speeds, best: Candidate, itemsize, accum, replication) -> float:
-    """The chosen candidate's most elements moved by one rank over the lower bound's most."""
+    """The chosen candidate's most elements moved by one rank over the lower bound's most.
+
+    Both in the bound's terms (:mod:`osmm_jax._src.comm_bound`): what a rank gets beyond the
+    inputs it owns and delivers beyond the C it owns, plus its share of the sync. The bound
+    limits that sum, not the larger of a rank's sent and received bytes that the model prices
+    (``Candidate.link_elements`` may even be under the bound: a rank that gets ``x`` and
+    delivers ``y`` moves ``x + y`` here, ``max(x, y)`` or more on its link)."""
     bound = max(comm_bound.rank_bounds(M, K, N, speeds))
-    moved = best.sent_elements + best.sync_bytes / accum
+    moved = best.moved_elements + best.sync_bytes / accum
     if bound <= 0:
         return 1.0 if moved == 0 else math.inf
     return moved / bound
@@ -384,7 +427,7 @@ def _describe(c: Candidate, replication: str, bandwidth: float) -> str:
         if replicated:
             comm += f" ({replicated} assumed already on every rank)"
     else:
-        comm = f"{c.comm_seconds:.3g} s sending {units.format_bytes(c.comm_seconds * bandwidth)}"
+        comm = f"{c.comm_seconds:.3g} s moving {units.format_bytes(c.comm_seconds * bandwidth)}"
         if c.sync_bytes:
             comm += (
                 f" (keeping the copies of {replicated} in sync: {units.format_bytes(c.sync_bytes)})"

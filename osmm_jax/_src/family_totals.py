@@ -2,7 +2,7 @@
 arrays instead of cell by cell.
 
 :func:`osmm_jax.auto_layouts` prices each candidate by every rank's flops and the bytes it
-sends, exactly as the planner would plan it (:class:`osmm_jax._src.planner.PlanTotals`). Cell
+sends and receives, exactly as the planner would plan it (:class:`osmm_jax._src.planner.PlanTotals`). Cell
 by cell that is P^2 decisions for the one-dimensional splits over K (a K-split over 1024 ranks
 has a million cells) and P (pr + pc) for a pr x pc grid. Their layouts have a structure that
 makes the same decisions (:func:`osmm_jax._src.planner.decide`) countable in bulk:
@@ -15,7 +15,7 @@ makes the same decisions (:func:`osmm_jax._src.planner.decide`) countable in bul
 * ``grid PRxPC`` (A, B and C on one grid, A's and C's rows split alike, B's and C's columns
   alike): for each of the pr + pc - 1 pieces of K, the decisions of all pr x pc cells are
   array operations, and each fetched piece and sent partial is counted once per rank that
-  needs it, as the planner makes them.
+  needs it, as the planner makes them, at the rank it leaves and at the rank it reaches.
 
 :func:`family_totals` recognises these layouts and returns ``None`` for any other, which the
 caller then plans cell by cell. The results equal the cell-by-cell totals exactly (a property
@@ -90,9 +90,11 @@ def _threshold_sums(x: np.ndarray, y: np.ndarray, threshold: np.ndarray):
     """For every pair of distinct ranks (owner ``i``, other ``j``) with ``x[i] > 0`` and
     ``y[j] > 0``, whether ``y[j] <= threshold[i]`` (the owner serves the pair).
 
-    Returns ``(y_served, owners_served, x_served, x_all, y_all)``: per owner ``i``, the sum of
-    ``y[j]`` over the pairs it serves; per other ``j``, how many owners serve its pair and the
-    sum of their ``x[i]``; and per rank the sums of ``x`` and of ``y`` over all its pairs.
+    Returns ``(y_served, owners_served, x_served, x_all, y_all, pairs_served, pairs_all)``:
+    per owner ``i``, the sum of ``y[j]`` over the pairs it serves; per other ``j``, how many
+    owners serve its pair and the sum of their ``x[i]``; per rank the sums of ``x`` and of
+    ``y`` over all its pairs; and per owner ``i``, how many pairs it serves and how many it
+    is in.
     """
     x_ok, y_ok = x > 0, y > 0
     xs, ys = np.where(x_ok, x, 0), np.where(y_ok, y, 0)
@@ -101,6 +103,7 @@ def _threshold_sums(x: np.ndarray, y: np.ndarray, threshold: np.ndarray):
     prefix = np.concatenate(([0], np.cumsum(order)))
     under = np.searchsorted(order, threshold, side="right")
     y_served = np.where(x_ok, prefix[under], 0)
+    pairs_served = np.where(x_ok, under, 0)
     # Per other: the owners whose threshold is at or over its y.
     t_order = np.argsort(threshold[x_ok], kind="stable")
     t_sorted = threshold[x_ok][t_order]
@@ -111,11 +114,13 @@ def _threshold_sums(x: np.ndarray, y: np.ndarray, threshold: np.ndarray):
     # A rank is never paired with itself.
     diagonal = x_ok & y_ok & (y <= threshold)
     y_served = y_served - np.where(diagonal, y, 0)
+    pairs_served = pairs_served - diagonal
     owners_served = owners_served - diagonal
     x_served = x_served - np.where(diagonal, x, 0)
     x_all = np.where(y_ok, xs.sum() - xs, 0)
     y_all = np.where(x_ok, ys.sum() - ys, 0)
-    return y_served, owners_served, x_served, x_all, y_all
+    pairs_all = np.where(x_ok, int(y_ok.sum()) - y_ok, 0)
+    return y_served, owners_served, x_served, x_all, y_all, pairs_served, pairs_all
 
 
 def _owner_and_other(x, y, z):
@@ -141,14 +146,19 @@ def _pairs(x, y, z, threshold, *, owner_gets_both: bool) -> Totals:
     ``y[j] <= threshold[i]``; each cell is ``2 x y z`` flops, a pair the other serves sends one
     ``x z`` partial. The owner, serving, gets ``y z`` (B[j]) from ``j``, plus ``x y`` (A[i, j])
     when ``owner_gets_both``; otherwise ``j``, serving, gets ``x y`` (A[i, j]) from the owner."""
-    y_served, owners_served, x_served, x_all, y_all = _threshold_sums(x, y, threshold)
+    sums = _threshold_sums(x, y, threshold)
+    y_served, owners_served, x_served, x_all, y_all, pairs_served, pairs_all = sums
     x_other = x_all - x_served  # per j: the owners' x of the pairs j serves
     flops = 2 * z * (x * y_served + y * x_other + x * y)
     if owner_gets_both:
         inputs = y * (x_served + z * owners_served)
+        received_inputs = (x + z) * y_served
     else:
         inputs = y * z * owners_served + x * (y_all - y_served)
-    return _totals(flops, inputs, z * x_other)
+        received_inputs = z * y_served + y * x_other
+    # The owner receives one x z partial from every other of a pair it does not serve.
+    received_partials = x * z * (pairs_all - pairs_served)
+    return _totals(flops, inputs, z * x_other, received_inputs, received_partials)
 
 
 _CHUNK_CELLS = 1 << 18  # cells decided at once by :func:`_grid`: arrays of a few MiB
@@ -172,6 +182,8 @@ def _grid(a_rows, a_cols, b_rows, b_cols, K) -> Totals:
     flops = np.zeros(pr * pc, dtype=np.int64)
     inputs = np.zeros(pr * pc, dtype=np.int64)
     partials = np.zeros(pr * pc, dtype=np.int64)
+    received_inputs = np.zeros(pr * pc, dtype=np.int64)
+    received_partials = np.zeros(pr * pc, dtype=np.int64)
     i = np.arange(pr)[None, :, None]
     j = np.arange(pc)[None, None, :]
     mm, nn = m[None, :, None], n[None, None, :]
@@ -202,7 +214,8 @@ def _grid(a_rows, a_cols, b_rows, b_cols, K) -> Totals:
 
     def flush(kind, bands, masks):
         """Add the partials of complete runs: ``masks[r]`` the C cells band ``bands[r]``'s
-        owners send to."""
+        owners send to (each C owner receives one partial per run)."""
+        np.add(received_partials, (area * masks.sum(axis=0)).ravel(), out=received_partials)
         if kind == "A":  # owner (i, band) sends m_i n_j to (i, j)
             values = (masks @ n) * m[None, :]
             np.add.at(partials, (rows[None, :] * pc + bands[:, None]).ravel(), values.ravel())
@@ -264,12 +277,23 @@ def _grid(a_rows, a_cols, b_rows, b_cols, K) -> Totals:
         gets_b = live & ((by_c & ~has_b) | by_a)
         np.add.at(inputs, a_index, (mk * gets_a.sum(axis=2)).ravel())
         np.add.at(inputs, b_index, (kn * gets_b.sum(axis=1)).ravel())
+        # The same gets at the servers: the C owner gets what it lacks, the B owner the A
+        # piece, the A owner the B piece.
+        c_gets_a = (live & by_c & ~has_a).astype(np.int64)
+        c_gets_b = (live & by_c & ~has_b).astype(np.int64)
+        received_inputs += (
+            np.einsum("ti,tij->ij", mk, c_gets_a) + np.einsum("tj,tij->ij", kn, c_gets_b)
+        ).ravel()
+        b_gets_a = (live & by_b).astype(np.int64)
+        a_gets_b = (live & by_a).astype(np.int64)
+        np.add.at(received_inputs, b_index, np.einsum("ti,tij->tj", mk, b_gets_a).ravel())
+        np.add.at(received_inputs, a_index, np.einsum("tj,tij->ti", kn, a_gets_b).ravel())
         runs("A", cbt, live & by_a)
         runs("B", rbt, live & by_b)
     for kind, pending in carried.items():
         if pending is not None:
             flush(kind, np.array([pending[0]]), pending[1][None])
-    return _totals(flops, inputs, partials)
+    return _totals(flops, inputs, partials, received_inputs, received_partials)
 
 
 def _band_of(intervals, points) -> np.ndarray:
@@ -280,7 +304,5 @@ def _band_of(intervals, points) -> np.ndarray:
     return np.array(nonempty, dtype=np.int64)[where]
 
 
-def _totals(flops, inputs, partials) -> Totals:
-    return Totals(
-        tuple(int(v) for v in flops), tuple(int(v) for v in inputs), tuple(int(v) for v in partials)
-    )
+def _totals(*columns) -> Totals:
+    return Totals(*(tuple(int(v) for v in column) for column in columns))

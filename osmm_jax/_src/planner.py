@@ -745,6 +745,14 @@ def _gathered_elements(split: Layout) -> list[int]:
     return [_area(split, r) * others for r in range(split.nranks)]
 
 
+def _gathered_received(split: Layout) -> list[int]:
+    """Elements each rank gets in the gathers of ``split`` (:func:`_gathers`, counted at the
+    rank that gets): every other rank's block."""
+    areas = [_area(split, r) for r in range(split.nranks)]
+    total = sum(areas)
+    return [total - own for own in areas]
+
+
 def _check_layouts(a: Layout, b: Layout, c: Layout) -> None:
     for name, layout in (("a_layout", a), ("b_layout", b), ("c_layout", c)):
         if not isinstance(layout, Layout):
@@ -1065,14 +1073,24 @@ def build_schedule(
 
 class Totals(NamedTuple):
     """Per-rank figures of a plan, without its records: ``flops``; ``inputs``, the A/B elements
-    other ranks get from each rank; ``partials``, the C elements each rank delivers."""
+    other ranks get from each rank; ``partials``, the C elements each rank delivers;
+    ``received_inputs``, the A/B elements each rank gets from other ranks; ``received_partials``,
+    the C elements other ranks deliver into each rank's block. Every transfer is counted once
+    at its sender and once at its receiver, so both pairs have the same sum over ranks."""
 
     flops: tuple[int, ...]
     inputs: tuple[int, ...]
     partials: tuple[int, ...]
+    received_inputs: tuple[int, ...] = ()
+    received_partials: tuple[int, ...] = ()
 
     def sent(self) -> tuple[int, ...]:
+        """Elements leaving each rank: the pieces others get from it and its partials."""
         return tuple(i + p for i, p in zip(self.inputs, self.partials))
+
+    def received(self) -> tuple[int, ...]:
+        """Elements arriving at each rank: the pieces it gets and the partials delivered to it."""
+        return tuple(i + p for i, p in zip(self.received_inputs, self.received_partials))
 
 
 def schedule_totals(cells: Cells, compute_at_inputs: bool = False) -> Totals:
@@ -1081,6 +1099,10 @@ def schedule_totals(cells: Cells, compute_at_inputs: bool = False) -> Totals:
     rectangle."""
     nranks = cells.nranks
     flops, inputs, partials = [0] * nranks, [0] * nranks, [0] * nranks
+    received_inputs, received_partials = [0] * nranks, [0] * nranks
+    # Partials of a replicated C reach every rank but their server: summed once, the server's
+    # own taken off at the end.
+    to_everyone, own_to_everyone = 0, [0] * nranks
     fetched, delivered = set(), set()
     for mi, ki, ni in itertools.product(
         range(len(cells.m)), range(len(cells.k)), range(len(cells.n))
@@ -1102,25 +1124,41 @@ def schedule_totals(cells: Cells, compute_at_inputs: bool = False) -> Totals:
         if d.a_owner not in (EVERYONE, s) and (s, 0, mi, ki) not in fetched:
             fetched.add((s, 0, mi, ki))
             inputs[d.a_owner] += m * k
+            received_inputs[s] += m * k
         if d.b_owner not in (EVERYONE, s) and (s, 1, ki, ni) not in fetched:
             fetched.add((s, 1, ki, ni))
             inputs[d.b_owner] += k * n
+            received_inputs[s] += k * n
         if (s, mi, ni) not in delivered:
             delivered.add((s, mi, ni))
             if d.c_owner == EVERYONE:
                 partials[s] += m * n * (nranks - 1)
+                to_everyone += m * n
+                own_to_everyone[s] += m * n
             elif d.c_owner != s:
                 partials[s] += m * n
-    return Totals(tuple(flops), tuple(inputs), tuple(partials))
+                received_partials[d.c_owner] += m * n
+    if to_everyone:
+        received_partials = [
+            r + to_everyone - own for r, own in zip(received_partials, own_to_everyone)
+        ]
+    return Totals(
+        tuple(flops),
+        tuple(inputs),
+        tuple(partials),
+        tuple(received_inputs),
+        tuple(received_partials),
+    )
 
 
 class PlanTotals:
     """The per-rank figures of ``Plan(a, b, c)`` that a cost model needs, without its records.
 
-    ``flops`` and :meth:`bytes_sent` equal the plan's own; the multiplies and transfers are
-    never made, so trying many candidate layouts (:func:`osmm_jax.auto_layouts`) costs the
-    server decisions alone, and for the layouts of its candidate strategies not even those
-    one by one (:mod:`osmm_jax._src.family_totals`).
+    ``flops``, :meth:`bytes_sent` and :meth:`bytes_issued` equal the plan's own, and
+    :meth:`bytes_received` is what the plan's transfers bring to each rank; the multiplies and
+    transfers are never made, so trying many candidate layouts (:func:`osmm_jax.auto_layouts`)
+    costs the server decisions alone, and for the layouts of its candidate strategies not even
+    those one by one (:mod:`osmm_jax._src.family_totals`).
     """
 
     def __init__(self, a: Layout, b: Layout, c: Layout):
@@ -1128,22 +1166,25 @@ class PlanTotals:
 
         _check_layouts(a, b, c)
         self.nranks = a.nranks
-        counted = family_totals(a, b, c)
-        if counted is not None:
-            self.flops, self._inputs, self._partials = counted
-            return
-        plan = Plan(a, b, c)
-        stage = plan.gather_stage
-        if stage is None:
-            totals = plan._totals
-            self._inputs = totals.inputs
-        else:
-            totals = stage._totals
-            # Gathered C blocks travel in the input dtype, like the A/B pieces.
-            gathered = _gathered_elements(stage.c)
-            self._inputs = tuple(i + g for i, g in zip(totals.inputs, gathered))
+        totals = family_totals(a, b, c)
+        if totals is None:
+            plan = Plan(a, b, c)
+            stage = plan.gather_stage
+            if stage is None:
+                totals = plan._totals
+            else:
+                totals = stage._totals
+                # Gathered C blocks travel in the input dtype, like the A/B pieces: each owner
+                # sends its block to every other rank, and each rank gets every other block.
+                gathered = _gathered_elements(stage.c)
+                got = _gathered_received(stage.c)
+                totals = totals._replace(
+                    inputs=tuple(i + g for i, g in zip(totals.inputs, gathered)),
+                    received_inputs=tuple(i + g for i, g in zip(totals.received_inputs, got)),
+                )
+        self.totals = totals
         self.flops = totals.flops
-        self._partials = totals.partials
+        self._inputs, self._partials = totals.inputs, totals.partials
 
     def bytes_sent(
         self, input_itemsize: int = FLOAT32_BYTES, accum_itemsize: int = FLOAT32_BYTES
@@ -1151,6 +1192,28 @@ class PlanTotals:
         """As :meth:`Plan.bytes_sent`."""
         return tuple(
             i * input_itemsize + p * accum_itemsize for i, p in zip(self._inputs, self._partials)
+        )
+
+    def bytes_received(
+        self, input_itemsize: int = FLOAT32_BYTES, accum_itemsize: int = FLOAT32_BYTES
+    ) -> tuple[int, ...]:
+        """Bytes arriving in each rank's memory per product, counted at the RECEIVER: the A/B
+        pieces (and, staged, C blocks) it gets and the C partials delivered into its block.
+        Item sizes as in :meth:`Plan.bytes_sent`, whose totals over all ranks are the same."""
+        t = self.totals
+        return tuple(
+            i * input_itemsize + p * accum_itemsize
+            for i, p in zip(t.received_inputs, t.received_partials)
+        )
+
+    def bytes_issued(
+        self, input_itemsize: int = FLOAT32_BYTES, accum_itemsize: int = FLOAT32_BYTES
+    ) -> tuple[int, ...]:
+        """As :meth:`Plan.bytes_issued`: the pieces each rank gets and the partials it
+        delivers (what :func:`osmm_jax._src.comm_bound.moved_elements` counts)."""
+        t = self.totals
+        return tuple(
+            i * input_itemsize + p * accum_itemsize for i, p in zip(t.received_inputs, t.partials)
         )
 
 
