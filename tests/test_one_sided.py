@@ -107,6 +107,39 @@ def test_a_gathered_input_is_one_gemm_per_rank(nranks):
         assert str(jaxpr).count("dot_general") == 1
 
 
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_a_k_split_partial_over_gathered_rows_is_one_gemm(nranks):
+    """dW = x.T @ dY of a sequence-parallel row layer (x split by features, dY by sequences,
+    dW by features): each rank's one piece sums its own sequences and the ones it fetched; the
+    inner ranges follow one another and are one GEMM, equal to numpy."""
+    tokens, hidden, out = 30, 8 * nranks, 2  # fetching dY moves less than x or dW
+    forward = Plan(
+        Layout.cols((tokens, hidden), nranks=nranks),
+        Layout.rows((hidden, out), nranks=nranks),
+        Layout.rows((tokens, out), weights=[1 + r for r in range(nranks)]),
+    )
+    _, d_w = backward_plans(forward)
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(d_w.a.shape).astype(np.float32)
+    b = rng.standard_normal(d_w.b.shape).astype(np.float32)
+    for rank in range(nranks):
+        pieces = [(cell, cell.rows) for cell in one_sided._cells(d_w, rank)]
+        assert len(pieces) == 1 and len(pieces[0][0].inner) == nranks
+        local_a, local_b = d_w.a.shard(a, rank), d_w.b.shard(b, rank)
+        remote = _remote_pieces(d_w, rank, a, b)
+
+        def partials(x, y, rank=rank, pieces=pieces, remote=remote):
+            multiplies = {(m.rows, m.inner, m.cols): m for m in d_w.multiplies_on(rank)}
+            operands = one_sided._Operands(d_w, rank, x, y, remote, multiplies, np.float32)
+            return one_sided._partials(operands, pieces)
+
+        ((cell, rows),) = pieces
+        (part,) = partials(local_a, local_b)
+        expected = a[rows[0] : rows[1]] @ b[:, cell.cols[0] : cell.cols[1]]
+        np.testing.assert_allclose(np.asarray(part), expected, rtol=1e-5, atol=1e-5)
+        assert str(jax.make_jaxpr(partials)(local_a, local_b)).count("dot_general") == 1
+
+
 def test_tiles_that_do_not_cover_a_rectangle_are_not_merged():
     assert one_sided._tiled_rectangle([((0, 2), (0, 3)), ((2, 4), (0, 3))]) == ((0, 4), (0, 3))
     assert one_sided._tiled_rectangle([((0, 2), (0, 3)), ((0, 2), (3, 5))]) == ((0, 2), (0, 5))
