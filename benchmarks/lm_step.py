@@ -333,7 +333,8 @@ def _notes(record: dict) -> list[str]:
         f"{r['jax_over_dp']:.2f}x DP's time. TP with sequence parallelism takes "
         f"{r['sp_over_limit']:.2f}x the limit. TP's own no-communication floor (each rank's "
         f"shards, the rest of the model on every rank) is {r['tp_floor_over_limit']:.2f}x the "
-        f"limit, and TP takes {r['tp_over_tp_floor']:.2f}x that floor. With osmm_jax's DP layers (one sum per layer) "
+        f"limit, and TP takes {r['tp_over_tp_floor']:.2f}x that floor. With osmm_jax's DP "
+        "layers (one sum per layer) "
         f"instead of one fused sum, DP takes {r['layers_over_limit']:.2f}x the aggregate limit "
         f"and the even all-reduce step {r['even_allreduce_over_layers']:.2f}x its time. Without any "
         f"communication, the even split takes {r['even_floor_over_floor']:.2f}x the "
@@ -405,7 +406,12 @@ def markdown(record: dict) -> str:
         ("speed-weighted DP layers ÷ aggregate limit", r["layers_over_limit"], "<=", 1.15),
         ("even all-reduce DP ÷ speed-weighted TP", r["even_allreduce_over_tp"], ">=", 1.2),
         ("speed-weighted TP ÷ aggregate limit", r["tp_over_limit"], "<=", 1.15),
-        ("speed-weighted TP + sequence parallel ÷ aggregate limit", r["sp_over_limit"], "<=", 1.15),
+        (
+            "speed-weighted TP + sequence parallel ÷ aggregate limit",
+            r["sp_over_limit"],
+            "<=",
+            1.15,
+        ),
     ]
     lines += [
         "",

@@ -1,16 +1,17 @@
 """Train a small GPT-style character-level language model on osmm_jax, and check it.
 
 Run on 3 ranks: ``mpiexec -n 3 .venv/bin/python examples/train_lm.py --mode dp --check``
-(or ``--mode tp``, ``--mode sp``, or ``--mode jax`` for JAX's own sharding); ``--mode single`` is one
-process with stock layers.
+(or ``--mode tp``, ``--mode sp``, or ``--mode jax`` for JAX's own sharding); ``--mode
+single`` is one process with stock layers.
 
 The model (Flax nnx): token embedding plus learned positions, ``--layers``
 pre-LayerNorm Transformer blocks (causal multi-head self-attention, then a
 GELU MLP of width 4·d), a final LayerNorm and an output projection to the
 vocabulary. The query, key and value projections are one dense layer whose
 columns are grouped by head (each head's query, key, value), so that whole
-heads split over ranks as one column-parallel layer. The text needs no download: the source files of Python's own
-``json`` package (``os.path.dirname(json.__file__)``), read at run time; the
+heads split over ranks as one column-parallel layer. The text needs no
+download: the source files of Python's own ``json`` package
+(``os.path.dirname(json.__file__)``), read at run time; the
 vocabulary is the set of characters in it. Batches are windows of
 ``--context`` characters at positions drawn from a seeded generator, the same
 on every rank; the loss is the mean next-character cross-entropy, optimised

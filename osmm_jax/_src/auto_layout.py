@@ -18,8 +18,8 @@ compute for, a rank that gets most of its inputs) is priced by what arrives.
 
 Candidates, in this order: ``rows``, ``cols``, (with ``"synced"`` replication)
 ``rows, B split`` and ``cols, A split``, ``k_split``, and ``grid PRxPC`` for every
-``P = PR * PC`` with ``PR, PC > 1``. ``rows`` and ``cols`` hold one operand whole on every rank; how that
-is priced is ``replication``:
+``P = PR * PC`` with ``PR, PC > 1``. ``rows`` and ``cols`` hold one operand whole
+on every rank; how that is priced is ``replication``:
 
 * ``"synced"`` (default): the operand is on every rank, as a trained weight is in
   data-parallel training, and keeping its copies equal costs what the

@@ -2,8 +2,9 @@
 arrays instead of cell by cell.
 
 :func:`osmm_jax.auto_layouts` prices each candidate by every rank's flops and the bytes it
-sends and receives, exactly as the planner would plan it (:class:`osmm_jax._src.planner.PlanTotals`). Cell
-by cell that is P^2 decisions for the one-dimensional splits over K (a K-split over 1024 ranks
+sends and receives, exactly as the planner would plan it
+(:class:`osmm_jax._src.planner.PlanTotals`). Cell by cell that is P^2 decisions for the
+one-dimensional splits over K (a K-split over 1024 ranks
 has a million cells) and P (pr + pc) for a pr x pc grid. Their layouts have a structure that
 makes the same decisions (:func:`osmm_jax._src.planner.decide`) countable in bulk:
 

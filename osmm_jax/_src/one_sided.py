@@ -248,8 +248,9 @@ def _joined_over_inner(operands: _Operands, npieces: int, requests, owners, afte
     strided dimension (a copy) and the sums add passes over C. The weight gradient of a
     sequence-parallel row layer, ``x.T @ dY`` with ``dY`` gathered by sequences, took 68 ms
     that way and takes 34 ms joined, the gather included (512 x 6144 x 256 per rank, 2 ranks
-    on their own cores; the same GEMM with nothing to gather: 24 ms). Every element is still one dot product over the same inner
-    ranges (a GEMM of another shape may round differently in the last bits).
+    on their own cores; the same GEMM with nothing to gather: 24 ms). Every element is still
+    one dot product over the same inner ranges (a GEMM of another shape may round differently
+    in the last bits).
     """
     plan, rank, a, b, remote = operands[:5]
     merged = {i for members, union in _gemm_groups(requests) if union is not None for i in members}
