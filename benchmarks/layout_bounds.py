@@ -68,9 +68,9 @@ def evaluate(name: str, dims: tuple[int, int, int], nranks: int, mix: str) -> di
     )
     by_name = {c.name: c for c in choice.candidates}
     ratios = {}
-    for cand_name, a, b, c in auto_layout.candidate_layouts(M, K, N, speeds):
+    for cand_name, a, b, c, work in auto_layout.candidate_layouts(M, K, N, speeds):
         cand = by_name[cand_name]
-        moved = max(moved_with_sync(Plan(a, b, c), cand, nranks))
+        moved = max(moved_with_sync(Plan(a, b, c, work=work), cand, nranks))
         ratios[cand_name] = {
             "ratio": moved / bound if bound else None,
             "fits": cand.fits,

@@ -17,6 +17,8 @@ Cases (M = K = N = ``--dim``):
 * ``k_split``: A cols, B rows, C rows (every rank sends a partial of every C block: P^2
   transfers in the whole plan, 2 (P - 1) per rank);
 * ``grid``: A, B and C on the same ``pr x pc`` grid (pr the largest power of two <= sqrt(P));
+* ``3d``: :func:`osmm_jax.three_d_layouts` and its :class:`osmm_jax.Work` split on the
+  ``pm x pk x pn`` grid of least box surface (as :func:`osmm_jax.auto_layouts` ranks them);
 * ``auto``: :func:`osmm_jax.auto_layouts` on uneven speeds (prices every candidate strategy).
 
 P runs 64, 128, ... up to ``--max-ranks`` (``--auto-max-ranks`` for ``auto``); once one P of a
@@ -42,7 +44,7 @@ import time
 from pathlib import Path
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-CASES = ("rows", "k_split", "grid", "auto")
+CASES = ("rows", "k_split", "grid", "3d", "auto")
 
 
 def _grid_shape(nranks: int) -> tuple[int, int]:
@@ -77,15 +79,26 @@ def layouts(case: str, nranks: int, dim: int):
     raise ValueError(f"unknown case {case!r}")
 
 
+def plan_of(case: str, nranks: int, dim: int):
+    """The plan of one case (not ``auto``), its layouts built here."""
+    from osmm_jax._src.auto_layout import _three_d_grids
+    from osmm_jax._src.planner import Plan
+    from osmm_jax._src.work import three_d_layouts
+
+    if case == "3d":
+        a, b, c, work = three_d_layouts((dim, dim, dim), _three_d_grids(dim, dim, dim, nranks)[0])
+        return Plan(a, b, c, work=work)
+    return Plan(*layouts(case, nranks, dim))
+
+
 def build(case: str, nranks: int, dim: int, rank: int = 0):
     """Build the layouts and ``rank``'s part of the plan (or the auto_layouts choice)."""
     from osmm_jax._src.auto_layout import auto_layouts
-    from osmm_jax._src.planner import Plan
 
     if case == "auto":
         speeds = [1.0 + 0.5 * (r % 3) for r in range(nranks)]
         return auto_layouts(dim, dim, dim, speeds)
-    return Plan(*layouts(case, nranks, dim)).for_rank(rank)
+    return plan_of(case, nranks, dim).for_rank(rank)
 
 
 def _rss_kib() -> int:
@@ -132,9 +145,7 @@ def measure_one(case: str, nranks: int, dim: int, repeats: int, whole_max_ranks:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     if case != "auto" and nranks <= whole_max_ranks:
         # Outside the timed region: how even the whole plan is (see Plan.balance).
-        from osmm_jax._src.planner import Plan
-
-        whole = Plan(*layouts(case, nranks, dim))
+        whole = plan_of(case, nranks, dim)
         flops = whole.flops
         counts.update(
             multiplies=len(whole.multiplies),

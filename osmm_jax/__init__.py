@@ -44,6 +44,8 @@ _PUBLIC = {
     "LocalUpdate": "osmm_jax._src.planner",
     "Transfer": "osmm_jax._src.planner",
     "plan": "osmm_jax._src.api",
+    "Work": "osmm_jax._src.work",
+    "three_d_layouts": "osmm_jax._src.work",
     "gather": "osmm_jax._src.api",
     "stats": "osmm_jax._src.api",
     "ChecksumError": "osmm_jax._src.checksum",
@@ -83,6 +85,7 @@ __all__ = [
     "SpeedProfile",
     "Transfer",
     "WatchdogTimeout",
+    "Work",
     "auto_layouts",
     "balance",
     "declared_speeds",
@@ -97,6 +100,7 @@ __all__ = [
     "split_sizes",
     "start_metrics",
     "stats",
+    "three_d_layouts",
     "timeout",
     "write_metrics",
 ]
@@ -133,3 +137,4 @@ if TYPE_CHECKING:
     from osmm_jax._src.rebalance import Rebalancer
     from osmm_jax._src.speeds import SpeedProfile, declared_speeds, profile_speeds
     from osmm_jax._src.watchdog import WatchdogTimeout, timeout
+    from osmm_jax._src.work import Work, three_d_layouts

@@ -49,3 +49,28 @@ def products(draw, max_dim: int = 9, max_ranks: int = 5):
     b = draw(layouts((k, n), nranks))
     c = draw(layouts((m, n), nranks))
     return a, b, c
+
+
+@st.composite
+def works(draw, dims, nranks: int):
+    """A :class:`Work` split of an ``M x K x N`` product over ``nranks`` ranks: any grid whose
+    size is ``nranks``, uneven (possibly empty) boxes, ranks in any order."""
+    from osmm_jax._src.work import Work
+
+    divisors = [d for d in range(1, nranks + 1) if nranks % d == 0]
+    pm = draw(st.sampled_from(divisors))
+    pk = draw(st.sampled_from([d for d in divisors if (nranks // pm) % d == 0]))
+    pn = nranks // (pm * pk)
+    ranks = draw(st.permutations(range(nranks)))
+    return Work.grid(
+        dims, (pm, pk, pn), draw(weights(pm)), draw(weights(pk)), draw(weights(pn)), ranks=ranks
+    )
+
+
+@st.composite
+def worked_products(draw, max_dim: int = 9, max_ranks: int = 6):
+    """(A, B, C, work): layouts of one product as :func:`products` (nothing replicated, or
+    anything) and a :class:`Work` split of it."""
+    a, b, c = draw(products(max_dim=max_dim, max_ranks=max_ranks))
+    (m, k), n = a.shape, b.shape[1]
+    return a, b, c, draw(works((m, k, n), a.nranks))

@@ -243,15 +243,18 @@ def test_the_planner_scaling_benchmark_times_one_rank_and_writes_its_results(tmp
     )
     report = json.loads(out.read_text())
     records = {(r["case"], r["nranks"]): r for r in report["results"]}
-    assert set(records) == {(c, p) for c in ("rows", "k_split", "grid") for p in (64, 128)} | {
-        ("auto", 64)
-    }
+    cases = ("rows", "k_split", "grid", "3d")
+    assert set(records) == {(c, p) for c in cases for p in (64, 128)} | {("auto", 64)}
     k_split = records[("k_split", 128)]
     assert k_split["ranks_timed"] == [0, 64, 127]
     # One rank of a K-split sends a partial to, and receives one from, every other rank.
     assert k_split["rank_transfers"] == 127 and k_split["rank_received"] == 127
     assert "flops_ratio" in records[("grid", 64)] and "flops_ratio" not in records[("grid", 128)]
     assert records[("grid", 64)]["flops_ratio"] == pytest.approx(1.0)
+    # One rank of a 4 x 4 x 4 split gets the 3 slices of its A block it lacks (each cut in 4
+    # along K, where B's slices are cut) and 3 of B, and delivers 3 partials of C.
+    assert records[("3d", 64)]["flops_ratio"] == pytest.approx(1.0)
+    assert records[("3d", 64)]["rank_transfers"] == 3 * 4 + 3 + 3
     assert "chosen" in records[("auto", 64)]
     table = out.with_suffix(".md").read_text()
     assert "| 128 |" in table and "one rank's part" in table

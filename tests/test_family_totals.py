@@ -37,13 +37,13 @@ def candidates(draw):
 @settings(max_examples=150, deadline=None)
 @given(candidates())
 def test_bulk_totals_equal_the_planners(strategies):
-    for name, a, b, c in strategies:
-        bulk = family_totals(a, b, c)
+    for name, a, b, c, work in strategies:
+        bulk = family_totals(a, b, c, work)
         if bulk is None:
             # Only an operand held whole, or a grid with an empty band, is planned cell by cell.
             assert any(x.is_replicated for x in (a, b, c)) or name.startswith("grid"), name
             continue
-        cell_by_cell = schedule_totals(cut_cells(a, b, c))
+        cell_by_cell = schedule_totals(cut_cells(a, b, c, work))
         # Every field, the received elements included.
         for field in cell_by_cell._fields:
             assert getattr(bulk, field) == getattr(cell_by_cell, field), (name, field)
@@ -67,7 +67,7 @@ def test_the_families_are_recognised_and_others_are_not():
 @pytest.mark.parametrize("nranks", [64, 256])
 def test_bulk_totals_at_scale_match_the_plan(nranks):
     speeds = [1.0 + 0.5 * (r % 3) for r in range(nranks)]
-    for name, a, b, c in candidate_layouts(4096, 4096, 4096, speeds):
+    for name, a, b, c, _ in candidate_layouts(4096, 4096, 4096, speeds):
         if name in ("k_split",) or name.startswith("grid 2x") or name.startswith("grid 4x"):
             bulk = family_totals(a, b, c)
             plan = Plan(a, b, c)

@@ -13,12 +13,16 @@ from osmm_jax._src.planner import Plan, RankPlan, make_plan
 
 
 def plan(
-    a_layout: Layout, b_layout: Layout, c_layout: Layout, *, comm=None, rank=None
+    a_layout: Layout, b_layout: Layout, c_layout: Layout, *, work=None, comm=None, rank=None
 ) -> Plan | RankPlan:
     """The plan of ``C = A @ B`` for the three layouts, on ``comm``; or one rank's part of it.
 
     Args:
         a_layout, b_layout, c_layout: layouts of A (M x K), B (K x N), C (M x N).
+        work: an :class:`osmm_jax.Work` split of the product's multiply-adds (which rank
+            computes each box, e.g. from :func:`osmm_jax.three_d_layouts`), or None: the
+            owners of each cell's pieces compute it. Any split gives the same product; it
+            decides who computes and so what moves.
         comm: an mpi4py intracommunicator whose ranks run the product (default
             COMM_WORLD). osmm_jax communicates on a private duplicate of it,
             created collectively on first use, so call this on every rank.
@@ -38,12 +42,12 @@ def plan(
     Raises:
         TypeError / ValueError: not layouts, mismatched dimensions, layouts made
             for a different number of ranks than ``comm`` has, or a ``rank``
-            out of range.
+            out of range; a ``work`` split for another product or rank count.
     """
     if rank is not None:
         if comm is not None:
             raise ValueError("pass either comm (a plan to run) or rank (one rank's part), not both")
-        return make_plan(a_layout, b_layout, c_layout).for_rank(rank)
+        return make_plan(a_layout, b_layout, c_layout, work=work).for_rank(rank)
     from osmm_jax._src import communicators, metrics
 
     private = communicators.private_comm(comm)
@@ -55,7 +59,7 @@ def plan(
                 f"{name} is for {layout.nranks} ranks but the communicator has {size}; "
                 f"build layouts with nranks={size} (or nranks=None for COMM_WORLD)"
             )
-    return make_plan(a_layout, b_layout, c_layout, communicators.comm_key(private))
+    return make_plan(a_layout, b_layout, c_layout, communicators.comm_key(private), work)
 
 
 def default_nranks() -> int:

@@ -17,9 +17,16 @@ it takes: a rank that mostly receives (the owner of a large C block that others
 compute for, a rank that gets most of its inputs) is priced by what arrives.
 
 Candidates, in this order: ``rows``, ``cols``, (with ``"synced"`` replication)
-``rows, B split`` and ``cols, A split``, ``k_split``, and ``grid PRxPC`` for every
-``P = PR * PC`` with ``PR, PC > 1``. ``rows`` and ``cols`` hold one operand whole
-on every rank; how that is priced is ``replication``:
+``rows, B split`` and ``cols, A split``, ``k_split``, ``grid PRxPC`` for the
+:data:`GRID_CANDIDATES` grids ``P = PR * PC`` with ``PR, PC > 1`` whose ranks touch the
+fewest input elements, and ``3-D PMxPKxPN`` for the
+:data:`THREE_D_CANDIDATES` splits ``P = PM * PK * PN`` with ``PK > 1`` (and ``PM`` or
+``PN > 1``) whose boxes have the least surface ``MK/(PM PK) + KN/(PK PN) + MN/(PM PN)``
+(:func:`~osmm_jax._src.work.three_d_layouts`: a rank computes a box of the multiply-adds,
+gets the rest of its box's inputs and delivers its partial sum; the choice then carries the
+:class:`~osmm_jax._src.work.Work` split, and :meth:`LayoutChoice.plan` plans with it).
+``rows`` and ``cols`` hold one operand whole on every rank; how that is priced is
+``replication``:
 
 * ``"synced"`` (default): the operand is on every rank, as a trained weight is in
   data-parallel training, and keeping its copies equal costs what the
@@ -62,6 +69,7 @@ from typing import NamedTuple
 from osmm_jax._src import checks, comm_bound, config, units
 from osmm_jax._src.layout import Layout
 from osmm_jax._src.planner import Plan, PlanTotals, _nbytes, per_rank_totals
+from osmm_jax._src.work import Work, three_d_layouts
 
 DEFAULT_BANDWIDTH = 5e9
 """Bytes/s one rank can send, when the caller gives none: one-sided accumulates
@@ -80,8 +88,29 @@ PRODUCTS_PER_SYNC = 3
 multiplies by a weight three times (forward, and the two backward products) and all-reduces
 its gradient once."""
 
+GRID_CANDIDATES = 5
+"""How many 2-D grids :func:`auto_layouts` plans: those whose ranks touch the fewest elements of A
+and B (a row band and a column band), e.g. all 5 grids of 64 ranks but 5 of the 12 of 8192,
+whose most elongated ones (2 x 4096) would cost most of the choice's time and never win."""
+
+THREE_D_CANDIDATES = 3
+"""How many 3-D splits :func:`auto_layouts` plans: those whose boxes have the least surface (the
+elements a rank of the box moves, when it owns little of them), ties to the earlier split in
+``(PM, PK, PN)`` order. More would rarely win and would slow the choice at thousands of ranks."""
+
 REPLICATION = ("synced", "free", "fetched")
 """How :func:`auto_layouts` prices an operand that ``rows`` / ``cols`` hold on every rank."""
+
+
+class Strategy(NamedTuple):
+    """One candidate of :func:`candidate_layouts`: its name, the layouts of A, B and C, and the
+    :class:`Work` split that says who computes what (None: the owners of the pieces do)."""
+
+    name: str
+    a: Layout
+    b: Layout
+    c: Layout
+    work: Work | None = None
 
 
 class Candidate(NamedTuple):
@@ -130,6 +159,8 @@ class LayoutChoice:
         predicted_seconds: the model's time of one product with these layouts.
         reason: one line saying why it won, against the runner-up.
         candidates: every strategy considered, in the order considered (:class:`Candidate`).
+        work: the :class:`~osmm_jax._src.work.Work` split of a ``3-D`` choice (who computes
+            which multiply-adds), else None; plan with :meth:`plan`, which passes it on.
         bound_ratio: the most one rank moves with these layouts in the bound's terms (the
             pieces it gets, the partials it delivers, its share of keeping replicas in sync),
             in elements, over the most any rank must move with any layout when work and data
@@ -148,6 +179,14 @@ class LayoutChoice:
     reason: str
     candidates: tuple[Candidate, ...]
     bound_ratio: float = 1.0
+    work: Work | None = None
+
+    def plan(self, *, comm=None, rank=None):
+        """``osmm_jax.plan(a, b, c, work=work, comm=comm, rank=rank)``: the plan of the chosen
+        layouts, with the work split a ``3-D`` choice needs to move what the model priced."""
+        from osmm_jax._src.api import plan  # api imports MPI lazily; keep this module pure
+
+        return plan(self.a, self.b, self.c, work=self.work, comm=comm, rank=rank)
 
 
 def candidate_layouts(
@@ -158,9 +197,9 @@ def candidate_layouts(
     *,
     replication: str | None = None,
     replicated_is_free: bool | None = None,
-) -> tuple[tuple[str, Layout, Layout, Layout], ...]:
-    """Every strategy's ``(name, a, b, c)`` layouts, in the order :func:`auto_layouts` considers
-    them; ``replication`` (or ``replicated_is_free``) as there."""
+) -> tuple[Strategy, ...]:
+    """Every :class:`Strategy` (name, layouts, work split), in the order :func:`auto_layouts`
+    considers them; ``replication`` (or ``replicated_is_free``) as there."""
     M, K, N = (checks.integer(v, name) for v, name in ((M, "M"), (K, "K"), (N, "N")))
     speeds = checks.speeds(speeds)
     mode = _replication(replication, replicated_is_free)
@@ -201,10 +240,7 @@ def candidate_layouts(
             Layout.rows((M, N), weights=speeds),
         ),
     ]
-    for pr in range(2, p // 2 + 1):
-        if p % pr:
-            continue
-        pc = p // pr
+    for pr, pc in _two_d_grids(M, K, N, p):
         row_w = [math.fsum(speeds[i * pc : (i + 1) * pc]) for i in range(pr)]
         col_w = [math.fsum(speeds[j::pc]) for j in range(pc)]
         if not any(row_w) or not any(col_w):  # pragma: no cover - speeds are not all zero
@@ -214,7 +250,33 @@ def candidate_layouts(
             return Layout.grid(shape, g, row_weights=rw, col_weights=cw)
 
         out.append((f"grid {pr}x{pc}", grid((M, K)), grid((K, N)), grid((M, N))))
-    return tuple(out)
+    for pm, pk, pn in _three_d_grids(M, K, N, p):
+        out.append((f"3-D {pm}x{pk}x{pn}", *three_d_layouts((M, K, N), (pm, pk, pn), speeds)))
+    return tuple(Strategy(*x) for x in out)
+
+
+def _two_d_grids(M: int, K: int, N: int, p: int) -> list[tuple[int, int]]:
+    """The :data:`GRID_CANDIDATES` grids ``p = pr * pc`` (both > 1) whose ranks' row band of A
+    and column band of B, ``MK/pr + KN/pc`` elements, are the smallest; in ``pr`` order."""
+    grids = [(pr, p // pr) for pr in range(2, p // 2 + 1) if p % pr == 0]
+    best = sorted(grids, key=lambda g: (M * K / g[0] + K * N / g[1], g))[:GRID_CANDIDATES]
+    return sorted(best)
+
+
+def _three_d_grids(M: int, K: int, N: int, p: int) -> list[tuple[int, int, int]]:
+    """The :data:`THREE_D_CANDIDATES` splits ``p = pm * pk * pn`` (``pk > 1``, not all of ``p``
+    on K) whose boxes have the least surface."""
+    grids = [
+        (pm, pk, p // (pm * pk))
+        for pm in range(1, p + 1)
+        if p % pm == 0
+        for pk in range(2, p // pm + 1)
+        if (p // pm) % pk == 0 and pk < p
+    ]
+    return sorted(
+        grids,
+        key=lambda g: (M * K / (g[0] * g[1]) + K * N / (g[1] * g[2]) + M * N / (g[0] * g[2]), g),
+    )[:THREE_D_CANDIDATES]
 
 
 def predict(
@@ -311,10 +373,10 @@ def auto_layouts(
     accum = max(itemsize, 4)
 
     scored = []
-    for name, a, b, c in candidate_layouts(M, K, N, speeds, replication=replication):
+    for name, a, b, c, work in candidate_layouts(M, K, N, speeds, replication=replication):
         # The plan's totals alone (not the cached make_plan(): trial plans must not evict the
         # user's, and their records are never needed), counted in bulk for these layouts.
-        totals = PlanTotals(a, b, c)
+        totals = PlanTotals(a, b, c, work)
         sync = 0
         if replication == "synced" and p > 1:
             for layout in (a, b):
@@ -337,7 +399,7 @@ def auto_layouts(
             link_elements=max(_link_bytes(totals, 1, 1)),
             moved_elements=max(totals.bytes_issued(1, 1)),
         )
-        scored.append((cost, (a, b, c)))
+        scored.append((cost, (a, b, c, work)))
     fitting = [i for i, (s, _) in enumerate(scored) if s.fits]
     if not fitting:
         least = min((s for s, _ in scored), key=lambda s: s.memory_bytes)
@@ -350,7 +412,7 @@ def auto_layouts(
     fastest = min(scored[i][0].predicted_seconds for i in fitting)
     tied = [i for i in fitting if _ties(scored[i][0].predicted_seconds, fastest)]
     pick = min(tied, key=lambda i: (scored[i][0].link_bytes + scored[i][0].sync_bytes, i))
-    best, (a, b, c) = scored[pick]
+    best, (a, b, c, work) = scored[pick]
     rest = sorted(
         (s for i, (s, _) in enumerate(scored) if i != pick and s.fits),
         key=lambda s: s.predicted_seconds,
@@ -376,6 +438,7 @@ def auto_layouts(
         reason=reason,
         candidates=tuple(s for s, _ in scored),
         bound_ratio=_bound_ratio(M, K, N, speeds, best, itemsize, accum, replication),
+        work=work,
     )
 
 

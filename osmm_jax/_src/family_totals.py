@@ -13,6 +13,11 @@ makes the same decisions (:func:`osmm_jax._src.planner.decide`) countable in bul
   the rank that owns its C piece with one other rank, and which of the two serves it is a
   threshold on the other's share of K. Sorting the shares once answers every pair:
   O(P log P).
+* ``3-D PMxPKxPN`` (a :class:`~osmm_jax._src.work.Work` split whose every rank owns pieces
+  of A, B and C inside the blocks its box touches, as
+  :func:`~osmm_jax._src.work.three_d_layouts` makes them): the rank of the box computes
+  every cell of it, so each rank gets the rest of its box's inputs and delivers the rest of
+  its partial C block: a few array sums over ranks, O(P).
 * ``grid PRxPC`` (A, B and C on one grid, A's and C's rows split alike, B's and C's columns
   alike): for each of the pr + pc - 1 pieces of K, the decisions of all pr x pc cells are
   array operations, and each fetched piece and sent partial is counted once per rank that
@@ -29,15 +34,18 @@ import numpy as np
 
 from osmm_jax._src.layout import Layout
 from osmm_jax._src.planner import Totals, _cuts
+from osmm_jax._src.work import Work
 
 _NEVER = np.iinfo(np.int64).max  # a threshold every share is under
 
 
-def family_totals(a: Layout, b: Layout, c: Layout) -> Totals | None:
-    """The :class:`~osmm_jax._src.planner.Totals` of ``Plan(a, b, c)`` for the candidate
-    families above, or None when the layouts are not one of them."""
+def family_totals(a: Layout, b: Layout, c: Layout, work: Work | None = None) -> Totals | None:
+    """The :class:`~osmm_jax._src.planner.Totals` of ``Plan(a, b, c, work=work)`` for the
+    candidate families above, or None when the layouts are not one of them."""
     if a.is_replicated or b.is_replicated or c.is_replicated or a.nranks < 2:
         return None
+    if work is not None:
+        return _nested_in_boxes(a, b, c, work)
     (M, K), N = a.shape, b.shape[1]
     bands = [_bands(layout) for layout in (a, b, c)]
     if None in bands:
@@ -60,6 +68,58 @@ def family_totals(a: Layout, b: Layout, c: Layout) -> Totals | None:
     if a_rows == c_rows and b_cols == c_cols and len(a_cols) == pc and len(b_rows) == pr:
         return _grid(a_rows, a_cols, b_rows, b_cols, K)
     return None
+
+
+def _nested_in_boxes(a: Layout, b: Layout, c: Layout, work: Work) -> Totals | None:
+    """The totals of a :class:`Work` split whose every rank ``r`` with box ``(i, ki, j)`` owns
+    A inside ``M_i x K_ki``, B inside ``K_ki x N_j`` and C inside ``M_i x N_j``; else None.
+
+    Then every piece of a cell in box ``(i, ki, j)`` belongs to a rank ``(i, ki, *)``, ``(*, ki,
+    j)`` or ``(i, *, j)``, so only the box's own rank can own all three, and
+    :func:`~osmm_jax._src.planner.decide` gives every cell to its box's rank. A rank with a
+    non-empty box gets the parts of ``A[M_i, K_ki]`` and ``B[K_ki, N_j]`` it does not own and
+    delivers the parts of ``C[M_i, N_j]`` it does not own; its own pieces are got by the other
+    ranks with non-empty boxes beside it, and its C block is delivered into by them."""
+    p = a.nranks
+    position = np.empty(p, dtype=np.int64)
+    position[np.array(work.ranks, dtype=np.int64)] = np.arange(p)
+    pm, pk, pn = work.shape
+    i, ki, j = position // (pk * pn), position // pn % pk, position % pn
+    m, k, n = (np.array(ivs, dtype=np.int64).reshape(-1, 2) for ivs in (work.m, work.k, work.n))
+    spans = {"m": m[i], "k": k[ki], "n": n[j]}
+    areas = []
+    for layout, (row_dim, col_dim) in ((a, "mk"), (b, "kn"), (c, "mn")):
+        blocks = np.array(layout.blocks, dtype=np.int64).reshape(p, 2, 2)
+        rows, cols = blocks[:, 0], blocks[:, 1]
+        area = (rows[:, 1] - rows[:, 0]) * (cols[:, 1] - cols[:, 0])
+        inside = (
+            (rows[:, 0] >= spans[row_dim][:, 0])
+            & (rows[:, 1] <= spans[row_dim][:, 1])
+            & (cols[:, 0] >= spans[col_dim][:, 0])
+            & (cols[:, 1] <= spans[col_dim][:, 1])
+        )
+        if not np.all(inside | (area == 0)):
+            return None
+        areas.append(area)
+    area_a, area_b, area_c = areas
+    size_m, size_k, size_n = (x[:, 1] - x[:, 0] for x in (m, k, n))
+    mk, kn, mn = size_m[i] * size_k[ki], size_k[ki] * size_n[j], size_m[i] * size_n[j]
+    busy = mk * size_n[j] > 0
+    # Ranks beside r with a non-empty box: along N for A, along M for B, along K for C.
+    other_n = np.count_nonzero(size_n) - (size_n[j] > 0)
+    other_m = np.count_nonzero(size_m) - (size_m[i] > 0)
+    other_k = np.count_nonzero(size_k) - (size_k[ki] > 0)
+    flops = np.where(busy, 2 * mk * size_n[j], 0)
+    received_inputs = np.where(busy, mk - area_a + kn - area_b, 0)
+    inputs = area_a * other_n + area_b * other_m
+    partials = np.where(busy, mn - area_c, 0)
+    received_partials = area_c * other_k
+    return Totals(
+        *(
+            tuple(int(x) for x in v)
+            for v in (flops, inputs, partials, received_inputs, received_partials)
+        )
+    )
 
 
 def _bands(layout: Layout):

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from osmm_jax._src.layout import Interval, Layout
+from osmm_jax._src.work import Work
 
 FLOAT32_BYTES = 4
 
@@ -224,7 +225,7 @@ class RankPlan:
             cells = target.cells
             schedule = build_schedule(
                 cells,
-                cells_of_rank(cells, target.a, target.b, target.c, rank),
+                cells_of_rank(cells, target.a, target.b, target.c, rank, target.work),
                 rank,
                 target.compute_at_inputs,
             )
@@ -321,25 +322,38 @@ class Plan:
             this plan runs; None otherwise.
         compute_at_inputs: whether cells are computed where both inputs are
             (set on gather stages).
+        work: a :class:`~osmm_jax._src.work.Work` saying which rank computes each cell
+            that a C owner does not compute for itself (e.g. the 3-D split of
+            :func:`~osmm_jax._src.work.three_d_layouts`), or None: the owners of its
+            pieces do (see :func:`decide`).
         gathers: the C blocks each rank then gets from their owners in
             ``gather_stage`` (``Transfer("get", "C", ...)``, also listed in
             ``transfers``); empty unless staged.
     """
 
     def __init__(
-        self, a: Layout, b: Layout, c: Layout, comm_key: int = 0, *, compute_at_inputs=False
+        self,
+        a: Layout,
+        b: Layout,
+        c: Layout,
+        comm_key: int = 0,
+        *,
+        compute_at_inputs=False,
+        work: Work | None = None,
     ):
         _check_layouts(a, b, c)
+        _check_work(work, a, b)
         self.a, self.b, self.c = a, b, c
         self.comm_key = int(comm_key)
         self.compute_at_inputs = bool(compute_at_inputs)
+        self.work = work
         self._rank_plans: dict[int, RankPlan] = {}
         self._agreed: list[PlanFacts] = []
 
     # -- identity -----------------------------------------------------------
 
     def _key(self):
-        return (self.a, self.b, self.c, self.comm_key, self.compute_at_inputs)
+        return (self.a, self.b, self.c, self.comm_key, self.compute_at_inputs, self.work)
 
     def __eq__(self, other):
         return isinstance(other, Plan) and self._key() == other._key()
@@ -354,7 +368,8 @@ class Plan:
 
     def __repr__(self):
         M, K, N = self.dims
-        return f"Plan(C[{M}x{N}] = A[{M}x{K}] @ B[{K}x{N}] over {self.nranks} ranks, {self.a.kind}/{self.b.kind}/{self.c.kind})"
+        work = "" if self.work is None else f", work {self.work!r}"
+        return f"Plan(C[{M}x{N}] = A[{M}x{K}] @ B[{K}x{N}] over {self.nranks} ranks, {self.a.kind}/{self.b.kind}/{self.c.kind}{work})"
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -371,6 +386,8 @@ class Plan:
                 self.c.blocks,
                 self.c.is_replicated,
                 self.compute_at_inputs,
+                None if self.work is None else (self.work.m, self.work.k, self.work.n),
+                None if self.work is None else self.work.ranks,
             )
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -391,12 +408,15 @@ class Plan:
     @functools.cached_property
     def cells(self) -> Cells:
         """The cells of the product and who owns their pieces (see :func:`cut_cells`)."""
-        return cut_cells(self.a, self.b, self.c)
+        return cut_cells(self.a, self.b, self.c, self.work)
 
     @functools.cached_property
     def gather_stage(self) -> Plan | None:
         """For a replicated C, the plan into an even split of C when summing that way is
-        cheaper (see :func:`_gather_stage`); else None."""
+        cheaper (see :func:`_gather_stage`); else None (always with a :attr:`work` split: the
+        boxes say who computes what)."""
+        if self.work is not None:
+            return None
         stage = _gather_stage(self.a, self.b, self.c, self.comm_key)
         if stage is None:
             return None
@@ -619,7 +639,8 @@ class Plan:
         M, K, N = self.dims
         lines = [
             f"C[{M}x{N}] = A[{M}x{K}] @ B[{K}x{N}] over {self.nranks} ranks",
-            f"  A: {self.a.kind}   B: {self.b.kind}   C: {self.c.kind}",
+            f"  A: {self.a.kind}   B: {self.b.kind}   C: {self.c.kind}"
+            + ("" if self.work is None else f"   work: {self.work!r}"),
             f"  total {sum(self.flops) / 1e9:.3f} GFLOP, {sum(self.bytes_sent()) / 2**20:.2f} MiB sent (float32)",
         ]
         balance = self.balance()
@@ -840,6 +861,7 @@ class Cells:
     b: OwnerIndex
     c: OwnerIndex
     nranks: int
+    work: Work | None = None
 
     def a_owner(self, mi: int, ki: int) -> int:
         return self.a.at(self.m[mi][0], self.k[ki][0])
@@ -850,18 +872,36 @@ class Cells:
     def c_owner(self, mi: int, ni: int) -> int:
         return self.c.at(self.m[mi][0], self.n[ni][0])
 
+    def worker(self, mi: int, ki: int, ni: int) -> int:
+        """The rank whose :class:`Work` box holds the cell (only with a ``work`` split)."""
+        return self.work.rank_at(self.m[mi][0], self.k[ki][0], self.n[ni][0])
+
     def flops(self, mi: int, ki: int, ni: int) -> int:
         return 2 * _size(self.m[mi]) * _size(self.k[ki]) * _size(self.n[ni])
 
 
-def cut_cells(a: Layout, b: Layout, c: Layout) -> Cells:
-    """The cells of the product and the owner lookups of its three operands."""
+def cut_cells(a: Layout, b: Layout, c: Layout, work: Work | None = None) -> Cells:
+    """The cells of the product and the owner lookups of its three operands (each dimension
+    also cut at the boxes of ``work``, so that every cell lies in one box)."""
     M, K = a.shape
     N = b.shape[1]
-    m = _cuts(M, [blk[0] for blk in a.blocks], [blk[0] for blk in c.blocks])
-    k = _cuts(K, [blk[1] for blk in a.blocks], [blk[0] for blk in b.blocks])
-    n = _cuts(N, [blk[1] for blk in b.blocks], [blk[1] for blk in c.blocks])
-    return Cells(m, k, n, OwnerIndex(a), OwnerIndex(b), OwnerIndex(c), a.nranks)
+    boxes = ([], [], []) if work is None else (work.m, work.k, work.n)
+    m = _cuts(M, [blk[0] for blk in a.blocks], [blk[0] for blk in c.blocks], boxes[0])
+    k = _cuts(K, [blk[1] for blk in a.blocks], [blk[0] for blk in b.blocks], boxes[1])
+    n = _cuts(N, [blk[1] for blk in b.blocks], [blk[1] for blk in c.blocks], boxes[2])
+    return Cells(m, k, n, OwnerIndex(a), OwnerIndex(b), OwnerIndex(c), a.nranks, work)
+
+
+def _check_work(work, a: Layout, b: Layout) -> None:
+    if work is None:
+        return
+    if not isinstance(work, Work):
+        raise TypeError(f"work must be an osmm_jax.Work or None, got {type(work).__name__}")
+    dims = (a.shape[0], a.shape[1], b.shape[1])
+    if work.dims != dims:
+        raise ValueError(f"work splits a {work.dims} product but the layouts make {dims}")
+    if work.nranks != a.nranks:
+        raise ValueError(f"work is for {work.nranks} ranks but the layouts for {a.nranks}")
 
 
 class Decision(NamedTuple):
@@ -892,7 +932,8 @@ def decide(cells: Cells, mi: int, ki: int, ni: int, compute_at_inputs: bool = Fa
        ``get``) plus one partial per C owner other than itself. The candidates are the
        owners of the cell's pieces of partitioned operands (any other rank lacks every piece
        they hold, so it always moves more); with ``compute_at_inputs``, the ranks holding both
-       inputs when there are any.
+       inputs when there are any; with a :class:`Work` split (``cells.work``), the rank whose
+       box holds the cell, alone.
     3. Among equally cheap candidates, the C owner (stationary C: on equal 2-D grids every rank
        then computes its own block, as in SUMMA, balanced at the least traffic, and no partial
        is sent); else the candidates take turns by the cell's position, so that repeated ties
@@ -924,6 +965,8 @@ def decide(cells: Cells, mi: int, ki: int, ni: int, compute_at_inputs: bool = Fa
     candidates = sorted({x for x in (a, b, c) if x != EVERYONE})
     if compute_at_inputs and both is not None:
         candidates = [both]
+    if cells.work is not None:
+        candidates = [cells.worker(mi, ki, ni)]
     m, k, n = _size(cells.m[mi]), _size(cells.k[ki]), _size(cells.n[ni])
     # C owners the server delivers to (all but itself): one, or every other rank.
     others = 1 if c != EVERYONE else cells.nranks - 1
@@ -942,9 +985,12 @@ def decide(cells: Cells, mi: int, ki: int, ni: int, compute_at_inputs: bool = Fa
     return Decision(self_serving, server, server, a, b, c)
 
 
-def cells_of_rank(cells: Cells, a: Layout, b: Layout, c: Layout, rank: int):
+def cells_of_rank(
+    cells: Cells, a: Layout, b: Layout, c: Layout, rank: int, work: Work | None = None
+):
     """The cells ``rank`` can take part in: those inside its block of a partitioned operand
-    (all of them when C is replicated: every rank then owns every C piece).
+    or its box of ``work`` (all of them when C is replicated: every rank then owns every C
+    piece).
 
     A rank serves, gets from, or receives a delivery of a cell only if it owns a piece of it:
     :func:`decide` picks servers among the owners of partitioned pieces, or a self-serving C
@@ -977,6 +1023,10 @@ def cells_of_rank(cells: Cells, a: Layout, b: Layout, c: Layout, rank: int):
             dims[2]: everything[dims[2]],
         }
         keys.update(itertools.product(ranges["m"], ranges["k"], ranges["n"]))
+    if work is not None:
+        rows, inner, cols = work.box(rank)
+        if rows[0] < rows[1] and inner[0] < inner[1] and cols[0] < cols[1]:
+            keys.update(itertools.product(span("m", rows), span("k", inner), span("n", cols)))
     return keys
 
 
@@ -1161,14 +1211,15 @@ class PlanTotals:
     those one by one (:mod:`osmm_jax._src.family_totals`).
     """
 
-    def __init__(self, a: Layout, b: Layout, c: Layout):
+    def __init__(self, a: Layout, b: Layout, c: Layout, work: Work | None = None):
         from osmm_jax._src.family_totals import family_totals  # it builds on this module
 
         _check_layouts(a, b, c)
+        _check_work(work, a, b)
         self.nranks = a.nranks
-        totals = family_totals(a, b, c)
+        totals = family_totals(a, b, c, work)
         if totals is None:
-            plan = Plan(a, b, c)
+            plan = Plan(a, b, c, work=work)
             stage = plan.gather_stage
             if stage is None:
                 totals = plan._totals
@@ -1235,17 +1286,17 @@ def _collector_paused():
             gc.enable()
 
 
-def make_plan(a: Layout, b: Layout, c: Layout, comm_key: int = 0) -> Plan:
-    """The (cached) plan of ``C = A @ B`` for the given layouts."""
+def make_plan(a: Layout, b: Layout, c: Layout, comm_key: int = 0, work: Work | None = None) -> Plan:
+    """The (cached) plan of ``C = A @ B`` for the given layouts (and :class:`Work` split)."""
     # Layouts that differ only in their reasons are equal, so the reasons join the cache key:
     # the plan returned holds the very layouts asked for, and describe() tells their reason.
     reasons = tuple(getattr(layout, "reason", "") for layout in (a, b, c))
-    return _cached_plan(a, b, c, comm_key, reasons)
+    return _cached_plan(a, b, c, comm_key, work, reasons)
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_plan(a: Layout, b: Layout, c: Layout, comm_key: int, _reasons) -> Plan:
-    return Plan(a, b, c, comm_key)
+def _cached_plan(a: Layout, b: Layout, c: Layout, comm_key: int, work, _reasons) -> Plan:
+    return Plan(a, b, c, comm_key, work=work)
 
 
 @functools.lru_cache(maxsize=256)
@@ -1253,8 +1304,12 @@ def backward_plans(plan: Plan) -> tuple[Plan, Plan]:
     """Plans of the two backward products of ``plan``.
 
     ``dA = dC @ B.T`` (layouts C, B.T -> A) and ``dB = A.T @ dC`` (layouts A.T,
-    C -> B): both are ordinary distributed products with transposed layouts.
+    C -> B): both are ordinary distributed products with transposed layouts, and the same
+    boxes of work (a rank computes the gradients of the multiply-adds it computed).
     """
-    d_a = make_plan(plan.c, plan.b.T, plan.a, plan.comm_key)
-    d_b = make_plan(plan.a.T, plan.c, plan.b, plan.comm_key)
+    work = plan.work
+    work_a = None if work is None else work.permuted((0, 2, 1))
+    work_b = None if work is None else work.permuted((1, 0, 2))
+    d_a = make_plan(plan.c, plan.b.T, plan.a, plan.comm_key, work_a)
+    d_b = make_plan(plan.a.T, plan.c, plan.b, plan.comm_key, work_b)
     return d_a, d_b

@@ -1,0 +1,97 @@
+"""osmm_jax.matmul with a Work split (who computes which multiply-adds): the 3-D layouts and a
+work split over ordinary layouts, forward and backward, both methods, against numpy.
+
+Run under ``mpiexec -n N`` for N = 1..4 (see conftest.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from mpi4py import MPI
+from product_cases import (
+    K,
+    M,
+    N,
+    global_inputs,
+    make_layout,
+    product_and_grads,
+    product_grads_and_bytes,
+)
+
+import osmm_jax as om
+
+jax.config.update("jax_enable_x64", True)
+
+RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+METHODS = ("one_sided", "allreduce")
+
+
+def grids(p: int):
+    """Every ``(pm, pk, pn)`` grid of ``p`` ranks."""
+    return [
+        (pm, pk, p // (pm * pk))
+        for pm in range(1, p + 1)
+        for pk in range(1, p + 1)
+        if p % (pm * pk) == 0
+    ]
+
+
+GRIDS = grids(SIZE)
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("grid", GRIDS, ids=["x".join(map(str, g)) for g in GRIDS])
+@pytest.mark.parametrize("speeds", ["equal", "uneven"])
+def test_three_d_layouts_forward_and_grad_match_numpy(grid, speeds, method):
+    weights = None if speeds == "equal" else [1.0 + (r % 3) for r in range(SIZE)]
+    a_layout, b_layout, c_layout, work = om.three_d_layouts((M, K, N), grid, weights)
+    plan = om.plan(a_layout, b_layout, c_layout, work=work)
+    a, b, g = global_inputs(seed=11)
+    a_loc, b_loc, g_loc = a_layout.shard(a, RANK), b_layout.shard(b, RANK), c_layout.shard(g, RANK)
+    c_loc, da, db = product_and_grads(plan, method, a_loc, b_loc, g_loc)
+    np.testing.assert_allclose(c_loc, c_layout.shard(a @ b, RANK), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(da, a_layout.shard(g @ b.T, RANK), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(db, b_layout.shard(a.T @ g, RANK), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kinds", [("rows", "cols", "grid"), ("cols", "rows", "rows")])
+def test_a_work_split_over_ordinary_layouts_moves_what_its_plan_says(kinds):
+    # The boxes decide who computes, whatever the owners: here every rank computes a slice of
+    # K for every C element, so most of its inputs and all but its own rows of C move.
+    a_layout = make_layout(kinds[0], (M, K))
+    b_layout = make_layout(kinds[1], (K, N), shift=1)
+    c_layout = make_layout(kinds[2], (M, N), shift=2)
+    work = om.Work.grid((M, K, N), (1, SIZE, 1), k_weights=[2.0, 1.0, 1.0, 3.0][:SIZE])
+    plan = om.plan(a_layout, b_layout, c_layout, work=work)
+    a, b, g = global_inputs(seed=12)
+    a_loc, b_loc, g_loc = a_layout.shard(a, RANK), b_layout.shard(b, RANK), c_layout.shard(g, RANK)
+    c_loc, da, db, sent = product_grads_and_bytes(plan, a_loc, b_loc, g_loc)
+    np.testing.assert_allclose(c_loc, c_layout.shard(a @ b, RANK), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(da, a_layout.shard(g @ b.T, RANK), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(db, b_layout.shard(a.T @ g, RANK), rtol=1e-12, atol=1e-12)
+    assert sent == sum(p.bytes_issued(8, 8)[RANK] for p in (plan, *plan.backward()))
+
+
+def test_ranks_with_different_work_splits_all_raise_the_same_error():
+    a_layout, b_layout, c_layout, work = om.three_d_layouts((M, K, N), (1, SIZE, 1))
+    if RANK == 0 and SIZE > 1:
+        work = om.Work.grid((M, K, N), (1, SIZE, 1), k_weights=[5.0] + [1.0] * (SIZE - 1))
+    plan = om.plan(a_layout, b_layout, c_layout, work=work)
+    a, b, _ = global_inputs(seed=13)
+    a_loc, b_loc = a_layout.shard(a, RANK), b_layout.shard(b, RANK)
+    if SIZE == 1:
+        np.testing.assert_allclose(om.matmul(a_loc, b_loc, plan), a @ b, rtol=1e-12)
+        return
+    with pytest.raises(ValueError, match="plan"):
+        om.matmul(a_loc, b_loc, plan)
+
+
+def test_the_choice_of_auto_layouts_plans_with_its_work_split():
+    choice = om.auto_layouts(64, 64, 64, [1.0] * SIZE, memory_budget=float("inf"))
+    plan = choice.plan()
+    assert plan.work == choice.work
+    a, b, _ = global_inputs(seed=14, m=64, k=64, n=64)
+    c_loc = om.matmul(choice.a.shard(a, RANK), choice.b.shard(b, RANK), plan)
+    np.testing.assert_allclose(c_loc, choice.c.shard(a @ b, RANK), rtol=1e-12, atol=1e-12)
