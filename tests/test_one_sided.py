@@ -168,3 +168,33 @@ def test_products_equal_numpy_for_every_rank_of_a_plan(kinds):
         local = [(mm, rows) for mm, rows in requests if mm.a_source == mm.b_source == rank]
         _check_products(plan, rank, a, b, local)
         _check_products(plan, rank, a, b, requests, _remote_pieces(plan, rank, a, b))
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+def test_a_partial_kept_and_delivered_is_never_cut_into_chunks(nranks):
+    """A replicated C summed directly (the weight gradient of a data-parallel layer on 2 ranks;
+    on more it is staged): each rank keeps its partial and delivers it to every other rank, as
+    one piece however small the chunks; partials delivered only (a K-split) are cut into rows
+    of about chunk_bytes."""
+    tokens, k, n = 64, 32, 16
+    dw = Plan(
+        Layout.cols((k, tokens), nranks=nranks),
+        Layout.rows((tokens, n), nranks=nranks),
+        Layout.replicated((k, n), nranks=nranks),
+    )
+    k_split = Plan(
+        Layout.cols((k, tokens), nranks=nranks),
+        Layout.rows((tokens, n), nranks=nranks),
+        Layout.rows((k, n), nranks=nranks),
+    )
+    assert (dw.gather_stage is None) == (nranks == 2)
+    for rank in range(nranks):
+        cells = one_sided._cells(dw, rank)
+        if dw.gather_stage is None:
+            assert all(c.local and c.deliveries for c in cells)
+            chunks = one_sided._chunks(cells, 4, chunk_bytes=8)
+            assert [[rows for _, rows in chunk] for chunk in chunks] == [[c.rows] for c in cells]
+        delivered = [c for c in one_sided._cells(k_split, rank) if c.deliveries]
+        assert not any(c.local for c in delivered)
+        pieces = [p for chunk in one_sided._chunks(delivered, 4, chunk_bytes=8) for p in chunk]
+        assert len(pieces) == sum(c.rows[1] - c.rows[0] for c in delivered)  # one row each

@@ -356,6 +356,11 @@ def _chunks(cells: list[_Cell], itemsize: int, chunk_bytes: int) -> list[list]:
     Returns a list of chunks, each a list of ``(cell, rows)`` pieces. A cell's rows are cut
     into pieces of at least ``chunk_bytes``; small cells share a chunk until it holds
     ``chunk_bytes``. ``chunk_bytes == 0``: one chunk with every delivered cell, uncut.
+
+    A cell this rank also keeps (a replicated C summed directly: a data-parallel weight
+    gradient on two ranks) is never cut: while its first rows left, the rest of the same GEMM
+    would be all there is to compute, and the GEMM cut by rows cost more than the overlap
+    saved (a 2-layer MLP step on 2 ranks: 302 ms cut into 4 MiB chunks, 260 ms whole).
     """
     delivered = [c for c in cells if c.deliveries]
     if chunk_bytes == 0:
@@ -363,7 +368,8 @@ def _chunks(cells: list[_Cell], itemsize: int, chunk_bytes: int) -> list[list]:
     chunks, current, current_bytes = [], [], 0
     for cell in delivered:
         row_bytes = (cell.cols[1] - cell.cols[0]) * itemsize
-        step = max(1, -(-chunk_bytes // max(1, row_bytes)))
+        whole = cell.rows[1] - cell.rows[0]
+        step = max(1, whole if cell.local else -(-chunk_bytes // max(1, row_bytes)))
         for r0 in range(cell.rows[0], cell.rows[1], step):
             rows = (r0, min(r0 + step, cell.rows[1]))
             current.append((cell, rows))
