@@ -63,7 +63,7 @@ NOMINAL_SPEED = 100e9
 GFLOP/s here), for reporting how even a plan is."""
 
 NOMINAL_BANDWIDTH = 5e9
-"""Bytes/s :meth:`Plan.balance` gives every rank's outgoing link (one-sided accumulates measured
+"""Bytes/s :meth:`Plan.balance` gives every rank's link, each way (one-sided accumulates measured
 4-10 GiB/s between ranks of one machine; the same default as :func:`osmm_jax.auto_layouts`)."""
 
 
@@ -175,8 +175,9 @@ def rank_speeds(a: Layout, b: Layout, c: Layout) -> tuple[float, ...]:
 class Balance(NamedTuple):
     """The modelled time of each rank of a plan (see :meth:`Plan.balance`).
 
-    ``compute[r]`` is rank ``r``'s flops at its speed, ``communicate[r]`` its bytes sent at the
-    link's bandwidth, ``seconds[r]`` their sum; ``busiest`` the rank with the largest sum and
+    ``compute[r]`` is rank ``r``'s flops at its speed, ``communicate[r]`` the busier direction
+    of its link (the larger of the bytes it sends and receives) at the link's bandwidth,
+    ``seconds[r]`` their sum; ``busiest`` the rank with the largest sum and
     ``ratio`` that sum over the mean (1.0 when nothing is done).
     """
 
@@ -420,13 +421,15 @@ class Plan:
         stage = _gather_stage(self.a, self.b, self.c, self.comm_key)
         if stage is None:
             return None
-        # Reduce-scatter, then all-gather: kept only if its busiest sender sends less and no
-        # rank computes more than summing the replicated C directly.
+        # Reduce-scatter, then all-gather: kept only if its busiest link (the larger of what a
+        # rank sends and receives) carries less and no rank computes more than summing the
+        # replicated C directly.
         direct, staged = self._totals, stage._totals
         staged_sent = [s + g for s, g in zip(staged.sent(), _gathered_elements(stage.c))]
-        if max(staged_sent) < max(direct.sent()) and all(
-            s <= d for s, d in zip(staged.flops, direct.flops)
-        ):
+        staged_got = [r + g for r, g in zip(staged.received(), _gathered_received(stage.c))]
+        staged_link = max(max(s, r) for s, r in zip(staged_sent, staged_got))
+        direct_link = max(max(s, r) for s, r in zip(direct.sent(), direct.received()))
+        if staged_link < direct_link and all(s <= d for s, d in zip(staged.flops, direct.flops)):
             return stage
         return None
 
@@ -511,8 +514,9 @@ class Plan:
         input_itemsize: int = FLOAT32_BYTES,
         accum_itemsize: int = FLOAT32_BYTES,
     ) -> Balance:
-        """Each rank's modelled time: its flops at its speed plus its :meth:`bytes_sent` at
-        ``bandwidth`` bytes/s; :meth:`describe` reports the busiest rank.
+        """Each rank's modelled time: its flops at its speed plus the larger of its
+        :meth:`bytes_sent` and its bytes received at ``bandwidth`` bytes/s each way (as
+        :func:`osmm_jax.auto_layouts` prices a link); :meth:`describe` reports the busiest rank.
 
         ``speeds`` are flops/s per rank; by default :attr:`speeds` times :data:`NOMINAL_SPEED`.
         """
@@ -523,7 +527,12 @@ class Plan:
         compute = tuple(
             (f / s if s > 0 else float("inf")) if f else 0.0 for f, s in zip(self.flops, speeds)
         )
-        communicate = tuple(b / bandwidth for b in self.bytes_sent(input_itemsize, accum_itemsize))
+        nbytes = _nbytes(input_itemsize, accum_itemsize)
+        received = per_rank_totals(self.transfers, self.nranks, "receiver", nbytes)
+        communicate = tuple(
+            max(s, r) / bandwidth
+            for s, r in zip(self.bytes_sent(input_itemsize, accum_itemsize), received)
+        )
         seconds = tuple(x + y for x, y in zip(compute, communicate))
         busiest = max(range(self.nranks), key=lambda r: (seconds[r], -r))
         mean = sum(seconds) / self.nranks
