@@ -39,37 +39,19 @@ from __future__ import annotations
 
 import json
 import re
-import shlex
 import signal
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from jobs import MPIEXEC, REPO, job_environment, run_job
+from jobs import REPO
 
 sys.path.insert(0, str(REPO / "tests" / "multihost"))
 
 import netns  # noqa: E402
+from launch import HARD_TIMEOUT_S, HOSTS, SLOTS, TCP_SUMMARY, launch, unavailable  # noqa: E402
 
-PROGRAM = REPO / "tests" / "multihost" / "program.py"
-HOSTS = 4
-SLOTS = (2, 1, 2, 1)  # ranks per host: shared memory and TCP in one job
-HARD_TIMEOUT_S = 240.0  # per job; a loaded machine needs 100 s for the first
-WATCHDOG_S = 60  # OSMM_TIMEOUT: a stuck MPI step ends the job well before the hard timeout
-
-# Besides hydra's: the network and osmm_jax settings of this process, which the jobs set.
-_HOST_VARIABLES = ("FI_", "UCX_", "OSMM_")
-_TCP_SUMMARY = f"libfabric provider: tcp - {netns.SUBNET}.0/24"
-
-
-def _unavailable() -> str | None:
-    if not MPIEXEC.exists():
-        return "needs the venv's mpiexec"
-    return netns.unavailable_reason()
-
-
-_REASON = _unavailable()
+_REASON = unavailable()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"multi-host tests: {_REASON}")
 
 
@@ -92,43 +74,6 @@ def hosts():
             signal.signal(s, handler)
 
 
-def _launch(hosts, slots, program_args, *, genv=(), hostnames=True, tmp_path=None):
-    """Run program.py under mpiexec on host 0 over ``slots[i]`` ranks of host ``i``; return
-    ``(status, output, result)``, result being rank 0's RESULT record (None if none)."""
-    env = job_environment(
-        drop=_HOST_VARIABLES,
-        OSMM_NETNS_PREFIX=hosts.prefix,
-        OSMM_NETNS_HOSTNAMES="1" if hostnames else "0",
-    )
-    host_list = ",".join(f"{a}:{n}" for a, n in zip(hosts.addresses, slots) if n)
-    settings = {
-        "MPIR_CVAR_CH4_NETMOD": "ofi",
-        "FI_PROVIDER": "tcp",
-        "FI_TCP_IFACE": "eth0",
-        "MPIR_CVAR_DEBUG_SUMMARY": "1",
-        "JAX_PLATFORMS": "cpu",
-        "OSMM_TIMEOUT": str(WATCHDOG_S),
-        **dict(genv),
-    }
-    mpiexec = [str(MPIEXEC), "-hosts", host_list, "-launcher", "ssh"]
-    mpiexec += ["-launcher-exec", str(netns.LAUNCHER), "-iface", "eth0"]
-    for name, value in settings.items():
-        mpiexec += ["-genv", name, value]
-    mpiexec += ["-n", str(sum(slots)), sys.executable, str(PROGRAM), *program_args]
-    # mpiexec itself runs on host 0, started the way the launcher starts the other hosts.
-    command = [str(netns.LAUNCHER), hosts.addresses[0], shlex.join(mpiexec)]
-    started = time.perf_counter()
-    end = run_job(command, env, HARD_TIMEOUT_S, merge_stderr=True)
-    status, output = end.status, end.stdout
-    results = [json.loads(line[7:]) for line in output.splitlines() if line.startswith("RESULT ")]
-    result = results[-1] if results else None
-    took = f"{time.perf_counter() - started:.1f} s"
-    if result:
-        took += f"; per rank: imports {result['import_seconds']} s, products {result['product_seconds']} s"
-    print(f"{' '.join(program_args)}: status {status}, {took}")
-    return status, output, result
-
-
 def _finished(status, output, result, ranks):
     tail = output[-6000:]
     assert status is not None, f"still running after {HARD_TIMEOUT_S:.0f} s:\n{tail}"
@@ -136,7 +81,7 @@ def _finished(status, output, result, ranks):
     assert not result["failures"], json.dumps(result["failures"], indent=1)
     assert status == 0, f"status {status}:\n{tail}"
     assert result["ranks"] == ranks, result
-    assert _TCP_SUMMARY in output, f"MPICH did not report libfabric's TCP provider:\n{tail}"
+    assert TCP_SUMMARY in output, f"MPICH did not report libfabric's TCP provider:\n{tail}"
 
 
 def _keys(cache: Path) -> dict[int, list[str]]:
@@ -148,7 +93,7 @@ def _keys(cache: Path) -> dict[int, list[str]]:
 
 def test_products_and_speed_cache_across_four_hosts(hosts, tmp_path):
     cache = tmp_path / "speeds.json"
-    status, output, result = _launch(hosts, SLOTS, ["--combos", "core", "--cache", str(cache)])
+    status, output, result = launch(hosts, SLOTS, ["--combos", "core", "--cache", str(cache)])
     _finished(status, output, result, sum(SLOTS))
     # Every product was checked on every rank, and the ranks sat on the hosts asked for.
     assert result["checked"] == [12] * 6
@@ -165,7 +110,7 @@ def test_products_and_speed_cache_across_four_hosts(hosts, tmp_path):
 
 def test_products_on_one_host_through_tcp(hosts):
     """MPIR_CVAR_NOLOCAL=1: two ranks of one host talk through the network module."""
-    status, output, result = _launch(
+    status, output, result = launch(
         hosts, (2, 0, 0, 0), ["--combos", "few"], genv={"MPIR_CVAR_NOLOCAL": "1"}
     )
     _finished(status, output, result, 2)
@@ -178,7 +123,7 @@ def test_speed_cache_keys_of_hosts_sharing_a_hostname(hosts, tmp_path):
     hostname and no other identity, so 4 ranks on 4 namespaces read "shared by 4" (true here:
     they share its CPUs). On a cluster, hosts of equal hostnames would clash the same way."""
     cache = tmp_path / "speeds.json"
-    status, output, result = _launch(
+    status, output, result = launch(
         hosts, (1, 1, 1, 1), ["--no-products", "--cache", str(cache)], hostnames=False
     )
     _finished(status, output, result, 4)

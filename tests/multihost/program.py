@@ -1,5 +1,6 @@
 """The MPI program the multi-host tests launch: osmm_jax products checked against numpy, and
 the speed profile with a cache, on ranks spread over several (emulated or real) hosts.
+``--repeat N`` checks every product N times, each traced and compiled afresh (stress.py).
 
 Every rank builds the same global matrices (tests/mpi/product_cases.py: layouts of every
 kind with uneven and empty blocks), runs the jitted forward product and its gradients
@@ -84,6 +85,9 @@ def main() -> int:
     parser.add_argument("--combos", choices=sorted(COMBOS), default="core")
     parser.add_argument("--no-products", action="store_true", help="only the speed profile")
     parser.add_argument("--cache", help="profile_speeds twice with this cache file")
+    parser.add_argument(
+        "--repeat", type=int, default=1, help="check every product this many times (stress runs)"
+    )
     args = parser.parse_args()
 
     start = time.perf_counter()
@@ -95,7 +99,7 @@ def main() -> int:
     )
     failures = []
     checked = 0
-    if not args.no_products:
+    for round_ in range(0 if args.no_products else args.repeat):
         for kinds in COMBOS[args.combos]:
             for method in METHODS:
                 try:
@@ -103,7 +107,7 @@ def main() -> int:
                     checked += 1
                 except Exception as e:  # noqa: BLE001 - reported below, on rank 0, for all ranks
                     text = "".join(traceback.format_exception_only(e)).strip()
-                    failures.append(f"{'-'.join(kinds)} {method}: {text[-600:]}")
+                    failures.append(f"round {round_} {'-'.join(kinds)} {method}: {text[-600:]}")
     products = time.perf_counter() - start
     sources = []
     if args.cache:
