@@ -63,12 +63,36 @@ def test_bad_splits_are_refused(kwargs, message):
 
 
 def test_bad_grids_are_refused():
-    with pytest.raises(ValueError, match="at least 1"):
+    with pytest.raises(ValueError, match="grid pm must be at least 1"):
         Work.grid((4, 4, 4), (0, 1, 1))
-    with pytest.raises(TypeError, match="triples"):
-        Work.grid((4, 4), (1, 1, 1))
+    for dims in ((4, 4), (4, 4, 4, 4), 4):
+        with pytest.raises(TypeError, match="dims must be a triple"):
+            Work.grid(dims, (1, 1, 1))
+        with pytest.raises(TypeError, match="dims must be a triple"):
+            three_d_layouts(dims, (1, 1, 1))
+    with pytest.raises(ValueError, match="dims M must be at least 0"):
+        three_d_layouts((-1, 4, 4), (1, 1, 1))
+    with pytest.raises(ValueError, match="grid pk must be at least 1"):
+        three_d_layouts((4, 4, 4), (1, 0, 2))
     with pytest.raises(ValueError, match="weights"):
         Work.grid((4, 4, 4), (2, 1, 1), m_weights=[1, 2, 3])
+    with pytest.raises(TypeError, match="pairs of integers"):
+        Work((4, 4, 4), ((0, 1.5), (1.5, 4)), ((0, 4),), ((0, 4),), (0, 1))
+    with pytest.raises(TypeError, match="dims must be a triple"):
+        Work((4, 4, 4, 4), ((0, 4),), ((0, 4),), ((0, 4),), (0,))
+
+
+def test_queries_refuse_ranks_points_and_axes_out_of_range():
+    work = Work.grid((4, 4, 4), (2, 1, 2))
+    for rank in (-1, 4):
+        with pytest.raises(ValueError, match="rank"):
+            work.box(rank)
+    for point in ((-1, 0, 0), (4, 0, 0), (0, 4, 0), (0, 0, 9)):
+        with pytest.raises(ValueError, match="outside"):
+            work.rank_at(*point)
+    with pytest.raises(ValueError, match="permutation"):
+        work.permuted((0, 1, 1))
+    assert "ranks [1, 0, 2, 3]" in repr(Work.grid((4, 4, 4), (2, 1, 2), ranks=[1, 0, 2, 3]))
 
 
 @settings(max_examples=100, deadline=None)
@@ -157,6 +181,8 @@ def test_plans_with_and_without_a_work_split_differ_and_say_so():
     assert make_plan(a, b, c, work=work) is make_plan(a, b, c, work=work)
     with pytest.raises(TypeError, match="work must be"):
         Plan(a, b, c, work=(2, 2, 2))
+    with pytest.raises(TypeError, match="work must be"):
+        make_plan(a, b, c, work=[2, 2, 2])  # unhashable: refused before the plan cache
     with pytest.raises(ValueError, match="product"):
         Plan(a, b, c, work=Work.grid((16, 16, 8), (2, 2, 2)))
     with pytest.raises(ValueError, match="ranks"):

@@ -21,8 +21,9 @@ def plan(
         a_layout, b_layout, c_layout: layouts of A (M x K), B (K x N), C (M x N).
         work: an :class:`osmm_jax.Work` split of the product's multiply-adds (which rank
             computes each box, e.g. from :func:`osmm_jax.three_d_layouts`), or None: the
-            owners of each cell's pieces compute it. Any split gives the same product; it
-            decides who computes and so what moves.
+            owners of each cell's pieces compute it. It decides who computes every cell that
+            no C owner computes for itself (one holding both its inputs), and so what moves;
+            the product is the same.
         comm: an mpi4py intracommunicator whose ranks run the product (default
             COMM_WORLD). osmm_jax communicates on a private duplicate of it,
             created collectively on first use, so call this on every rank.

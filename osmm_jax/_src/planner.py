@@ -374,7 +374,8 @@ class Plan:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """A digest of the layouts, equal on two ranks iff they built the same plan."""
+        """A digest of the layouts and the work split, equal on two ranks iff they built the
+        same plan."""
         text = repr(
             (
                 self.a.shape,
@@ -492,8 +493,8 @@ class Plan:
         A rank is charged for the C partials it accumulates or puts into other ranks'
         blocks and for the A/B pieces other ranks get from its blocks (a get is charged
         to the owner, not to the rank that issues it). This is the load on each rank's
-        outgoing link, the figure :func:`osmm_jax.auto_layouts` and :func:`osmm_jax.plot_plan`
-        use. A/B pieces count ``input_itemsize`` bytes per element, C partials
+        outgoing link, what :func:`osmm_jax.plot_plan` draws; :func:`osmm_jax.auto_layouts`
+        and :meth:`balance` take the larger of it and the bytes each rank receives. A/B pieces count ``input_itemsize`` bytes per element, C partials
         ``accum_itemsize`` (the accumulation type: 4 for float32/bfloat16/float16, 8 for
         float64); both default to float32. For what each rank's own RMA calls move, see
         :meth:`bytes_issued`.
@@ -881,8 +882,9 @@ class Cells:
     def c_owner(self, mi: int, ni: int) -> int:
         return self.c.at(self.m[mi][0], self.n[ni][0])
 
-    def worker(self, mi: int, ki: int, ni: int) -> int:
+    def box_rank(self, mi: int, ki: int, ni: int) -> int:
         """The rank whose :class:`Work` box holds the cell (only with a ``work`` split)."""
+        assert self.work is not None, "box_rank needs a work split"
         return self.work.rank_at(self.m[mi][0], self.k[ki][0], self.n[ni][0])
 
     def flops(self, mi: int, ki: int, ni: int) -> int:
@@ -975,7 +977,7 @@ def decide(cells: Cells, mi: int, ki: int, ni: int, compute_at_inputs: bool = Fa
     if compute_at_inputs and both is not None:
         candidates = [both]
     if cells.work is not None:
-        candidates = [cells.worker(mi, ki, ni)]
+        candidates = [cells.box_rank(mi, ki, ni)]
     m, k, n = _size(cells.m[mi]), _size(cells.k[ki]), _size(cells.n[ni])
     # C owners the server delivers to (all but itself): one, or every other rank.
     others = 1 if c != EVERYONE else cells.nranks - 1
@@ -1297,6 +1299,8 @@ def _collector_paused():
 
 def make_plan(a: Layout, b: Layout, c: Layout, comm_key: int = 0, work: Work | None = None) -> Plan:
     """The (cached) plan of ``C = A @ B`` for the given layouts (and :class:`Work` split)."""
+    if work is not None and not isinstance(work, Work):
+        raise TypeError(f"work must be an osmm_jax.Work or None, got {type(work).__name__}")
     # Layouts that differ only in their reasons are equal, so the reasons join the cache key:
     # the plan returned holds the very layouts asked for, and describe() tells their reason.
     reasons = tuple(getattr(layout, "reason", "") for layout in (a, b, c))

@@ -6,9 +6,11 @@ band of A or column band of B. On many ranks that moves more than necessary: a r
 computes ``V`` multiply-adds touches at least ``3 V^(2/3)`` elements, which only a 3-D split
 of the ``M x K x N`` multiply-adds reaches (Agarwal et al. 1995; the "3-D" and "2.5-D"
 algorithms; COSMA). A :class:`Work` is that split: the box of multiply-adds each rank
-computes, whatever it owns. With :func:`three_d_layouts` each rank owns a slice of the A, B
-and C blocks its box touches, gets the rest of its box's inputs and delivers its partial sum
-of C to the ranks that own the other slices.
+computes, whatever it owns, except where a C owner holds both inputs of a cell (it then
+computes that cell for itself: nothing needs to move) or C is replicated (the holder of both
+inputs computes it for everyone). With :func:`three_d_layouts` each rank owns a slice of the
+A, B and C blocks its box touches, gets the rest of its box's inputs and delivers its partial
+sum of C to the ranks that own the other slices.
 
 Pure Python; imports neither JAX nor MPI.
 """
@@ -28,8 +30,9 @@ class Work:
 
     The boxes lie on a ``pm x pk x pn`` grid: box ``(i, ki, j)`` is rows ``m[i]`` of A and C,
     inner indices ``k[ki]`` and columns ``n[j]`` of B and C, and rank
-    ``ranks[(i * pk + ki) * pn + j]`` computes it; every rank computes exactly one box
-    (possibly empty). Immutable and hashable; build it with :meth:`grid`.
+    ``ranks[(i * pk + ki) * pn + j]`` computes it (the cells of it that the module docstring's
+    exceptions leave); every rank has exactly one box (possibly empty). Immutable and
+    hashable; build it with :meth:`grid`.
 
     Attributes:
         dims: ``(M, K, N)``.
@@ -44,12 +47,20 @@ class Work:
     ranks: tuple[int, ...]
 
     def __post_init__(self):
-        dims = tuple(checks.integer(d, name) for d, name in zip(self.dims, "MKN"))
-        if len(dims) != 3:
-            raise ValueError(f"dims must be (M, K, N), got {self.dims!r}")
+        dims = _triple(self.dims, "dims", ("M", "K", "N"), 0)
         object.__setattr__(self, "dims", dims)
         for name, ivs, extent in zip("mkn", (self.m, self.k, self.n), dims):
-            ivs = tuple((int(lo), int(hi)) for lo, hi in ivs)
+            try:
+                ivs = tuple(
+                    (checks.integer(lo, f"{name} start"), checks.integer(hi, f"{name} stop"))
+                    for lo, hi in ivs
+                )
+            except (TypeError, ValueError) as exc:
+                if isinstance(exc, ValueError) and "unpack" not in str(exc):
+                    raise
+                raise TypeError(
+                    f"{name} must be (start, stop) pairs of integers, got {ivs!r}"
+                ) from None
             object.__setattr__(self, name, ivs)
             if not ivs or ivs[0][0] != 0 or ivs[-1][1] != extent:
                 raise ValueError(f"the intervals of {name} must cover 0..{extent}, got {ivs}")
@@ -69,14 +80,8 @@ class Work:
         """Boxes on a ``grid = (pm, pk, pn)``: each dimension split in proportion to its
         weights (default equal); rank ``(i * pk + ki) * pn + j`` computes box ``(i, ki, j)``
         unless ``ranks`` says otherwise."""
-        try:
-            M, K, N = dims
-            pm, pk, pn = grid
-        except (TypeError, ValueError):
-            raise TypeError(f"dims and grid must be triples, got {dims!r} and {grid!r}") from None
-        pm, pk, pn = (checks.integer(g, f"grid[{i}]") for i, g in enumerate((pm, pk, pn)))
-        if min(pm, pk, pn) < 1:
-            raise ValueError(f"grid dimensions must be at least 1, got {grid!r}")
+        M, K, N = _triple(dims, "dims", ("M", "K", "N"), 0)
+        pm, pk, pn = _triple(grid, "grid", ("pm", "pk", "pn"), 1)
         m = _intervals(split_sizes(M, pm, m_weights, what="m_weights"))
         k = _intervals(split_sizes(K, pk, k_weights, what="k_weights"))
         n = _intervals(split_sizes(N, pn, n_weights, what="n_weights"))
@@ -93,6 +98,9 @@ class Work:
 
     def index(self, rank: int) -> tuple[int, int, int]:
         """``(i, ki, j)``, the position of ``rank``'s box."""
+        rank = checks.integer(rank, "rank")
+        if rank >= self.nranks:
+            raise ValueError(f"rank {rank} is out of range for a split over {self.nranks} ranks")
         _, pk, pn = self.shape
         flat = self._position[rank]
         return (flat // (pk * pn), flat // pn % pk, flat % pn)
@@ -104,6 +112,9 @@ class Work:
 
     def rank_at(self, row: int, inner: int, col: int) -> int:
         """The rank whose box holds the multiply-add ``(row, inner, col)``."""
+        for value, extent, name in zip((row, inner, col), self.dims, ("row", "inner", "col")):
+            if not 0 <= value < extent:
+                raise ValueError(f"{name} {value} is outside 0..{extent - 1}")
         _, pk, pn = self.shape
         i = bisect.bisect_right(self._starts[0], row) - 1
         ki = bisect.bisect_right(self._starts[1], inner) - 1
@@ -114,6 +125,8 @@ class Work:
         """The same boxes for a product whose dimensions are this one's in the order ``axes``:
         ``(0, 2, 1)`` for ``dA = dC @ B.T`` (M x N x K), ``(1, 0, 2)`` for ``dB = A.T @ dC``
         (K x M x N)."""
+        if sorted(axes) != [0, 1, 2]:
+            raise ValueError(f"axes must be a permutation of (0, 1, 2), got {axes!r}")
         shape = self.shape
         intervals = (self.m, self.k, self.n)
         new_shape = tuple(shape[a] for a in axes)
@@ -147,7 +160,10 @@ class Work:
 
     def __repr__(self) -> str:
         pm, pk, pn = self.shape
-        return f"Work({pm}x{pk}x{pn} boxes of {self.dims[0]}x{self.dims[1]}x{self.dims[2]})"
+        boxes = f"{pm}x{pk}x{pn} boxes of {self.dims[0]}x{self.dims[1]}x{self.dims[2]}"
+        if self.ranks != tuple(range(self.nranks)):
+            boxes += f", ranks {list(self.ranks)}"
+        return f"Work({boxes})"
 
 
 def three_d_layouts(dims, grid, speeds=None) -> tuple[Layout, Layout, Layout, Work]:
@@ -166,13 +182,17 @@ def three_d_layouts(dims, grid, speeds=None) -> tuple[Layout, Layout, Layout, Wo
 
     Each dimension is split in proportion to the speeds summed over the other two (the exact
     speed shares when the speeds are a product of one factor per dimension, e.g. ``1:1:2:2``
-    repeated with ``pn`` a multiple of 4); slices in proportion to their owners' speeds.
+    repeated with ``pn`` a multiple of 4); slices in proportion to their owners' speeds. A rank
+    of speed 0 still gets a box unless its whole row, layer or column of the grid has speed 0
+    (a box is a product of shares): :func:`osmm_jax.auto_layouts` prices such a split as never
+    finishing, and does not pick it.
+
+    Memory: a rank owns only its slices, but while it multiplies it also holds the rest of its
+    box's inputs and its whole partial of C (about ``pn``, ``pm`` and ``pk`` times its A, B
+    and C slices), which :func:`osmm_jax.auto_layouts`' memory budget does not count.
     """
-    try:
-        M, K, N = (checks.integer(d, name) for d, name in zip(dims, "MKN"))
-        pm, pk, pn = (checks.integer(g, f"grid[{i}]") for i, g in enumerate(grid))
-    except (TypeError, ValueError) as exc:
-        raise TypeError(f"dims and grid must be triples of integers: {exc}") from None
+    M, K, N = _triple(dims, "dims", ("M", "K", "N"), 0)
+    pm, pk, pn = _triple(grid, "grid", ("pm", "pk", "pn"), 1)
     p = pm * pk * pn
     speeds = checks.speeds((1.0,) * p if speeds is None else speeds)
     if len(speeds) != p:
@@ -216,3 +236,15 @@ def three_d_layouts(dims, grid, speeds=None) -> tuple[Layout, Layout, Layout, Wo
     b = Layout._made((K, N), tuple(b_blocks), False, kind)
     c = Layout._made((M, N), tuple(c_blocks), False, kind)
     return a, b, c, work
+
+
+def _triple(values, what: str, names, minimum: int) -> tuple[int, int, int]:
+    """``values`` as three integers of at least ``minimum``: TypeError when not three
+    integers, ValueError when one is too small."""
+    try:
+        items = tuple(values)
+    except TypeError:
+        raise TypeError(f"{what} must be a triple {tuple(names)}, got {values!r}") from None
+    if len(items) != 3:
+        raise TypeError(f"{what} must be a triple {tuple(names)}, got {values!r}")
+    return tuple(checks.integer(v, f"{what} {name}", minimum) for v, name in zip(items, names))

@@ -58,8 +58,9 @@ def test_three_d_layouts_forward_and_grad_match_numpy(grid, speeds, method):
 
 @pytest.mark.parametrize("kinds", [("rows", "cols", "grid"), ("cols", "rows", "rows")])
 def test_a_work_split_over_ordinary_layouts_moves_what_its_plan_says(kinds):
-    # The boxes decide who computes, whatever the owners: here every rank computes a slice of
-    # K for every C element, so most of its inputs and all but its own rows of C move.
+    # The boxes decide who computes every cell no C owner holding both inputs computes for
+    # itself: here every rank computes a slice of K for every C element, so most of its inputs
+    # and all but its own rows of C move.
     a_layout = make_layout(kinds[0], (M, K))
     b_layout = make_layout(kinds[1], (K, N), shift=1)
     c_layout = make_layout(kinds[2], (M, N), shift=2)

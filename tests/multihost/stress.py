@@ -23,7 +23,7 @@ import sys
 import time
 
 import netns
-from launch import SLOTS, launch, unavailable
+from launch import HARD_TIMEOUT_S, SLOTS, launch, unavailable
 
 
 def _burn(stop) -> None:
@@ -46,17 +46,23 @@ def main(argv=None) -> int:
         print(f"cannot launch across emulated hosts: {reason}", file=sys.stderr)
         return 2
     stop = multiprocessing.Event()
-    burners = [multiprocessing.Process(target=_burn, args=(stop,)) for _ in range(args.burners)]
-    for b in burners:
-        b.start()
+    # Daemons: ended with this script whatever happens before the cleanup below.
+    burners = [
+        multiprocessing.Process(target=_burn, args=(stop,), daemon=True)
+        for _ in range(args.burners)
+    ]
     previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    hosts = netns.create(len(SLOTS))
+    hosts = None
     checked, failures, unfinished = 0, [], []
     started = time.perf_counter()
     try:
+        hosts = netns.create(len(SLOTS))
+        for b in burners:
+            b.start()
         for job in range(args.jobs):
             program = ["--combos", args.combos, "--repeat", str(args.repeat)]
-            status, output, result = launch(hosts, SLOTS, program, timeout=240.0 * args.repeat)
+            timeout = HARD_TIMEOUT_S * args.repeat
+            status, output, result = launch(hosts, SLOTS, program, timeout=timeout)
             if result is None or status != 0 and not (result or {}).get("failures"):
                 unfinished.append((job, status, output[-2000:]))
                 continue
@@ -64,10 +70,12 @@ def main(argv=None) -> int:
             for rank, errors in result["failures"].items():
                 failures += [f"job {job} rank {rank}: {e}" for e in errors]
     finally:
-        netns.remove(hosts.prefix)
+        if hosts is not None:
+            netns.remove(hosts.prefix)
         stop.set()
         for b in burners:
-            b.join()
+            if b.is_alive():
+                b.join()
         for s, handler in previous.items():
             signal.signal(s, handler)
     summary = {
