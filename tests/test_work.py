@@ -203,3 +203,18 @@ def test_the_3d_split_moves_its_boxes_surface_which_meets_the_bound():
     assert max(moved) == pytest.approx(bound, rel=1e-6)
     grid = [Layout.grid((n, n), (8, 8)) for _ in range(3)]
     assert max(comm_bound.moved_elements(Plan(*grid))) == 14 * n * n // 64
+
+
+def test_plan_takes_a_layout_choice_with_its_work_split():
+    import osmm_jax as om
+
+    choice = om.auto_layouts(256, 256, 256, [1.0] * 8, memory_budget=float("inf"))
+    assert choice.name.startswith("3-D") and choice.work is not None
+    part = om.plan(choice, rank=3)
+    assert part.plan == make_plan(choice.a, choice.b, choice.c, work=choice.work)
+    with pytest.raises(ValueError, match="LayoutChoice alone"):
+        om.plan(choice, choice.b, choice.c, rank=0)
+    with pytest.raises(ValueError, match="LayoutChoice alone"):
+        om.plan(choice, work=choice.work, rank=0)
+    with pytest.raises(TypeError, match="three layouts"):
+        om.plan(choice.a, rank=0)

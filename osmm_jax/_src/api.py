@@ -8,17 +8,26 @@ from __future__ import annotations
 
 import numpy as np
 
+from osmm_jax._src.auto_layout import LayoutChoice
 from osmm_jax._src.layout import Layout
 from osmm_jax._src.planner import Plan, RankPlan, make_plan
 
 
 def plan(
-    a_layout: Layout, b_layout: Layout, c_layout: Layout, *, work=None, comm=None, rank=None
+    a_layout: Layout | LayoutChoice,
+    b_layout: Layout | None = None,
+    c_layout: Layout | None = None,
+    *,
+    work=None,
+    comm=None,
+    rank=None,
 ) -> Plan | RankPlan:
     """The plan of ``C = A @ B`` for the three layouts, on ``comm``; or one rank's part of it.
 
     Args:
-        a_layout, b_layout, c_layout: layouts of A (M x K), B (K x N), C (M x N).
+        a_layout, b_layout, c_layout: layouts of A (M x K), B (K x N), C (M x N); or, alone,
+            a :class:`osmm_jax.LayoutChoice` from :func:`osmm_jax.auto_layouts`, whose three
+            layouts and work split are taken (``osmm_jax.plan(choice)``).
         work: an :class:`osmm_jax.Work` split of the product's multiply-adds (which rank
             computes each box, e.g. from :func:`osmm_jax.three_d_layouts`), or None: the
             owners of each cell's pieces compute it. It decides who computes every cell that
@@ -45,6 +54,15 @@ def plan(
             for a different number of ranks than ``comm`` has, or a ``rank``
             out of range; a ``work`` split for another product or rank count.
     """
+    if isinstance(a_layout, LayoutChoice):
+        if b_layout is not None or c_layout is not None or work is not None:
+            raise ValueError(
+                "pass a LayoutChoice alone: it holds the three layouts and the work split"
+            )
+        choice = a_layout
+        a_layout, b_layout, c_layout, work = choice.a, choice.b, choice.c, choice.work
+    elif b_layout is None or c_layout is None:
+        raise TypeError("plan needs three layouts (A, B, C), or one LayoutChoice")
     if rank is not None:
         if comm is not None:
             raise ValueError("pass either comm (a plan to run) or rank (one rank's part), not both")

@@ -24,7 +24,7 @@ fewest input elements, and ``3-D PMxPKxPN`` for the
 ``PN > 1``) whose boxes have the least surface ``MK/(PM PK) + KN/(PK PN) + MN/(PM PN)``
 (:func:`~osmm_jax._src.work.three_d_layouts`: a rank computes a box of the multiply-adds,
 gets the rest of its box's inputs and delivers its partial sum; the choice then carries the
-:class:`~osmm_jax._src.work.Work` split, and :meth:`LayoutChoice.plan` plans with it).
+:class:`~osmm_jax._src.work.Work` split, and ``osmm_jax.plan(choice)`` plans with it).
 ``rows`` and ``cols`` hold one operand whole on every rank; how that is priced is
 ``replication``:
 
@@ -160,7 +160,7 @@ class LayoutChoice:
         reason: one line saying why it won, against the runner-up.
         candidates: every strategy considered, in the order considered (:class:`Candidate`).
         work: the :class:`~osmm_jax._src.work.Work` split of a ``3-D`` choice (who computes
-            which multiply-adds), else None; plan with :meth:`plan`, which passes it on.
+            which multiply-adds), else None; ``osmm_jax.plan(choice)`` passes it on.
         bound_ratio: the most one rank moves with these layouts in the bound's terms (the
             pieces it gets, the partials it delivers, its share of keeping replicas in sync),
             in elements, over the most any rank must move with any layout when work and data
@@ -180,13 +180,6 @@ class LayoutChoice:
     candidates: tuple[Candidate, ...]
     bound_ratio: float = 1.0
     work: Work | None = None
-
-    def plan(self, *, comm=None, rank=None):
-        """``osmm_jax.plan(a, b, c, work=work, comm=comm, rank=rank)``: the plan of the chosen
-        layouts, with the work split a ``3-D`` choice needs to move what the model priced."""
-        from osmm_jax._src.api import plan  # api imports MPI lazily; keep this module pure
-
-        return plan(self.a, self.b, self.c, work=self.work, comm=comm, rank=rank)
 
 
 def candidate_layouts(

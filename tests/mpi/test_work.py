@@ -91,7 +91,7 @@ def test_ranks_with_different_work_splits_all_raise_the_same_error():
 
 def test_the_choice_of_auto_layouts_plans_with_its_work_split():
     choice = om.auto_layouts(64, 64, 64, [1.0] * SIZE, memory_budget=float("inf"))
-    plan = choice.plan()
+    plan = om.plan(choice)
     assert plan.work == choice.work
     a, b, _ = global_inputs(seed=14, m=64, k=64, n=64)
     c_loc = om.matmul(choice.a.shard(a, RANK), choice.b.shard(b, RANK), plan)
