@@ -63,22 +63,26 @@ def test_bad_splits_are_refused(kwargs, message):
 
 
 def test_bad_grids_are_refused():
-    with pytest.raises(ValueError, match="grid pm must be at least 1"):
+    with pytest.raises(ValueError, match=r"grid\[0\] must be at least 1"):
         Work.grid((4, 4, 4), (0, 1, 1))
-    for dims in ((4, 4), (4, 4, 4, 4), 4):
-        with pytest.raises(TypeError, match="dims must be a triple"):
+    for dims in ((4, 4), (4, 4, 4, 4)):
+        with pytest.raises(ValueError, match="dims must be a triple"):
             Work.grid(dims, (1, 1, 1))
-        with pytest.raises(TypeError, match="dims must be a triple"):
+        with pytest.raises(ValueError, match="dims must be a triple"):
             three_d_layouts(dims, (1, 1, 1))
-    with pytest.raises(ValueError, match="dims M must be at least 0"):
+    with pytest.raises(TypeError, match="dims must be a triple"):
+        Work.grid(4, (1, 1, 1))
+    with pytest.raises(TypeError, match=r"dims\[1\] must be an integer"):
+        three_d_layouts((4, 4.0, 4), (1, 1, 1))
+    with pytest.raises(ValueError, match=r"dims\[0\] must be at least 0"):
         three_d_layouts((-1, 4, 4), (1, 1, 1))
-    with pytest.raises(ValueError, match="grid pk must be at least 1"):
+    with pytest.raises(ValueError, match=r"grid\[1\] must be at least 1"):
         three_d_layouts((4, 4, 4), (1, 0, 2))
     with pytest.raises(ValueError, match="weights"):
         Work.grid((4, 4, 4), (2, 1, 1), m_weights=[1, 2, 3])
-    with pytest.raises(TypeError, match="pairs of integers"):
+    with pytest.raises(TypeError, match=r"m\[0\]\[1\] must be an integer"):
         Work((4, 4, 4), ((0, 1.5), (1.5, 4)), ((0, 4),), ((0, 4),), (0, 1))
-    with pytest.raises(TypeError, match="dims must be a triple"):
+    with pytest.raises(ValueError, match="dims must be a triple"):
         Work((4, 4, 4, 4), ((0, 4),), ((0, 4),), ((0, 4),), (0,))
 
 

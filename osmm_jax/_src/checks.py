@@ -24,6 +24,20 @@ def integer(value, name: str, minimum: int = 0) -> int:
     return value
 
 
+def integers(values, name: str, count: int, form: str, minimum: int = 0) -> tuple[int, ...]:
+    """``values`` as ``count`` ints of at least ``minimum`` (``name[i]`` in errors): TypeError
+    when not a sequence, or an entry not an integer; ValueError when it has another length
+    (the message says ``name`` must be ``form``, e.g. ``"2-D (rows, cols)"``) or an entry is
+    too small."""
+    try:
+        items = tuple(values)
+    except TypeError:
+        raise TypeError(f"{name} must be {form}, got {values!r}") from None
+    if len(items) != count:
+        raise ValueError(f"{name} must be {form}, got {values!r}")
+    return tuple(integer(v, f"{name}[{i}]", minimum) for i, v in enumerate(items))
+
+
 def real(value, name: str) -> float:
     """``value`` as a float, nan and inf included; TypeError for non-numbers (and bools)."""
     if isinstance(value, bool):

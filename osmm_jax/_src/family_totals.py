@@ -81,8 +81,7 @@ def _nested_in_boxes(a: Layout, b: Layout, c: Layout, work: Work) -> Totals | No
     delivers the parts of ``C[M_i, N_j]`` it does not own; its own pieces are got by the other
     ranks with non-empty boxes beside it, and its C block is delivered into by them."""
     p = a.nranks
-    position = np.empty(p, dtype=np.int64)
-    position[np.array(work.ranks, dtype=np.int64)] = np.arange(p)
+    position = np.array(work.positions, dtype=np.int64)
     pm, pk, pn = work.shape
     i, ki, j = position // (pk * pn), position // pn % pk, position % pn
     m, k, n = (np.array(ivs, dtype=np.int64).reshape(-1, 2) for ivs in (work.m, work.k, work.n))

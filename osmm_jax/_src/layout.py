@@ -50,13 +50,7 @@ def set_default_nranks(resolver: Callable[[], int] | None) -> Callable[[], int] 
 
 
 def _check_shape(shape) -> tuple[int, int]:
-    try:
-        dims = tuple(shape)
-    except TypeError:
-        raise TypeError(f"shape must be a pair (rows, cols), got {shape!r}") from None
-    if len(dims) != 2:
-        raise ValueError(f"shape must be 2-D (rows, cols), got {shape!r}")
-    return (checks.integer(dims[0], "shape[0]"), checks.integer(dims[1], "shape[1]"))
+    return checks.integers(shape, "shape", 2, "2-D (rows, cols)")
 
 
 def _check_nranks(nranks) -> int:

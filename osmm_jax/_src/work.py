@@ -18,6 +18,7 @@ Pure Python; imports neither JAX nor MPI.
 from __future__ import annotations
 
 import bisect
+import functools
 from dataclasses import dataclass
 
 from osmm_jax._src import checks
@@ -47,20 +48,13 @@ class Work:
     ranks: tuple[int, ...]
 
     def __post_init__(self):
-        dims = _triple(self.dims, "dims", ("M", "K", "N"), 0)
+        dims = checks.integers(self.dims, "dims", 3, "a triple (M, K, N)")
         object.__setattr__(self, "dims", dims)
         for name, ivs, extent in zip("mkn", (self.m, self.k, self.n), dims):
-            try:
-                ivs = tuple(
-                    (checks.integer(lo, f"{name} start"), checks.integer(hi, f"{name} stop"))
-                    for lo, hi in ivs
-                )
-            except (TypeError, ValueError) as exc:
-                if isinstance(exc, ValueError) and "unpack" not in str(exc):
-                    raise
-                raise TypeError(
-                    f"{name} must be (start, stop) pairs of integers, got {ivs!r}"
-                ) from None
+            ivs = tuple(
+                checks.integers(iv, f"{name}[{x}]", 2, "a pair (start, stop)")
+                for x, iv in enumerate(ivs)
+            )
             object.__setattr__(self, name, ivs)
             if not ivs or ivs[0][0] != 0 or ivs[-1][1] != extent:
                 raise ValueError(f"the intervals of {name} must cover 0..{extent}, got {ivs}")
@@ -80,8 +74,8 @@ class Work:
         """Boxes on a ``grid = (pm, pk, pn)``: each dimension split in proportion to its
         weights (default equal); rank ``(i * pk + ki) * pn + j`` computes box ``(i, ki, j)``
         unless ``ranks`` says otherwise."""
-        M, K, N = _triple(dims, "dims", ("M", "K", "N"), 0)
-        pm, pk, pn = _triple(grid, "grid", ("pm", "pk", "pn"), 1)
+        M, K, N = checks.integers(dims, "dims", 3, "a triple (M, K, N)")
+        pm, pk, pn = checks.integers(grid, "grid", 3, "a triple (pm, pk, pn)", 1)
         m = _intervals(split_sizes(M, pm, m_weights, what="m_weights"))
         k = _intervals(split_sizes(K, pk, k_weights, what="k_weights"))
         n = _intervals(split_sizes(N, pn, n_weights, what="n_weights"))
@@ -101,9 +95,7 @@ class Work:
         rank = checks.integer(rank, "rank")
         if rank >= self.nranks:
             raise ValueError(f"rank {rank} is out of range for a split over {self.nranks} ranks")
-        _, pk, pn = self.shape
-        flat = self._position[rank]
-        return (flat // (pk * pn), flat // pn % pk, flat % pn)
+        return _coords(self.positions[rank], self.shape)
 
     def box(self, rank: int) -> tuple[Interval, Interval, Interval]:
         """``(rows, inner, cols)`` of the multiply-adds ``rank`` computes."""
@@ -127,36 +119,26 @@ class Work:
         (K x M x N)."""
         if sorted(axes) != [0, 1, 2]:
             raise ValueError(f"axes must be a permutation of (0, 1, 2), got {axes!r}")
-        shape = self.shape
         intervals = (self.m, self.k, self.n)
-        new_shape = tuple(shape[a] for a in axes)
-        ranks = []
-        for i in range(new_shape[0]):
-            for ki in range(new_shape[1]):
-                for j in range(new_shape[2]):
-                    old = [0, 0, 0]
-                    for pos, axis in zip((i, ki, j), axes):
-                        old[axis] = pos
-                    ranks.append(self.ranks[(old[0] * shape[1] + old[1]) * shape[2] + old[2]])
+        shape = tuple(self.shape[a] for a in axes)
+        ranks = [0] * self.nranks
+        for flat, rank in enumerate(self.ranks):
+            coords = _coords(flat, self.shape)
+            i, ki, j = (coords[a] for a in axes)
+            ranks[(i * shape[1] + ki) * shape[2] + j] = rank
         return Work(tuple(self.dims[a] for a in axes), *(intervals[a] for a in axes), tuple(ranks))
 
-    @property
-    def _starts(self):
-        found = self.__dict__.get("_starts_cache")
-        if found is None:
-            found = tuple([lo for lo, _ in ivs] for ivs in (self.m, self.k, self.n))
-            object.__setattr__(self, "_starts_cache", found)
-        return found
+    @functools.cached_property
+    def positions(self) -> tuple[int, ...]:
+        """The flat index ``(i * pk + ki) * pn + j`` of each rank's box, by rank."""
+        positions = [0] * self.nranks
+        for flat, rank in enumerate(self.ranks):
+            positions[rank] = flat
+        return tuple(positions)
 
-    @property
-    def _position(self):
-        found = self.__dict__.get("_position_cache")
-        if found is None:
-            found = [0] * len(self.ranks)
-            for flat, rank in enumerate(self.ranks):
-                found[rank] = flat
-            object.__setattr__(self, "_position_cache", found)
-        return found
+    @functools.cached_property
+    def _starts(self) -> tuple[list[int], list[int], list[int]]:
+        return tuple([lo for lo, _ in ivs] for ivs in (self.m, self.k, self.n))
 
     def __repr__(self) -> str:
         pm, pk, pn = self.shape
@@ -191,8 +173,8 @@ def three_d_layouts(dims, grid, speeds=None) -> tuple[Layout, Layout, Layout, Wo
     box's inputs and its whole partial of C (about ``pn``, ``pm`` and ``pk`` times its A, B
     and C slices), which :func:`osmm_jax.auto_layouts`' memory budget does not count.
     """
-    M, K, N = _triple(dims, "dims", ("M", "K", "N"), 0)
-    pm, pk, pn = _triple(grid, "grid", ("pm", "pk", "pn"), 1)
+    M, K, N = checks.integers(dims, "dims", 3, "a triple (M, K, N)")
+    pm, pk, pn = checks.integers(grid, "grid", 3, "a triple (pm, pk, pn)", 1)
     p = pm * pk * pn
     speeds = checks.speeds((1.0,) * p if speeds is None else speeds)
     if len(speeds) != p:
@@ -203,7 +185,7 @@ def three_d_layouts(dims, grid, speeds=None) -> tuple[Layout, Layout, Layout, Wo
 
     sums = ([0.0] * pm, [0.0] * pk, [0.0] * pn)
     for r, s in enumerate(speeds):
-        i, ki, j = r // (pk * pn), r // pn % pk, r % pn
+        i, ki, j = _coords(r, (pm, pk, pn))
         sums[0][i] += s
         sums[1][ki] += s
         sums[2][j] += s
@@ -238,13 +220,7 @@ def three_d_layouts(dims, grid, speeds=None) -> tuple[Layout, Layout, Layout, Wo
     return a, b, c, work
 
 
-def _triple(values, what: str, names, minimum: int) -> tuple[int, int, int]:
-    """``values`` as three integers of at least ``minimum``: TypeError when not three
-    integers, ValueError when one is too small."""
-    try:
-        items = tuple(values)
-    except TypeError:
-        raise TypeError(f"{what} must be a triple {tuple(names)}, got {values!r}") from None
-    if len(items) != 3:
-        raise TypeError(f"{what} must be a triple {tuple(names)}, got {values!r}")
-    return tuple(checks.integer(v, f"{what} {name}", minimum) for v, name in zip(items, names))
+def _coords(flat: int, shape: tuple[int, int, int]) -> tuple[int, int, int]:
+    """``(i, ki, j)`` of the box at ``flat = (i * pk + ki) * pn + j`` on a ``shape`` grid."""
+    _, pk, pn = shape
+    return (flat // (pk * pn), flat // pn % pk, flat % pn)
