@@ -68,7 +68,7 @@ from typing import NamedTuple
 
 from osmm_jax._src import checks, comm_bound, config, units
 from osmm_jax._src.layout import Layout
-from osmm_jax._src.planner import Plan, PlanTotals, _nbytes, per_rank_totals
+from osmm_jax._src.planner import Plan, PlanTotals
 from osmm_jax._src.work import Work, three_d_layouts
 
 DEFAULT_BANDWIDTH = 5e9
@@ -289,26 +289,21 @@ def predict(
     itemsize = checks.integer(itemsize, "itemsize", 1)
     if len(speeds) != plan.nranks:
         raise ValueError(f"{len(speeds)} speeds for a plan over {plan.nranks} ranks")
-    compute = max(
-        (f / (s * 1e9) if s > 0 else math.inf) if f else 0.0 for f, s in zip(plan.flops, speeds)
-    )
+    compute = _compute_seconds(plan.flops, speeds)
     comm = max(_link_bytes(plan, itemsize, max(itemsize, 4))) / bandwidth
     return Candidate("", compute + comm, compute, comm)
 
 
-def _bytes_received(plan: Plan | PlanTotals, input_itemsize: int, accum_itemsize: int):
-    """Each rank's bytes received per product (for a Plan, from its transfers)."""
-    if isinstance(plan, PlanTotals):
-        return plan.bytes_received(input_itemsize, accum_itemsize)
-    return per_rank_totals(
-        plan.transfers, plan.nranks, "receiver", _nbytes(input_itemsize, accum_itemsize)
-    )
+def _compute_seconds(flops, speeds) -> float:
+    """The slowest rank's time for its ``flops`` at its speed (GFLOP/s); ``inf`` for a rank
+    with work and speed 0."""
+    return max((f / (s * 1e9) if s > 0 else math.inf) if f else 0.0 for f, s in zip(flops, speeds))
 
 
 def _link_bytes(plan: Plan | PlanTotals, input_itemsize: int, accum_itemsize: int):
     """Each rank's link load per product: the larger of the bytes it sends and receives."""
     sent = plan.bytes_sent(input_itemsize, accum_itemsize)
-    received = _bytes_received(plan, input_itemsize, accum_itemsize)
+    received = plan.bytes_received(input_itemsize, accum_itemsize)
     return tuple(max(s, r) for s, r in zip(sent, received))
 
 
@@ -376,13 +371,15 @@ def auto_layouts(
                 if layout.is_replicated:
                     rows, cols = layout.shape
                     sync += 2 * (p - 1) * rows * cols * accum // (p * PRODUCTS_PER_SYNC)
-        cost = predict(totals, speeds, bandwidth=bandwidth, itemsize=itemsize)
+        compute = _compute_seconds(totals.flops, speeds)
         link = max(_link_bytes(totals, itemsize, accum))
+        comm = (link + sync) / bandwidth
         memory = _memory_bytes((a, b, c), itemsize)
-        cost = cost._replace(
-            name=name,
-            comm_seconds=(link + sync) / bandwidth,
-            predicted_seconds=cost.compute_seconds + (link + sync) / bandwidth,
+        cost = Candidate(
+            name,
+            compute + comm,
+            compute,
+            comm,
             sent_bytes=max(totals.bytes_sent(itemsize, accum)),
             sync_bytes=sync,
             memory_bytes=memory,

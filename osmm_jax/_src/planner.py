@@ -50,7 +50,7 @@ import itertools
 import operator
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any, NamedTuple
 
 from osmm_jax._src.layout import Interval, Layout
@@ -388,8 +388,7 @@ class Plan:
                 self.c.blocks,
                 self.c.is_replicated,
                 self.compute_at_inputs,
-                None if self.work is None else (self.work.m, self.work.k, self.work.n),
-                None if self.work is None else self.work.ranks,
+                None if self.work is None else astuple(self.work),
             )
         )
         return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -494,13 +493,24 @@ class Plan:
         blocks and for the A/B pieces other ranks get from its blocks (a get is charged
         to the owner, not to the rank that issues it). This is the load on each rank's
         outgoing link, what :func:`osmm_jax.plot_plan` draws; :func:`osmm_jax.auto_layouts`
-        and :meth:`balance` take the larger of it and the bytes each rank receives. A/B pieces count ``input_itemsize`` bytes per element, C partials
-        ``accum_itemsize`` (the accumulation type: 4 for float32/bfloat16/float16, 8 for
-        float64); both default to float32. For what each rank's own RMA calls move, see
+        and :meth:`balance` take the larger of it and :meth:`bytes_received`. A/B pieces
+        count ``input_itemsize`` bytes per element, C partials ``accum_itemsize`` (the
+        accumulation type: 4 for float32/bfloat16/float16, 8 for float64); both default to
+        float32. For what each rank's own RMA calls move, see
         :meth:`bytes_issued`.
         """
         return per_rank_totals(
             self.transfers, self.nranks, "sender", _nbytes(input_itemsize, accum_itemsize)
+        )
+
+    def bytes_received(
+        self, input_itemsize: int = FLOAT32_BYTES, accum_itemsize: int = FLOAT32_BYTES
+    ) -> tuple[int, ...]:
+        """Bytes arriving in each rank's memory per product, counted at the RECEIVER: the A/B
+        pieces (and, staged, C blocks) it gets and the C partials delivered into its block.
+        Item sizes as in :meth:`bytes_sent`, whose totals over all ranks are the same."""
+        return per_rank_totals(
+            self.transfers, self.nranks, "receiver", _nbytes(input_itemsize, accum_itemsize)
         )
 
     @functools.cached_property
@@ -528,11 +538,12 @@ class Plan:
         compute = tuple(
             (f / s if s > 0 else float("inf")) if f else 0.0 for f, s in zip(self.flops, speeds)
         )
-        nbytes = _nbytes(input_itemsize, accum_itemsize)
-        received = per_rank_totals(self.transfers, self.nranks, "receiver", nbytes)
         communicate = tuple(
             max(s, r) / bandwidth
-            for s, r in zip(self.bytes_sent(input_itemsize, accum_itemsize), received)
+            for s, r in zip(
+                self.bytes_sent(input_itemsize, accum_itemsize),
+                self.bytes_received(input_itemsize, accum_itemsize),
+            )
         )
         seconds = tuple(x + y for x, y in zip(compute, communicate))
         busiest = max(range(self.nranks), key=lambda r: (seconds[r], -r))
@@ -903,11 +914,15 @@ def cut_cells(a: Layout, b: Layout, c: Layout, work: Work | None = None) -> Cell
     return Cells(m, k, n, OwnerIndex(a), OwnerIndex(b), OwnerIndex(c), a.nranks, work)
 
 
+def _check_work_type(work) -> None:
+    if work is not None and not isinstance(work, Work):
+        raise TypeError(f"work must be an osmm_jax.Work or None, got {type(work).__name__}")
+
+
 def _check_work(work, a: Layout, b: Layout) -> None:
+    _check_work_type(work)
     if work is None:
         return
-    if not isinstance(work, Work):
-        raise TypeError(f"work must be an osmm_jax.Work or None, got {type(work).__name__}")
     dims = (a.shape[0], a.shape[1], b.shape[1])
     if work.dims != dims:
         raise ValueError(f"work splits a {work.dims} product but the layouts make {dims}")
@@ -1259,9 +1274,7 @@ class PlanTotals:
     def bytes_received(
         self, input_itemsize: int = FLOAT32_BYTES, accum_itemsize: int = FLOAT32_BYTES
     ) -> tuple[int, ...]:
-        """Bytes arriving in each rank's memory per product, counted at the RECEIVER: the A/B
-        pieces (and, staged, C blocks) it gets and the C partials delivered into its block.
-        Item sizes as in :meth:`Plan.bytes_sent`, whose totals over all ranks are the same."""
+        """As :meth:`Plan.bytes_received`."""
         t = self.totals
         return tuple(
             i * input_itemsize + p * accum_itemsize
@@ -1299,8 +1312,7 @@ def _collector_paused():
 
 def make_plan(a: Layout, b: Layout, c: Layout, comm_key: int = 0, work: Work | None = None) -> Plan:
     """The (cached) plan of ``C = A @ B`` for the given layouts (and :class:`Work` split)."""
-    if work is not None and not isinstance(work, Work):
-        raise TypeError(f"work must be an osmm_jax.Work or None, got {type(work).__name__}")
+    _check_work_type(work)  # before the cache, which would call a list unhashable
     # Layouts that differ only in their reasons are equal, so the reasons join the cache key:
     # the plan returned holds the very layouts asked for, and describe() tells their reason.
     reasons = tuple(getattr(layout, "reason", "") for layout in (a, b, c))
