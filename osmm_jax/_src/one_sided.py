@@ -66,7 +66,7 @@ def forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0):
     ticket, buffers = None, []
     if plan.has_deliveries:
         local, buffers, ticket, own = _deliver(operands, cells, local, chunk_bytes, own)
-    if not plan.has_deliveries:
+    else:
         whole = _whole_block(operands, own)
         if whole is not None:
             return whole.astype(a.dtype)

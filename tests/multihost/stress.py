@@ -63,7 +63,7 @@ def main(argv=None) -> int:
             program = ["--combos", args.combos, "--repeat", str(args.repeat)]
             timeout = HARD_TIMEOUT_S * args.repeat
             status, output, result = launch(hosts, SLOTS, program, timeout=timeout)
-            if result is None or status != 0 and not (result or {}).get("failures"):
+            if result is None or (status != 0 and not result["failures"]):
                 unfinished.append((job, status, output[-2000:]))
                 continue
             checked += sum(result["checked"])
