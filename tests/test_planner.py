@@ -156,12 +156,11 @@ def test_transfers_are_needed_and_well_formed(layouts):
         for k in t.inner:
             assert (t.origin, t.rows, k, t.cols) in computed
         receivers.setdefault((t.target, t.rows, t.cols), []).append(t)
-    for (target, rows, cols), ts in receivers.items():
-        local = [u for u in plan.local_updates if (u.rank, u.rows, u.cols) == (target, rows, cols)]
-        if any(t.op == "put" for t in ts):
-            assert len(ts) == 1 and not local, (
-                "a put must be the only contribution to its rectangle"
-            )
+    for ts in receivers.values():
+        # The target's own partial is added outside the window, so it may have one too.
+        assert {t.op for t in ts} == ({"put"} if len(ts) == 1 else {"accumulate"}), (
+            "a rectangle's only delivery is a put, and only then"
+        )
 
 
 def test_row_split_with_replicated_b_needs_no_communication():
@@ -175,15 +174,21 @@ def test_row_split_with_replicated_b_needs_no_communication():
     assert plan.flops == (2 * 2 * 6 * 4, 2 * 3 * 6 * 4, 2 * 5 * 6 * 4)
 
 
-def test_k_split_reduce_scatters_by_accumulate_with_half_an_allreduce_of_bytes():
+def test_k_split_reduce_scatters_with_half_an_allreduce_of_bytes():
     n = 8
     plan = make_plan(
         Layout.cols((n, n), nranks=2), Layout.rows((n, n), nranks=2), Layout.rows((n, n), nranks=2)
     )
-    assert {t.op for t in plan.transfers} == {"accumulate"}
+    # Each rank's C rows receive one partial, the other rank's: written, not accumulated.
+    assert {t.op for t in plan.transfers} == {"put"}
     # Each rank sends the half of C it does not own: n*n/2 floats. An all-reduce of
     # the whole C moves at least twice that per rank.
     assert plan.bytes_sent() == (4 * n * n // 2, 4 * n * n // 2)
+    n = 12
+    three = [Layout.cols((n, n), nranks=3), Layout.rows((n, n), nranks=3)]
+    plan = make_plan(*three, Layout.rows((n, n), nranks=3))
+    # Each rank's C rows receive the partials of both other ranks: added where they land.
+    assert {t.op for t in plan.transfers if t.matrix == "C"} == {"accumulate"}
 
 
 def test_transfers_rotate_targets_by_origin():
@@ -249,8 +254,9 @@ def test_backward_plans_use_transposed_layouts():
     plan_da, plan_db = backward_plans(make_plan(a, b, c))
     assert (plan_da.a, plan_da.b, plan_da.c) == (c, b.T, a)
     assert (plan_db.a, plan_db.b, plan_db.c) == (a.T, c, b)
-    # Data-parallel: dB = A.T @ dC is a K-split product whose result every rank holds.
-    assert all(t.op == "accumulate" and t.matrix == "C" for t in plan_db.transfers)
+    # Data-parallel: dB = A.T @ dC is a K-split product whose result every rank holds; on
+    # two ranks each receives the other's partial only, so it is written, not accumulated.
+    assert all(t.op == "put" and t.matrix == "C" for t in plan_db.transfers)
 
 
 def test_describe_names_ranks_multiplies_and_transfers():
@@ -259,7 +265,7 @@ def test_describe_names_ranks_multiplies_and_transfers():
     )
     text = plan.describe()
     assert "over 2 ranks" in text and "rank 0:" in text and "rank 1:" in text
-    assert "accumulate C[4:8, 0:8] into rank 1" in text
+    assert "put C[4:8, 0:8] into rank 1" in text
 
 
 def test_planner_imports_neither_jax_nor_mpi():
@@ -422,10 +428,10 @@ def test_example_schedule_gets_once_and_sums_partials_per_rectangle():
         Transfer("get", "A", 0, 1, (1, 4), (0, 2)),
         Transfer("get", "A", 1, 0, (0, 1), (2, 6)),  # once, for two cells
         Transfer("get", "B", 1, 0, (0, 2), (3, 5)),
-        # Two K cells: any rectangle may receive several contributions, so accumulate.
-        Transfer("accumulate", "C", 0, 1, (0, 1), (3, 5), ((0, 2),)),
-        Transfer("accumulate", "C", 1, 0, (0, 1), (0, 3), ((2, 6),)),
-        Transfer("accumulate", "C", 1, 0, (1, 4), (0, 3), ((2, 6),)),
+        # Each rectangle receives one partial (its owner's own is added outside the window).
+        Transfer("put", "C", 0, 1, (0, 1), (3, 5), ((0, 2),)),
+        Transfer("put", "C", 1, 0, (0, 1), (0, 3), ((2, 6),)),
+        Transfer("put", "C", 1, 0, (1, 4), (0, 3), ((2, 6),)),
     )
     assert plan.local_updates == (
         LocalUpdate(0, (0, 1), (0, 3), ((0, 2),)),
