@@ -125,6 +125,16 @@ def test_flops_and_bytes_add_up(layouts):
     assert list(plan.bytes_issued()) == issued
 
 
+def _inside(rows, cols, get) -> bool:
+    """Whether the rectangle ``rows x cols`` lies in ``get``'s ``(.., .., rows, cols, ..)``."""
+    return (
+        get[2][0] <= rows[0]
+        and rows[1] <= get[2][1]
+        and get[3][0] <= cols[0]
+        and cols[1] <= get[3][1]
+    )
+
+
 @settings(max_examples=300, deadline=None)
 @given(products())
 def test_transfers_are_needed_and_well_formed(layouts):
@@ -144,7 +154,24 @@ def test_transfers_are_needed_and_well_formed(layouts):
         if t.op == "get" and t.matrix != "C"
     ]
     assert len(gets) == len(set(gets)), "the same piece is fetched twice"
-    assert set(gets) == needed, "every get feeds a multiply and every remote piece is fetched"
+
+    # Adjacent pieces from one owner are joined into one get: each needed piece lies in
+    # exactly one get from its owner, and each get is tiled by the pieces it holds.
+    def held_by(get):
+        origin, matrix, _, _, owner = get
+        return [
+            piece
+            for piece in needed
+            if (piece[0], piece[1], piece[4]) == (origin, matrix, owner)
+            and _inside(piece[2], piece[3], get)
+        ]
+
+    holders = Counter(piece for get in gets for piece in held_by(get))
+    assert set(holders) == needed, "every remote piece is fetched"
+    assert all(count == 1 for count in holders.values()), "no piece is fetched twice"
+    for get in gets:
+        area = sum(_size(piece[2]) * _size(piece[3]) for piece in held_by(get))
+        assert area == _size(get[2]) * _size(get[3]), "every fetched element feeds a multiply"
     computed = {(m.rank, m.rows, m.inner, m.cols) for m in plan.multiplies}
     receivers = {}
     for t in plan.transfers:

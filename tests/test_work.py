@@ -209,6 +209,19 @@ def test_the_3d_split_moves_its_boxes_surface_which_meets_the_bound():
     assert max(comm_bound.moved_elements(Plan(*grid))) == 14 * n * n // 64
 
 
+def test_a_3d_rank_gets_each_owners_pieces_in_one_get():
+    # 4 x 4 x 4: a box's A block is held in row slices by 4 ranks and cut along K by B's 4
+    # slices; the pieces from one owner are joined, so 3 gets of A and 3 of B per rank.
+    n = 256
+    a, b, c, work = three_d_layouts((n, n, n), (4, 4, 4))
+    plan = Plan(a, b, c, work=work)
+    for rank in (0, 5, 63):
+        gets = plan.for_rank(rank).gets
+        assert sorted(t.matrix for t in gets) == ["A"] * 3 + ["B"] * 3
+        assert len({(t.matrix, t.target) for t in gets}) == 6
+        assert sum(t.elements for t in gets) == 2 * 3 * (n // 16) * (n // 4)  # 3/4 of a box
+
+
 def test_plan_takes_a_layout_choice_with_its_work_split():
     import osmm_jax as om
 

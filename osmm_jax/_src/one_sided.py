@@ -491,7 +491,32 @@ def _fetch_remote_pieces(plan: Plan, rank: int, a, b) -> dict:
         gets=records,
         fetched_elements=offset,
     )
-    return {key: fetched[off : off + r * c].reshape(r, c) for key, (off, r, c) in shapes.items()}
+    pieces = {key: fetched[off : off + r * c].reshape(r, c) for key, (off, r, c) in shapes.items()}
+    return _cut_to_multiplies(plan, rank, pieces)
+
+
+def _cut_to_multiplies(plan: Plan, rank: int, pieces: dict) -> dict:
+    """``pieces`` (as fetched: the planner joins adjacent pieces from one owner into one get)
+    keyed by the rectangles this rank's multiplies use: ``("A", rows, inner)`` and
+    ``("B", inner, cols)``, each a slice of the fetched piece that holds it."""
+    remote = {}
+    for m in plan.multiplies_on(rank):
+        if m.a_source != rank:
+            remote[("A", m.rows, m.inner)] = _within(pieces, "A", m.rows, m.inner)
+        if m.b_source != rank:
+            remote[("B", m.inner, m.cols)] = _within(pieces, "B", m.inner, m.cols)
+    return remote
+
+
+def _within(pieces: dict, matrix: str, rows, cols):
+    """The ``rows x cols`` rectangle of ``matrix`` cut from the fetched piece that holds it."""
+    if (matrix, rows, cols) in pieces:
+        return pieces[(matrix, rows, cols)]
+    for (held, r, c), piece in pieces.items():
+        inside = r[0] <= rows[0] and rows[1] <= r[1] and c[0] <= cols[0] and cols[1] <= c[1]
+        if held == matrix and inside:
+            return piece[rows[0] - r[0] : rows[1] - r[0], cols[0] - c[0] : cols[1] - c[0]]
+    raise AssertionError(f"no fetched piece of {matrix} holds {rows} x {cols}")  # planner bug
 
 
 def _gather_blocks(plan: Plan, rank: int, block):
