@@ -109,13 +109,19 @@ def _dot(a_piece, b_piece, after=None):
         # trace on CPU): the ticket is never negative, so this selects a_piece unchanged.
         a_piece = jnp.where(after < 0, jnp.zeros((), a_piece.dtype), a_piece)
     acc = dtypes.accumulation_dtype(a_piece.dtype)
-    if a_piece.dtype != acc and jax.default_backend() == "cpu":
-        # XLA's CPU runtime fails some 16-bit dots with a float32 result ("Unsupported
-        # element type for DotThunk::Execute: BF16 x BF16 = F32", jaxlib 0.10, depending on
-        # how a small dot is fused), on some ranks only, leaving the others waiting. Widening
-        # first is exact and computes the same sums, in float32 as the CPU does anyway.
-        a_piece, b_piece = a_piece.astype(acc), b_piece.astype(acc)
-    return jnp.dot(a_piece, b_piece, preferred_element_type=acc)
+    if a_piece.dtype == acc:
+        return jnp.dot(a_piece, b_piece, preferred_element_type=acc)
+    # XLA's CPU runtime fails some 16-bit dots with a float32 result ("Unsupported element
+    # type for DotThunk::Execute: BF16 x BF16 = F32", jaxlib 0.10, depending on how a small
+    # dot is fused), on some ranks only, leaving the others waiting. Widening first is exact
+    # and computes the same sums, in float32 as the CPU does anyway. Chosen by the platform
+    # the product is compiled for (not JAX's default backend: a GPU job may compute on CPU).
+    return jax.lax.platform_dependent(
+        a_piece,
+        b_piece,
+        cpu=lambda x, y: jnp.dot(x.astype(acc), y.astype(acc), preferred_element_type=acc),
+        default=lambda x, y: jnp.dot(x, y, preferred_element_type=acc),
+    )
 
 
 def products(plan: Plan, rank: int, a, b, requests, remote: dict, after=None) -> list:
