@@ -12,13 +12,15 @@ from osmm_jax._src.auto_layout import (
     DEFAULT_BANDWIDTH,
     THREE_D_CANDIDATES,
     LayoutChoice,
+    _memory_bytes,
     _three_d_grids,
     auto_layouts,
     candidate_layouts,
     predict,
 )
 from osmm_jax._src.layout import Layout
-from osmm_jax._src.planner import Plan, make_plan
+from osmm_jax._src.planner import Plan, PlanTotals, make_plan
+from osmm_jax._src.work import three_d_layouts
 
 SPEEDS = [3.0, 1.0, 2.0, 2.0, 0.5, 4.0]
 
@@ -178,13 +180,20 @@ def test_the_memory_budget_leaves_out_layouts_that_do_not_fit():
     M, K, N, speeds = 8192, 12288, 49152, [100.0] * 8
     free = auto_layouts(M, K, N, speeds, replication="free", memory_budget=math.inf)
     assert free.name == "rows"
-    budget = 800 * 2**20  # per rank: B alone is 2.25 GiB, A 384 MiB plus C's share for cols
+    # Per rank: rows holds B whole (2.25 GiB); a K-split holds little of each matrix but
+    # computes a partial of all of C, 7/8 of which it keeps until delivered; cols holds A
+    # whole (384 MiB) and its shares of B and C (480 MiB), with nothing to fetch or deliver.
+    budget = 900 * 2**20
     tight = auto_layouts(M, K, N, speeds, replication="free", memory_budget=budget)
     by_name = {c.name: c for c in tight.candidates}
-    assert not by_name["rows"].fits and not by_name["cols"].fits
-    assert tight.name not in ("rows", "cols") and by_name[tight.name].fits
+    owned = (M * K // 8 + K * N // 8 + M * N // 8) * 4
+    assert by_name["k_split"].memory_bytes == owned + 7 * M * N // 8 * 4
+    assert by_name["cols"].memory_bytes == (M * K + (K * N + M * N) // 8) * 4
+    assert not by_name["rows"].fits and not by_name["k_split"].fits and by_name["cols"].fits
+    assert tight.name not in ("rows", "k_split") and by_name[tight.name].fits
     assert by_name[tight.name].memory_bytes <= budget
-    assert "Over the memory budget of 800 MiB per rank: rows, cols" in tight.reason
+    assert "Over the memory budget of 900 MiB per rank: " in tight.reason
+    assert "rows" in tight.reason.split("Over the memory budget")[1]
     with pytest.raises(ValueError, match=r"fits the memory budget of 1 MiB per rank: the smallest"):
         auto_layouts(M, K, N, speeds, memory_budget=2**20)
 
@@ -357,3 +366,15 @@ def test_plan_describe_says_why_auto_layouts_chose_the_layouts():
     d_a, d_b = make_plan(choice.a, choice.b, choice.c).backward()
     assert "chosen by" not in d_a.describe() and "chosen by" not in d_b.describe()
     assert not hasattr(planner, "_CHOICE_REASONS")
+
+
+def test_memory_counts_the_pieces_a_rank_fetches_and_the_partials_it_delivers():
+    # Square, 64 equal ranks: each owns 3/64 N^2. A 3-D rank at 4 x 4 x 4 also fetches 3/4 of
+    # its box's A and B pieces and delivers 3/4 of its box's C: 4 times what it owns. A rank of
+    # an 8 x 8 grid fetches 7/8 of its row band of A and of its column band of B: 17/3 times.
+    n = 1024
+    owned = 3 * n * n // 64 * 4
+    a, b, c, work = three_d_layouts((n, n, n), (4, 4, 4))
+    assert _memory_bytes((a, b, c), PlanTotals(a, b, c, work), 4, 4) == 4 * owned
+    grid = [Layout.grid((n, n), (8, 8)) for _ in range(3)]
+    assert _memory_bytes(grid, PlanTotals(*grid), 4, 4) * 3 == 17 * owned

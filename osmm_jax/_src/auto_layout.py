@@ -40,9 +40,9 @@ gets the rest of its box's inputs and delivers its partial sum; the choice then 
 * ``"fetched"``: not replicated at all: split like the other operand over K, and
   fetching the pieces a rank lacks is counted by the planner.
 
-Every candidate's memory per rank (the largest sum of a rank's A, B and C
-blocks; a replicated operand counts whole; the transient buffers of a product,
-pieces fetched and partials for other ranks, are not counted) must fit
+Every candidate's memory per rank (the most one rank holds during a product: its
+A, B and C blocks, a replicated operand whole, plus the input pieces it fetches and
+the partials it computes for other ranks) must fit
 ``memory_budget`` (default: ``OSMM_MEMORY_BUDGET``, else a quarter of the
 host's physical memory: on hosts of unequal memory give the same budget
 everywhere, since the choice must be the same on every rank).
@@ -127,10 +127,10 @@ class Candidate(NamedTuple):
     priced before received bytes were counted. ``moved_elements``: the most
     elements one rank gets and delivers (its gets and its partials, the terms of
     :func:`osmm_jax._src.comm_bound.moved_elements`).
-    ``memory_bytes``: the most operand bytes one rank holds (its own A, B and C
-    blocks; input pieces it fetches and partials it computes for other ranks come
-    on top, for the time of the product); ``fits``: whether that is within the
-    memory budget (a candidate that does not fit is never chosen).
+    ``memory_bytes``: the most bytes one rank holds during a product (its own A, B
+    and C blocks, the input pieces it fetches and the partials it computes for other
+    ranks; not the MPI windows); ``fits``: whether that is within the memory budget
+    (a candidate that does not fit is never chosen).
     """
 
     name: str
@@ -329,7 +329,8 @@ def auto_layouts(
         itemsize: bytes per input element (4 for float32, 2 for bfloat16, 8 for float64).
         replication: ``"synced"`` (default), ``"free"`` or ``"fetched"``: how an
             operand held on every rank is priced (see the module docstring).
-        memory_budget: operand bytes one rank may hold (``math.inf``: no limit);
+        memory_budget: bytes one rank may hold during a product (its blocks, the pieces
+            it fetches, its partials for others; ``math.inf``: no limit);
             default ``OSMM_MEMORY_BUDGET``, else a quarter of the host's memory. On a
             GPU, pass (a share of) the device's memory.
         replicated_is_free: the older spelling: True is ``"free"``, False ``"fetched"``.
@@ -374,7 +375,7 @@ def auto_layouts(
         compute = _compute_seconds(totals.flops, speeds)
         link = max(_link_bytes(totals, itemsize, accum))
         comm = (link + sync) / bandwidth
-        memory = _memory_bytes((a, b, c), itemsize)
+        memory = _memory_bytes((a, b, c), totals, itemsize, accum)
         cost = Candidate(
             name,
             compute + comm,
@@ -449,12 +450,18 @@ def _replication(replication: str | None, replicated_is_free: bool | None) -> st
     return replication
 
 
-def _memory_bytes(layouts, itemsize: int) -> int:
-    """The most operand bytes one rank holds: its A, B and C blocks together."""
+def _memory_bytes(layouts, totals: PlanTotals, itemsize: int, accum: int) -> int:
+    """The most bytes one rank holds during a product: its A, B and C blocks (a replicated one
+    whole), the input pieces it fetches and the partials it computes for other ranks (kept
+    until the reduce finishes). A 3-D rank at 4 x 4 x 4 holds 4 times its own slices so; a rank
+    of an 8 x 8 grid nearly 6 times. Not counted: the MPI windows (persistent, sized by the
+    largest block), XLA's temporaries."""
+    t = totals.totals
     most = 0
-    for blocks in zip(*(layout.blocks for layout in layouts)):
-        elements = sum((r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in blocks)
-        most = max(most, elements * itemsize)
+    for rank, blocks in enumerate(zip(*(layout.blocks for layout in layouts))):
+        owned = sum((r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in blocks) * itemsize
+        transient = t.received_inputs[rank] * itemsize + t.partials[rank] * accum
+        most = max(most, owned + transient)
     return most
 
 

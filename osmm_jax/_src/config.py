@@ -55,7 +55,8 @@ def parse_bytes(text: str, source: str) -> float:
 
 
 def memory_budget() -> float:
-    """Bytes of operands per rank :func:`osmm_jax.auto_layouts` allows when given none."""
+    """Bytes per rank (blocks and a product's buffers) :func:`osmm_jax.auto_layouts` allows when
+    given none."""
     text = os.environ.get(MEMORY_BUDGET)
     if text is not None and text.strip():
         return parse_bytes(text, MEMORY_BUDGET)
