@@ -290,7 +290,7 @@ def predict(
     if len(speeds) != plan.nranks:
         raise ValueError(f"{len(speeds)} speeds for a plan over {plan.nranks} ranks")
     compute = _compute_seconds(plan.flops, speeds)
-    comm = max(_link_bytes(plan, itemsize, max(itemsize, 4))) / bandwidth
+    comm = max(plan.link_bytes(itemsize, max(itemsize, 4))) / bandwidth
     return Candidate("", compute + comm, compute, comm)
 
 
@@ -298,13 +298,6 @@ def _compute_seconds(flops, speeds) -> float:
     """The slowest rank's time for its ``flops`` at its speed (GFLOP/s); ``inf`` for a rank
     with work and speed 0."""
     return max((f / (s * 1e9) if s > 0 else math.inf) if f else 0.0 for f, s in zip(flops, speeds))
-
-
-def _link_bytes(plan: Plan | PlanTotals, input_itemsize: int, accum_itemsize: int):
-    """Each rank's link load per product: the larger of the bytes it sends and receives."""
-    sent = plan.bytes_sent(input_itemsize, accum_itemsize)
-    received = plan.bytes_received(input_itemsize, accum_itemsize)
-    return tuple(max(s, r) for s, r in zip(sent, received))
 
 
 def auto_layouts(
@@ -373,7 +366,7 @@ def auto_layouts(
                     rows, cols = layout.shape
                     sync += 2 * (p - 1) * rows * cols * accum // (p * PRODUCTS_PER_SYNC)
         compute = _compute_seconds(totals.flops, speeds)
-        link = max(_link_bytes(totals, itemsize, accum))
+        link = max(totals.link_bytes(itemsize, accum))
         comm = (link + sync) / bandwidth
         memory = _memory_bytes((a, b, c), totals, itemsize, accum)
         cost = Candidate(
@@ -387,7 +380,7 @@ def auto_layouts(
             fits=memory <= budget,
             sent_elements=max(totals.bytes_sent(1, 1)),
             link_bytes=link,
-            link_elements=max(_link_bytes(totals, 1, 1)),
+            link_elements=max(totals.link_bytes(1, 1)),
             moved_elements=max(totals.bytes_issued(1, 1)),
         )
         scored.append((cost, (a, b, c, work)))

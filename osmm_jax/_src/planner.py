@@ -424,12 +424,9 @@ class Plan:
         # Reduce-scatter, then all-gather: kept only if its busiest link (the larger of what a
         # rank sends and receives) carries less and no rank computes more than summing the
         # replicated C directly.
-        direct, staged = self._totals, stage._totals
-        staged_sent = [s + g for s, g in zip(staged.sent(), _gathered_elements(stage.c))]
-        staged_got = [r + g for r, g in zip(staged.received(), _gathered_received(stage.c))]
-        staged_link = max(max(s, r) for s, r in zip(staged_sent, staged_got))
-        direct_link = max(max(s, r) for s, r in zip(direct.sent(), direct.received()))
-        if staged_link < direct_link and all(s <= d for s, d in zip(staged.flops, direct.flops)):
+        direct, staged = self._totals, _with_gathers(stage)
+        cheaper = max(staged.link()) < max(direct.link())
+        if cheaper and all(s <= d for s, d in zip(staged.flops, direct.flops)):
             return stage
         return None
 
@@ -513,6 +510,17 @@ class Plan:
             self.transfers, self.nranks, "receiver", _nbytes(input_itemsize, accum_itemsize)
         )
 
+    def link_bytes(
+        self, input_itemsize: int = FLOAT32_BYTES, accum_itemsize: int = FLOAT32_BYTES
+    ) -> tuple[int, ...]:
+        """Bytes on the busier direction of each rank's link per product: the larger of its
+        :meth:`bytes_sent` and :meth:`bytes_received` (how :meth:`balance` and
+        :func:`osmm_jax.auto_layouts` price a link)."""
+        return _larger(
+            self.bytes_sent(input_itemsize, accum_itemsize),
+            self.bytes_received(input_itemsize, accum_itemsize),
+        )
+
     @functools.cached_property
     def speeds(self) -> tuple[float, ...]:
         """The relative speed (mean 1) the layouts were made for: see :func:`rank_speeds`."""
@@ -538,13 +546,7 @@ class Plan:
         compute = tuple(
             (f / s if s > 0 else float("inf")) if f else 0.0 for f, s in zip(self.flops, speeds)
         )
-        communicate = tuple(
-            max(s, r) / bandwidth
-            for s, r in zip(
-                self.bytes_sent(input_itemsize, accum_itemsize),
-                self.bytes_received(input_itemsize, accum_itemsize),
-            )
-        )
+        communicate = tuple(b / bandwidth for b in self.link_bytes(input_itemsize, accum_itemsize))
         seconds = tuple(x + y for x, y in zip(compute, communicate))
         busiest = max(range(self.nranks), key=lambda r: (seconds[r], -r))
         mean = sum(seconds) / self.nranks
@@ -1246,6 +1248,27 @@ class Totals(NamedTuple):
         """Elements arriving at each rank: the pieces it gets and the partials delivered to it."""
         return tuple(i + p for i, p in zip(self.received_inputs, self.received_partials))
 
+    def link(self) -> tuple[int, ...]:
+        """Elements on the busier direction of each rank's link: the larger of sent and
+        received."""
+        return _larger(self.sent(), self.received())
+
+
+def _larger(xs, ys) -> tuple[int, ...]:
+    """The larger of ``xs[r]`` and ``ys[r]`` for every rank ``r``."""
+    return tuple(max(x, y) for x, y in zip(xs, ys))
+
+
+def _with_gathers(stage: Plan) -> Totals:
+    """The totals of a gather stage's plan with its gathers added: the gathered C blocks
+    travel like the A/B pieces (in the input dtype), each owner's block to every other rank."""
+    totals = stage._totals
+    gathered, got = _gathered_elements(stage.c), _gathered_received(stage.c)
+    return totals._replace(
+        inputs=tuple(i + g for i, g in zip(totals.inputs, gathered)),
+        received_inputs=tuple(i + g for i, g in zip(totals.received_inputs, got)),
+    )
+
 
 def schedule_totals(cells: Cells, compute_at_inputs: bool = False) -> Totals:
     """The :class:`Totals` of every rank of a whole (unstaged) plan, as :func:`build_schedule`
@@ -1325,18 +1348,7 @@ class PlanTotals:
         if totals is None:
             plan = Plan(a, b, c, work=work)
             stage = plan.gather_stage
-            if stage is None:
-                totals = plan._totals
-            else:
-                totals = stage._totals
-                # Gathered C blocks travel in the input dtype, like the A/B pieces: each owner
-                # sends its block to every other rank, and each rank gets every other block.
-                gathered = _gathered_elements(stage.c)
-                got = _gathered_received(stage.c)
-                totals = totals._replace(
-                    inputs=tuple(i + g for i, g in zip(totals.inputs, gathered)),
-                    received_inputs=tuple(i + g for i, g in zip(totals.received_inputs, got)),
-                )
+            totals = plan._totals if stage is None else _with_gathers(stage)
         self.totals = totals
         self.flops = totals.flops
         self._inputs, self._partials = totals.inputs, totals.partials
@@ -1358,6 +1370,8 @@ class PlanTotals:
             i * input_itemsize + p * accum_itemsize
             for i, p in zip(t.received_inputs, t.received_partials)
         )
+
+    link_bytes = Plan.link_bytes  # the same rule, over these totals' sent and received bytes
 
     def bytes_issued(
         self, input_itemsize: int = FLOAT32_BYTES, accum_itemsize: int = FLOAT32_BYTES
