@@ -1114,10 +1114,8 @@ def build_schedule(
                     gets[key] = Transfer("get", matrix, s, src, rows, cols)
         if c != EVERYONE:
             targets: Iterable[int] = (c,)
-        elif involved:
-            targets = (t for t in everyone if t not in d.self_serving or t == s)
         else:
-            targets = (rank,) if rank not in d.self_serving else ()
+            targets = (t for t in (everyone if involved else (rank,)) if _delivered_to(d, t))
         for t in targets:
             if involved or rank == t:
                 if t == s and s in d.self_serving:
@@ -1211,20 +1209,21 @@ def _sole_origin(cells: Cells, target: int, mi: int, ni: int, compute_at_inputs:
     for ki in range(len(cells.k)):
         d = decide(cells, mi, ki, ni, compute_at_inputs)
         s = d.server
-        if s < 0 or s == target:
-            continue
-        # Whom the server delivers to, as build_schedule sends: the C owner, or every rank of
-        # a replicated C that does not compute the cell for itself.
-        if d.c_owner == EVERYONE:
-            receives = target not in d.self_serving
-        else:
-            receives = d.c_owner == target
-        if not receives:
+        if s < 0 or s == target or not _delivered_to(d, target):
             continue
         if origin >= 0 and s != origin:
             return False
         origin = s
     return origin >= 0
+
+
+def _delivered_to(d: Decision, rank: int) -> bool:
+    """Whether the server of a decided cell (``d.server >= 0``) delivers its product to
+    ``rank``: the C owner, or, for a replicated C, every rank that does not compute the cell
+    for itself, and the server itself."""
+    if d.c_owner != EVERYONE:
+        return rank == d.c_owner
+    return rank not in d.self_serving or rank == d.server
 
 
 class Totals(NamedTuple):
