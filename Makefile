@@ -109,8 +109,8 @@ clean:
 # Each MPI run is bounded twice: pytest-timeout stops a test stuck for TEST_TIMEOUT seconds
 # (dumping every thread's stack), and `timeout` stops a whole run after MPI_RUN_TIMEOUT.
 #
-# The 3-rank run includes a randomised product test and a soak (tests/mpi/test_random_products.py,
-# tests/mpi/test_soak.py), tuned by environment variables:
+# The 3-rank run includes a randomised product test and a soak (tests/mpi/runtime/test_random_products.py,
+# tests/mpi/runtime/test_soak.py), tuned by environment variables:
 #   OSMM_TEST_PRODUCTS=n   random products per run (default 150; more for a long hunt)
 #   OSMM_TEST_SEED=s       replay the run that printed "random products: seed=s" (default: a new
 #                          seed every run)
@@ -141,7 +141,7 @@ test-mpi: install
 	done
 	@# Heterogeneous ranks for real: ranks 0 and 1 share core 0, rank 2 has core 1.
 	timeout --kill-after=30 $(MPI_RUN_TIMEOUT) $(MPIEXEC) -n 3 -bind-to user:0,0,1 $(PY) tests/mpi/run.py \
-	  tests/mpi/test_heterogeneous.py tests/mpi/test_rebalance.py -q \
+	  tests/mpi/tuning/test_heterogeneous.py tests/mpi/tuning/test_rebalance.py -q \
 	  --timeout=$(TEST_TIMEOUT) --timeout-method=thread
 
 # A few minutes: one_sided against the all-reduce baseline, JAX's NamedSharding and shard_map
@@ -209,7 +209,7 @@ example-lm: install
 #
 #   make gpu-test    the MPI matmul tests on 2 and 3 ranks with JAX_PLATFORMS=cuda (every
 #                    layout combination, forward and backward, against numpy; one_sided and
-#                    allreduce; float32 and bfloat16: tests/mpi/test_gpu.py, plus test_native
+#                    allreduce; float32 and bfloat16: tests/mpi/runtime/test_gpu.py, plus test_native
 #                    and test_matmul on the GPU), then the Flax example
 #   make gpu-bench   the FFN case of compare_methods on the GPU (one_sided, allreduce, one GPU
 #                    alone), then benchmarks/gpu_staging.py: the FFN's forward and gradient
@@ -230,7 +230,7 @@ gpu-check: install
 gpu-test: gpu-check
 	@set -e; for n in $(GPU_TEST_RANKS); do \
 	  env $(GPU_ENV) timeout --kill-after=30 $(MPI_RUN_TIMEOUT) $(MPIEXEC) -n $$n $(PY) tests/mpi/run.py \
-	    tests/mpi/test_gpu.py tests/mpi/test_native.py tests/mpi/test_matmul.py -q \
+	    tests/mpi/runtime/test_gpu.py tests/mpi/runtime/test_native.py tests/mpi/runtime/test_matmul.py -q \
 	    --timeout=$(TEST_TIMEOUT) --timeout-method=thread \
 	    || { echo "GPU MPI tests FAILED on $$n rank(s)"; exit 1; }; \
 	done

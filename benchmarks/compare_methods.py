@@ -137,7 +137,7 @@ def matmul_fn(plan, method, chunk_bytes=None):
 def with_progress(fn, mode: str):
     """``fn`` run with the native progress ``mode`` (config.PROGRESS), the setting in force
     restored after each call: interleaved entries can then differ in that alone."""
-    from osmm_jax._src import native
+    from osmm_jax._src.runtime import native
 
     def run(*args):
         previous = native.progress_settings()[0]

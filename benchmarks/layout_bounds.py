@@ -4,7 +4,7 @@ No MPI, no device, no timing: for each product shape, rank count and speed mix i
 :func:`osmm_jax.auto_layouts` for layouts, plans them, and compares the most elements one rank
 moves (the input pieces it gets, the partials it sends to other ranks, and its share of keeping
 a replicated operand in sync: a third of ``2 (P-1)/P`` of it, as auto_layouts prices it) with the most any rank must move with any
-layout when work and data are shared by speed (:func:`osmm_jax._src.comm_bound.rank_bounds`,
+layout when work and data are shared by speed (:func:`osmm_jax._src.planning.comm_bound.rank_bounds`,
 Loomis-Whitney). The same comparison for every candidate says whether a gap is the choice's
 or the candidates' (``best candidate``). The chosen layouts' figure is
 ``LayoutChoice.bound_ratio``; auto_layouts itself prices each rank's link by the larger of what
@@ -48,7 +48,7 @@ ACCUM_BYTES = 4  # float32 inputs, partials and gradients
 
 def moved_with_sync(plan, choice_candidate, nranks: int) -> list[float]:
     """Elements each rank moves with ``plan``, its share of keeping replicas in sync included."""
-    from osmm_jax._src import comm_bound
+    from osmm_jax._src.planning import comm_bound
 
     sync = choice_candidate.sync_bytes / ACCUM_BYTES
     return [m + sync for m in comm_bound.moved_elements(plan)]
@@ -56,8 +56,8 @@ def moved_with_sync(plan, choice_candidate, nranks: int) -> list[float]:
 
 def evaluate(name: str, dims: tuple[int, int, int], nranks: int, mix: str) -> dict:
     """The choice, its ratio to the bound, and every candidate's ratio, for one case."""
-    from osmm_jax._src import auto_layout, comm_bound
-    from osmm_jax._src.planner import Plan
+    from osmm_jax._src.planning import auto_layout, comm_bound
+    from osmm_jax._src.planning.planner import Plan
 
     M, K, N = dims
     unit = MIXES[mix]

@@ -58,7 +58,7 @@ def _grid_shape(nranks: int) -> tuple[int, int]:
 
 def layouts(case: str, nranks: int, dim: int):
     """The three layouts of one case (not ``auto``)."""
-    from osmm_jax._src.layout import Layout
+    from osmm_jax._src.planning.layout import Layout
 
     shape = (dim, dim)
     if case == "rows":
@@ -81,9 +81,9 @@ def layouts(case: str, nranks: int, dim: int):
 
 def plan_of(case: str, nranks: int, dim: int):
     """The plan of one case (not ``auto``), its layouts built here."""
-    from osmm_jax._src.auto_layout import _three_d_grids
-    from osmm_jax._src.planner import Plan
-    from osmm_jax._src.work import three_d_layouts
+    from osmm_jax._src.planning.auto_layout import _three_d_grids
+    from osmm_jax._src.planning.planner import Plan
+    from osmm_jax._src.planning.work import three_d_layouts
 
     if case == "3d":
         a, b, c, work = three_d_layouts((dim, dim, dim), _three_d_grids(dim, dim, dim, nranks)[0])
@@ -93,7 +93,7 @@ def plan_of(case: str, nranks: int, dim: int):
 
 def build(case: str, nranks: int, dim: int, rank: int = 0):
     """Build the layouts and ``rank``'s part of the plan (or the auto_layouts choice)."""
-    from osmm_jax._src.auto_layout import auto_layouts
+    from osmm_jax._src.planning.auto_layout import auto_layouts
 
     if case == "auto":
         speeds = [1.0 + 0.5 * (r % 3) for r in range(nranks)]
@@ -115,7 +115,7 @@ def measure_one(case: str, nranks: int, dim: int, repeats: int, whole_max_ranks:
     """Time ``repeats`` builds of one case in this process; memory from the first build."""
     import gc
 
-    import osmm_jax._src.auto_layout  # noqa: F401  (imports outside the timed region)
+    import osmm_jax._src.planning.auto_layout  # noqa: F401  (imports outside the timed region)
 
     gc.collect()
     before = _rss_kib()

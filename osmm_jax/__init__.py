@@ -19,55 +19,55 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from osmm_jax._src import layout as _layout
+from osmm_jax._src.planning import layout as _layout
 
 __version__ = "0.1.0"
 
 
 def _comm_world_size() -> int:
     # Imported on the first call: layouts given a rank count never start MPI.
-    from osmm_jax._src.api import default_nranks
+    from osmm_jax._src.runtime.api import default_nranks
 
     return default_nranks()
 
 
 # A layout built with nranks=None is for every rank of COMM_WORLD; the pure layout module
-# cannot ask MPI itself (see osmm_jax._src.layout.set_default_nranks).
+# cannot ask MPI itself (see osmm_jax._src.planning.layout.set_default_nranks).
 _layout.set_default_nranks(_comm_world_size)
 
 _PUBLIC = {
-    "Layout": "osmm_jax._src.layout",
-    "split_sizes": "osmm_jax._src.layout",
-    "Plan": "osmm_jax._src.planner",
-    "RankPlan": "osmm_jax._src.planner",
-    "LocalMultiply": "osmm_jax._src.planner",
-    "LocalUpdate": "osmm_jax._src.planner",
-    "Transfer": "osmm_jax._src.planner",
-    "plan": "osmm_jax._src.api",
-    "Work": "osmm_jax._src.work",
-    "three_d_layouts": "osmm_jax._src.work",
-    "gather": "osmm_jax._src.api",
-    "stats": "osmm_jax._src.api",
-    "ChecksumError": "osmm_jax._src.checksum",
-    "timeout": "osmm_jax._src.watchdog",
-    "WatchdogTimeout": "osmm_jax._src.watchdog",
-    "MethodSelector": "osmm_jax._src.fallback",
-    "profile_speeds": "osmm_jax._src.speeds",
-    "SpeedProfile": "osmm_jax._src.speeds",
-    "declared_speeds": "osmm_jax._src.speeds",
-    "balance": "osmm_jax._src.balance",
-    "Balance": "osmm_jax._src.balance",
-    "guarantees_balance": "osmm_jax._src.balance",
+    "Layout": "osmm_jax._src.planning.layout",
+    "split_sizes": "osmm_jax._src.planning.layout",
+    "Plan": "osmm_jax._src.planning.planner",
+    "RankPlan": "osmm_jax._src.planning.planner",
+    "LocalMultiply": "osmm_jax._src.planning.planner",
+    "LocalUpdate": "osmm_jax._src.planning.planner",
+    "Transfer": "osmm_jax._src.planning.planner",
+    "plan": "osmm_jax._src.runtime.api",
+    "Work": "osmm_jax._src.planning.work",
+    "three_d_layouts": "osmm_jax._src.planning.work",
+    "gather": "osmm_jax._src.runtime.api",
+    "stats": "osmm_jax._src.runtime.api",
+    "ChecksumError": "osmm_jax._src.runtime.checksum",
+    "timeout": "osmm_jax._src.runtime.watchdog",
+    "WatchdogTimeout": "osmm_jax._src.runtime.watchdog",
+    "MethodSelector": "osmm_jax._src.tuning.fallback",
+    "profile_speeds": "osmm_jax._src.tuning.speeds",
+    "SpeedProfile": "osmm_jax._src.tuning.speeds",
+    "declared_speeds": "osmm_jax._src.tuning.speeds",
+    "balance": "osmm_jax._src.planning.balance",
+    "Balance": "osmm_jax._src.planning.balance",
+    "guarantees_balance": "osmm_jax._src.planning.balance",
     "enable_logging": "osmm_jax._src.log",
-    "auto_layouts": "osmm_jax._src.auto_layout",
-    "LayoutChoice": "osmm_jax._src.auto_layout",
-    "Rebalancer": "osmm_jax._src.rebalance",
-    "plot_plan": "osmm_jax._src.plot",
-    "plot_layout": "osmm_jax._src.plot",
-    "start_metrics": "osmm_jax._src.metrics",
-    "write_metrics": "osmm_jax._src.metrics",
+    "auto_layouts": "osmm_jax._src.planning.auto_layout",
+    "LayoutChoice": "osmm_jax._src.planning.auto_layout",
+    "Rebalancer": "osmm_jax._src.tuning.rebalance",
+    "plot_plan": "osmm_jax._src.planning.plot",
+    "plot_layout": "osmm_jax._src.planning.plot",
+    "start_metrics": "osmm_jax._src.runtime.metrics",
+    "write_metrics": "osmm_jax._src.runtime.metrics",
     "METHODS": "osmm_jax._src.config",
-    "matmul": "osmm_jax._src.matmul",
+    "matmul": "osmm_jax._src.runtime.matmul",
 }
 
 __all__ = [
@@ -122,19 +122,19 @@ def __dir__():
 
 
 if TYPE_CHECKING:
-    from osmm_jax._src.api import gather, plan, stats
-    from osmm_jax._src.auto_layout import LayoutChoice, auto_layouts
-    from osmm_jax._src.balance import Balance, balance, guarantees_balance
-    from osmm_jax._src.checksum import ChecksumError
     from osmm_jax._src.config import METHODS
-    from osmm_jax._src.fallback import MethodSelector
-    from osmm_jax._src.layout import Layout, split_sizes
     from osmm_jax._src.log import enable_logging
-    from osmm_jax._src.matmul import matmul
-    from osmm_jax._src.metrics import start_metrics, write_metrics
-    from osmm_jax._src.planner import LocalMultiply, LocalUpdate, Plan, RankPlan, Transfer
-    from osmm_jax._src.plot import plot_layout, plot_plan
-    from osmm_jax._src.rebalance import Rebalancer
-    from osmm_jax._src.speeds import SpeedProfile, declared_speeds, profile_speeds
-    from osmm_jax._src.watchdog import WatchdogTimeout, timeout
-    from osmm_jax._src.work import Work, three_d_layouts
+    from osmm_jax._src.planning.auto_layout import LayoutChoice, auto_layouts
+    from osmm_jax._src.planning.balance import Balance, balance, guarantees_balance
+    from osmm_jax._src.planning.layout import Layout, split_sizes
+    from osmm_jax._src.planning.planner import LocalMultiply, LocalUpdate, Plan, RankPlan, Transfer
+    from osmm_jax._src.planning.plot import plot_layout, plot_plan
+    from osmm_jax._src.planning.work import Work, three_d_layouts
+    from osmm_jax._src.runtime.api import gather, plan, stats
+    from osmm_jax._src.runtime.checksum import ChecksumError
+    from osmm_jax._src.runtime.matmul import matmul
+    from osmm_jax._src.runtime.metrics import start_metrics, write_metrics
+    from osmm_jax._src.runtime.watchdog import WatchdogTimeout, timeout
+    from osmm_jax._src.tuning.fallback import MethodSelector
+    from osmm_jax._src.tuning.rebalance import Rebalancer
+    from osmm_jax._src.tuning.speeds import SpeedProfile, declared_speeds, profile_speeds

@@ -138,9 +138,9 @@ except ImportError as exc:  # pragma: no cover - depends on the installation
         "osmm_jax.flax needs Flax: pip install 'osmm_jax[flax]' (flax and optax)"
     ) from exc
 
-from osmm_jax._src import unsummed_grads
-from osmm_jax._src.distributed_dot import DistributedDot
-from osmm_jax._src.tensor_parallel import (
+from osmm_jax._src.nn import unsummed_grads
+from osmm_jax._src.nn.distributed_dot import DistributedDot
+from osmm_jax._src.nn.tensor_parallel import (
     TensorParallelDot,
     _value,
     check_sizes,
@@ -586,7 +586,7 @@ def gather_params(params, sizes: Sequence[int], *, split: str, comm=None) -> dic
     """
     import numpy as np
 
-    from osmm_jax._src import communicators
+    from osmm_jax._src.runtime import communicators
 
     name = "osmm_jax.flax.gather_params"
     dot = TensorParallelDot(split, sizes, comm=comm, name=name)
@@ -685,7 +685,7 @@ def _under(names: tuple, prefixes) -> bool:
     return any(names[: len(p)] == p for p in prefixes)
 
 
-# -- noticing un-summed gradients (see osmm_jax._src.unsummed_grads) -----------------------------
+# -- noticing un-summed gradients (see osmm_jax._src.nn.unsummed_grads) -----------------------------
 
 
 def _linen_tensor_parallel(module, dot, kernel, bias) -> None:
@@ -707,7 +707,7 @@ def _linen_differentiated(
 ) -> None:
     """A linen osmm_jax layer's parameters may be being differentiated: record that its path is
     covered in its model's record; a data-parallel layer also notes the differentiation, a
-    tensor-parallel one reports its communicator (see :mod:`osmm_jax._src.unsummed_grads`).
+    tensor-parallel one reports its communicator (see :mod:`osmm_jax._src.nn.unsummed_grads`).
     ``only``: the one parameter under the layer's path that it covers (default: all)."""
     if not data_parallel:
         unsummed_grads.note_tensor_parallel((kernel, bias), module.comm)
@@ -841,10 +841,10 @@ def _nnx_unsummed(layer):
 def _sum_over_ranks(leaves: list, index: Sequence[int], comm, method) -> list:
     """``leaves`` with the entries at ``index`` summed over the ranks of ``comm``: one osmm_jax
     product per dtype (a reduction onto every rank) of the concatenated leaves."""
-    from osmm_jax._src import communicators
-    from osmm_jax._src.api import plan
-    from osmm_jax._src.layout import Layout
-    from osmm_jax._src.matmul import matmul
+    from osmm_jax._src.planning.layout import Layout
+    from osmm_jax._src.runtime import communicators
+    from osmm_jax._src.runtime.api import plan
+    from osmm_jax._src.runtime.matmul import matmul
 
     unsummed_grads.note_synced()
     leaves = list(leaves)
@@ -988,7 +988,7 @@ def _check_layer_comms(layer_comms: dict, comm) -> None:
         return
     from mpi4py import MPI
 
-    from osmm_jax._src import communicators
+    from osmm_jax._src.runtime import communicators
 
     mine = communicators.private_comm(comm)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from osmm_jax._src.layout import Layout
+from osmm_jax._src.planning.layout import Layout
 
 KINDS = ("rows", "cols", "grid", "replicated")
 
@@ -55,7 +55,7 @@ def products(draw, max_dim: int = 9, max_ranks: int = 5):
 def works(draw, dims, nranks: int):
     """A :class:`Work` split of an ``M x K x N`` product over ``nranks`` ranks: any grid whose
     size is ``nranks``, uneven (possibly empty) boxes, ranks in any order."""
-    from osmm_jax._src.work import Work
+    from osmm_jax._src.planning.work import Work
 
     divisors = [d for d in range(1, nranks + 1) if nranks % d == 0]
     pm = draw(st.sampled_from(divisors))

@@ -80,7 +80,7 @@ def test_a_garbage_flag_is_an_error_not_a_silent_no(monkeypatch, name, text):
 
 @pytest.mark.parametrize("text", ["fast,slow", "300;300", "300,,300", "300,-1", "300,nan", "300"])
 def test_garbage_speeds_name_the_variable_and_the_value(monkeypatch, text):
-    from osmm_jax._src import speeds
+    from osmm_jax._src.tuning import speeds
 
     monkeypatch.setenv(config.SPEEDS, text)
     with pytest.raises(ValueError, match=rf"{config.SPEEDS}='{re.escape(text)}'"):

@@ -41,7 +41,7 @@ def _message(caplog, logger, text="profiling"):
 
 
 def test_logger_prefixes_the_rank(monkeypatch, caplog):
-    logger = log_mod.get_logger("osmm_jax._src.speeds")
+    logger = log_mod.get_logger("osmm_jax._src.tuning.speeds")
     assert logger.name == "osmm_jax.speeds"
     for var in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
         monkeypatch.delenv(var, raising=False)

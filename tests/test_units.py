@@ -41,7 +41,7 @@ def test_format_bytes_picks_the_largest_unit_not_above_the_count(n):
 
 
 def test_plot_and_auto_layout_share_it():
-    from osmm_jax._src import auto_layout, plot
+    from osmm_jax._src.planning import auto_layout, plot
 
     assert plot.format_bytes is format_bytes
     assert auto_layout.units.format_bytes is format_bytes

@@ -1,4 +1,4 @@
-// The nanobind module osmm_jax._src._osmm_ffi_cuda: the handlers for XLA's GPU buffers
+// The nanobind module osmm_jax._src.runtime._osmm_ffi_cuda: the handlers for XLA's GPU buffers
 // (registered from Python for platform "CUDA", api_version 1), on the native core shared with
 // the CPU module (libosmm_core: windows, agreement, RMA, counters).
 //

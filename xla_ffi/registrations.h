@@ -1,5 +1,5 @@
 // The FFI targets a platform's extension module hands to Python, which registers them with XLA
-// (osmm_jax/_src/native.py): one name per target, the same on every platform.
+// (osmm_jax/_src/runtime/native.py): one name per target, the same on every platform.
 
 #ifndef OSMM_JAX_XLA_FFI_REGISTRATIONS_H_
 #define OSMM_JAX_XLA_FFI_REGISTRATIONS_H_

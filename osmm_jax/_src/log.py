@@ -82,7 +82,7 @@ if not any(isinstance(h, logging.NullHandler) for h in _package.handlers):
 def get_logger(name: str) -> logging.Logger:
     """The logger ``name`` under the ``osmm_jax`` hierarchy, with the rank prefix attached.
 
-    ``name`` may be a module's ``__name__`` (``"osmm_jax._src.speeds"`` gives
+    ``name`` may be a module's ``__name__`` (``"osmm_jax._src.tuning.speeds"`` gives
     ``"osmm_jax.speeds"``) or a short name (``"speeds"``).
     """
     short = name.rsplit(".", 1)[-1] if name.startswith(ROOT + ".") else name

@@ -1,4 +1,4 @@
-"""A job whose ranks fall out of step, for the watchdog tests (tests/test_watchdog.py).
+"""A job whose ranks fall out of step, for the watchdog tests (tests/runtime/test_watchdog.py).
 
     mpiexec -n 3 python tests/failure_programs/out_of_step.py SCENARIO
 

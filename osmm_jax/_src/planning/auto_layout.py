@@ -1,0 +1,510 @@
+"""Choose layouts for C = A @ B from the ranks' speeds, by a simple cost model.
+
+:func:`auto_layouts` takes the product's dimensions M, K, N and one GEMM rate
+per rank (GFLOP/s), builds a few candidate strategies with shares proportional
+to the speeds, plans every one with the planner, and returns the
+:class:`LayoutChoice` (layouts of A, B and C, and the ``reason``) of the one
+with the least predicted time among those that fit the memory budget::
+
+    predicted = max_r flops[r] / (speeds[r] * 1e9)
+                + max_r (max(bytes_sent[r], bytes_received[r]) + sync_bytes) / bandwidth
+
+``flops``, ``bytes_sent`` and ``bytes_received`` are the plan's own per-rank figures:
+a rank sends the pieces other ranks get from it and the partials it delivers, and
+receives the pieces it gets and the partials delivered into its C block. Its link
+carries both, each way at ``bandwidth`` bytes/s, so the busier direction is what
+it takes: a rank that mostly receives (the owner of a large C block that others
+compute for, a rank that gets most of its inputs) is priced by what arrives.
+
+Candidates, in this order: ``rows``, ``cols``, (with ``"synced"`` replication)
+``rows, B split`` and ``cols, A split``, ``k_split``, ``grid PRxPC`` for the
+:data:`GRID_CANDIDATES` grids ``P = PR * PC`` with ``PR, PC > 1`` whose ranks touch the
+fewest input elements, and ``3-D PMxPKxPN`` for the
+:data:`THREE_D_CANDIDATES` splits ``P = PM * PK * PN`` with ``PK > 1`` (and ``PM`` or
+``PN > 1``) whose boxes have the least surface ``MK/(PM PK) + KN/(PK PN) + MN/(PM PN)``
+(:func:`~osmm_jax._src.planning.work.three_d_layouts`: a rank computes a box of the multiply-adds,
+gets the rest of its box's inputs and delivers its partial sum; the choice then carries the
+:class:`~osmm_jax._src.planning.work.Work` split, and ``osmm_jax.plan(choice)`` plans with it).
+``rows`` and ``cols`` hold one operand whole on every rank; how that is priced is
+``replication``:
+
+* ``"synced"`` (default): the operand is on every rank, as a trained weight is in
+  data-parallel training, and keeping its copies equal costs what the
+  bandwidth-optimal all-reduce of its gradient moves per rank, ``2 (P-1)/P``
+  times its size (in the accumulation type), once per training step, whose
+  three products (forward, and the two backward ones) share it: a third of that
+  per product, ``sync_bytes`` (:data:`PRODUCTS_PER_SYNC`). The same strategies
+  with the operand left split over K and fetched (``rows, B split``, ``cols, A
+  split``) compete with them;
+* ``"free"``: already on every rank, at no cost (an operand that never changes);
+* ``"fetched"``: not replicated at all: split like the other operand over K, and
+  fetching the pieces a rank lacks is counted by the planner.
+
+Every candidate's memory per rank (the most one rank holds during a product: its
+A, B and C blocks, a replicated operand whole, plus the input pieces it fetches and
+the partials it computes for other ranks) must fit
+``memory_budget`` (default: ``OSMM_MEMORY_BUDGET``, else a quarter of the
+host's physical memory: on hosts of unequal memory give the same budget
+everywhere, since the choice must be the same on every rank).
+Predictions within :data:`TIE_TOLERANCE` of the fastest tie; a tie goes to the
+candidate that moves the fewest bytes, then to the earlier one.
+
+The choice also says how far its communication is from the lower bound of any
+layout (:mod:`osmm_jax._src.planning.comm_bound`): ``LayoutChoice.bound_ratio``, in the
+bound's own terms (the pieces a rank gets plus the partials it delivers).
+
+A guide for large products, not a timer: no latency, no contention, and no
+credit for overlapping sends with GEMMs. The candidates, the caveats and what
+the model says about which dimension to split are in docs/design.md ("Choosing
+layouts"). Pure Python (no JAX, no MPI), deterministic, the same on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from osmm_jax._src import checks, config, units
+from osmm_jax._src.planning import comm_bound
+from osmm_jax._src.planning.layout import Layout
+from osmm_jax._src.planning.planner import Plan, PlanTotals
+from osmm_jax._src.planning.work import Work, three_d_layouts
+
+DEFAULT_BANDWIDTH = 5e9
+"""Bytes/s one rank can send, when the caller gives none: one-sided accumulates
+between two ranks on one machine (shared memory) measured 4-10 GiB/s; 5e9 is
+the conservative end. Across a network, pass the link's rate."""
+
+
+TIE_TOLERANCE = 1e-3
+"""Predictions within this fraction of the fastest tie; a tie goes to the candidate that moves
+the fewest bytes per rank, then to the earlier one (``rows`` before ``cols`` before ``k_split``
+before grids), so shares rounded to whole rows do not decide between strategies the model
+cannot tell apart."""
+
+PRODUCTS_PER_SYNC = 3
+"""Products that share one synchronisation of a replicated operand's copies: a training step
+multiplies by a weight three times (forward, and the two backward products) and all-reduces
+its gradient once."""
+
+GRID_CANDIDATES = 5
+"""How many 2-D grids :func:`auto_layouts` plans: those whose ranks touch the fewest elements of A
+and B (a row band and a column band), e.g. all 5 grids of 64 ranks but 5 of the 12 of 8192,
+whose most elongated ones (2 x 4096) would cost most of the choice's time and never win."""
+
+THREE_D_CANDIDATES = 3
+"""How many 3-D splits :func:`auto_layouts` plans: those whose boxes have the least surface (the
+elements a rank of the box moves, when it owns little of them), ties to the earlier split in
+``(PM, PK, PN)`` order. More would rarely win and would slow the choice at thousands of ranks."""
+
+REPLICATION = ("synced", "free", "fetched")
+"""How :func:`auto_layouts` prices an operand that ``rows`` / ``cols`` hold on every rank."""
+
+
+class Strategy(NamedTuple):
+    """One candidate of :func:`candidate_layouts`: its name, the layouts of A, B and C, and the
+    :class:`Work` split that says who computes what (None: the owners of the pieces do)."""
+
+    name: str
+    a: Layout
+    b: Layout
+    c: Layout
+    work: Work | None = None
+
+
+class Candidate(NamedTuple):
+    """One strategy the model considered.
+
+    ``predicted_seconds = compute_seconds + comm_seconds``; ``compute_seconds``
+    is the slowest rank's compute time, ``comm_seconds`` the time of the rank
+    whose link is busiest: ``(link_bytes + sync_bytes) / bandwidth``.
+    ``link_bytes``: the most bytes one rank moves per product, the larger of what
+    it sends and what it receives (``link_elements``: the same in elements, a
+    partial and a piece alike); ``sync_bytes``: the keeping of replicas in sync,
+    per rank. ``sent_bytes`` and ``sent_elements``: the most one rank sends (the
+    pieces other ranks get from it and its partials), the figure the model
+    priced before received bytes were counted. ``moved_elements``: the most
+    elements one rank gets and delivers (its gets and its partials, the terms of
+    :func:`osmm_jax._src.planning.comm_bound.moved_elements`).
+    ``memory_bytes``: the most bytes one rank holds during a product (its own A, B
+    and C blocks, the input pieces it fetches and the partials it computes for other
+    ranks; not the MPI windows); ``fits``: whether that is within the memory budget
+    (a candidate that does not fit is never chosen).
+    """
+
+    name: str
+    predicted_seconds: float
+    compute_seconds: float
+    comm_seconds: float
+    sent_bytes: int = 0
+    sync_bytes: int = 0
+    memory_bytes: int = 0
+    fits: bool = True
+    sent_elements: int = 0
+    link_bytes: int = 0
+    link_elements: int = 0
+    moved_elements: int = 0
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The layouts :func:`auto_layouts` picked, and why.
+
+    Attributes:
+        a, b, c: layouts of A (M x K), B (K x N) and C (M x N) over ``len(speeds)`` ranks;
+            each carries ``"chosen by auto_layouts: " + reason`` as its ``Layout.reason``,
+            which :meth:`Plan.describe` of their plan repeats.
+        name: the winning strategy (``"rows"``, ``"cols"``, ``"k_split"``, ``"grid 2x2"``, ...).
+        predicted_seconds: the model's time of one product with these layouts.
+        reason: one line saying why it won, against the runner-up.
+        candidates: every strategy considered, in the order considered (:class:`Candidate`).
+        work: the :class:`~osmm_jax._src.planning.work.Work` split of a ``3-D`` choice (who computes
+            which multiply-adds), else None; ``osmm_jax.plan(choice)`` passes it on.
+        bound_ratio: the most one rank moves with these layouts in the bound's terms (the
+            pieces it gets, the partials it delivers, its share of keeping replicas in sync),
+            in elements, over the most any rank must move with any layout when work and data
+            are shared by speed (:func:`osmm_jax._src.planning.comm_bound.rank_bounds`); 1.0 when
+            neither moves anything. The bound limits what a rank must fetch and deliver, not
+            what arrives at or leaves its link, so this is not the figure the model prices
+            (``Candidate.link_elements``); it is the ratio ``benchmarks/layout_bounds.py``
+            reports for the chosen layouts, from the plan's totals.
+    """
+
+    a: Layout
+    b: Layout
+    c: Layout
+    name: str
+    predicted_seconds: float
+    reason: str
+    candidates: tuple[Candidate, ...]
+    bound_ratio: float = 1.0
+    work: Work | None = None
+
+
+def candidate_layouts(
+    M: int,
+    K: int,
+    N: int,
+    speeds,
+    *,
+    replication: str | None = None,
+    replicated_is_free: bool | None = None,
+) -> tuple[Strategy, ...]:
+    """Every :class:`Strategy` (name, layouts, work split), in the order :func:`auto_layouts`
+    considers them; ``replication`` (or ``replicated_is_free``) as there."""
+    M, K, N = (checks.integer(v, name) for v, name in ((M, "M"), (K, "K"), (N, "N")))
+    speeds = checks.speeds(speeds)
+    mode = _replication(replication, replicated_is_free)
+    replicate = mode != "fetched"
+    p = len(speeds)
+    rows_b = (
+        Layout.replicated((K, N), nranks=p) if replicate else Layout.rows((K, N), weights=speeds)
+    )
+    cols_a = (
+        Layout.replicated((M, K), nranks=p) if replicate else Layout.cols((M, K), weights=speeds)
+    )
+    out = [
+        ("rows", Layout.rows((M, K), weights=speeds), rows_b, Layout.rows((M, N), weights=speeds)),
+        ("cols", cols_a, Layout.cols((K, N), weights=speeds), Layout.cols((M, N), weights=speeds)),
+    ]
+    if mode == "synced":
+        # Holding the operand whole is one choice; leaving it split and fetching what each
+        # rank lacks (about half the bytes of keeping copies in sync) is the other.
+        out += [
+            (
+                "rows, B split",
+                Layout.rows((M, K), weights=speeds),
+                Layout.rows((K, N), weights=speeds),
+                Layout.rows((M, N), weights=speeds),
+            ),
+            (
+                "cols, A split",
+                Layout.cols((M, K), weights=speeds),
+                Layout.cols((K, N), weights=speeds),
+                Layout.cols((M, N), weights=speeds),
+            ),
+        ]
+    out += [
+        (
+            "k_split",
+            Layout.cols((M, K), weights=speeds),
+            Layout.rows((K, N), weights=speeds),
+            Layout.rows((M, N), weights=speeds),
+        ),
+    ]
+    for pr, pc in _two_d_grids(M, K, N, p):
+        row_w = [math.fsum(speeds[i * pc : (i + 1) * pc]) for i in range(pr)]
+        col_w = [math.fsum(speeds[j::pc]) for j in range(pc)]
+        if not any(row_w) or not any(col_w):  # pragma: no cover - speeds are not all zero
+            continue
+
+        def grid(shape, rw=row_w, cw=col_w, g=(pr, pc)):
+            return Layout.grid(shape, g, row_weights=rw, col_weights=cw)
+
+        out.append((f"grid {pr}x{pc}", grid((M, K)), grid((K, N)), grid((M, N))))
+    for pm, pk, pn in _three_d_grids(M, K, N, p):
+        out.append((f"3-D {pm}x{pk}x{pn}", *three_d_layouts((M, K, N), (pm, pk, pn), speeds)))
+    return tuple(Strategy(*x) for x in out)
+
+
+def _two_d_grids(M: int, K: int, N: int, p: int) -> list[tuple[int, int]]:
+    """The :data:`GRID_CANDIDATES` grids ``p = pr * pc`` (both > 1) whose ranks' row band of A
+    and column band of B, ``MK/pr + KN/pc`` elements, are the smallest; in ``pr`` order."""
+    grids = [(pr, p // pr) for pr in range(2, p // 2 + 1) if p % pr == 0]
+    best = sorted(grids, key=lambda g: (M * K / g[0] + K * N / g[1], g))[:GRID_CANDIDATES]
+    return sorted(best)
+
+
+def _three_d_grids(M: int, K: int, N: int, p: int) -> list[tuple[int, int, int]]:
+    """The :data:`THREE_D_CANDIDATES` splits ``p = pm * pk * pn`` (``pk > 1``, not all of ``p``
+    on K) whose boxes have the least surface."""
+    grids = [
+        (pm, pk, p // (pm * pk))
+        for pm in range(1, p + 1)
+        if p % pm == 0
+        for pk in range(2, p // pm + 1)
+        if (p // pm) % pk == 0 and pk < p
+    ]
+    return sorted(
+        grids,
+        key=lambda g: (M * K / (g[0] * g[1]) + K * N / (g[1] * g[2]) + M * N / (g[0] * g[2]), g),
+    )[:THREE_D_CANDIDATES]
+
+
+def predict(
+    plan: Plan | PlanTotals, speeds, *, bandwidth: float = DEFAULT_BANDWIDTH, itemsize: int = 4
+) -> Candidate:
+    """The model's time of ``plan`` on ranks of ``speeds`` GFLOP/s (name left empty).
+
+    ``plan`` may be a :class:`~osmm_jax._src.planning.planner.PlanTotals`: only its ``nranks``,
+    ``flops``, ``bytes_sent`` and ``bytes_received`` are used. ``comm_seconds`` is the
+    busiest link's: the most bytes one rank sends or receives, over ``bandwidth``.
+
+    A rank with work and speed 0 takes forever (``inf``). Partials travel in the
+    accumulation type: ``max(itemsize, 4)`` bytes per element.
+    """
+    speeds = checks.speeds(speeds)
+    bandwidth = checks.positive_real(bandwidth, "bandwidth")
+    itemsize = checks.integer(itemsize, "itemsize", 1)
+    if len(speeds) != plan.nranks:
+        raise ValueError(f"{len(speeds)} speeds for a plan over {plan.nranks} ranks")
+    compute = _compute_seconds(plan.flops, speeds)
+    comm = max(plan.link_bytes(itemsize, max(itemsize, 4))) / bandwidth
+    return Candidate("", compute + comm, compute, comm)
+
+
+def _compute_seconds(flops, speeds) -> float:
+    """The slowest rank's time for its ``flops`` at its speed (GFLOP/s); ``inf`` for a rank
+    with work and speed 0."""
+    return max((f / (s * 1e9) if s > 0 else math.inf) if f else 0.0 for f, s in zip(flops, speeds))
+
+
+def auto_layouts(
+    M: int,
+    K: int,
+    N: int,
+    speeds,
+    *,
+    bandwidth: float | None = None,
+    itemsize: int = 4,
+    replication: str | None = None,
+    memory_budget: float | None = None,
+    replicated_is_free: bool | None = None,
+) -> LayoutChoice:
+    """Layouts for ``C[M x N] = A[M x K] @ B[K x N]`` that the cost model predicts fastest.
+
+    Args:
+        M, K, N: the product's dimensions (positive).
+        speeds: one GEMM rate per rank, GFLOP/s (finite, >= 0, not all 0); the
+            rank count is ``len(speeds)``. Shares are proportional to them.
+        bandwidth: bytes/s a rank sends, and receives; default :data:`DEFAULT_BANDWIDTH`.
+        itemsize: bytes per input element (4 for float32, 2 for bfloat16, 8 for float64).
+        replication: ``"synced"`` (default), ``"free"`` or ``"fetched"``: how an
+            operand held on every rank is priced (see the module docstring).
+        memory_budget: bytes one rank may hold during a product (its blocks, the pieces
+            it fetches, its partials for others; ``math.inf``: no limit);
+            default ``OSMM_MEMORY_BUDGET``, else a quarter of the host's memory. On a
+            GPU, pass (a share of) the device's memory.
+        replicated_is_free: the older spelling: True is ``"free"``, False ``"fetched"``.
+
+    Returns:
+        A :class:`LayoutChoice`; the same on every rank given the same arguments.
+
+    Raises:
+        ValueError / TypeError: a dimension not positive, bad speeds, bandwidth or budget
+            not positive, itemsize not a positive integer, an unknown replication; no
+            candidate fits the memory budget (the message names the smallest need).
+    """
+    for v, name in ((M, "M"), (K, "K"), (N, "N")):
+        if checks.integer(v, name) < 1:
+            raise ValueError(f"{name} must be positive, got {v}")
+    speeds = checks.speeds(speeds)
+    bandwidth = checks.positive_real(
+        DEFAULT_BANDWIDTH if bandwidth is None else bandwidth, "bandwidth"
+    )
+    itemsize = checks.integer(itemsize, "itemsize", 1)
+    replication = _replication(replication, replicated_is_free)
+    if memory_budget is None:
+        budget = config.memory_budget()
+    elif memory_budget == math.inf:
+        budget = math.inf
+    else:
+        budget = checks.positive_real(memory_budget, "memory_budget")
+    p = len(speeds)
+    accum = max(itemsize, 4)
+
+    scored = []
+    for name, a, b, c, work in candidate_layouts(M, K, N, speeds, replication=replication):
+        # The plan's totals alone (not the cached make_plan(): trial plans must not evict the
+        # user's, and their records are never needed), counted in bulk for these layouts.
+        totals = PlanTotals(a, b, c, work)
+        sync = 0
+        if replication == "synced" and p > 1:
+            for layout in (a, b):
+                if layout.is_replicated:
+                    rows, cols = layout.shape
+                    sync += 2 * (p - 1) * rows * cols * accum // (p * PRODUCTS_PER_SYNC)
+        compute = _compute_seconds(totals.flops, speeds)
+        link = max(totals.link_bytes(itemsize, accum))
+        comm = (link + sync) / bandwidth
+        memory = _memory_bytes((a, b, c), totals, itemsize, accum)
+        cost = Candidate(
+            name,
+            compute + comm,
+            compute,
+            comm,
+            sent_bytes=max(totals.bytes_sent(itemsize, accum)),
+            sync_bytes=sync,
+            memory_bytes=memory,
+            fits=memory <= budget,
+            sent_elements=max(totals.bytes_sent(1, 1)),
+            link_bytes=link,
+            link_elements=max(totals.link_bytes(1, 1)),
+            moved_elements=max(totals.bytes_issued(1, 1)),
+        )
+        scored.append((cost, (a, b, c, work)))
+    fitting = [i for i, (s, _) in enumerate(scored) if s.fits]
+    if not fitting:
+        least = min((s for s, _ in scored), key=lambda s: s.memory_bytes)
+        raise ValueError(
+            f"no layout for {M} x {K} @ {K} x {N} on {p} ranks fits the memory budget of "
+            f"{units.format_bytes(budget)} per rank: the smallest, {least.name}, needs "
+            f"{units.format_bytes(least.memory_bytes)} (raise memory_budget or "
+            f"{config.MEMORY_BUDGET}, or use more ranks)"
+        )
+    fastest = min(scored[i][0].predicted_seconds for i in fitting)
+    tied = [i for i in fitting if _ties(scored[i][0].predicted_seconds, fastest)]
+    pick = min(tied, key=lambda i: (scored[i][0].link_bytes + scored[i][0].sync_bytes, i))
+    best, (a, b, c, work) = scored[pick]
+    rest = sorted(
+        (s for i, (s, _) in enumerate(scored) if i != pick and s.fits),
+        key=lambda s: s.predicted_seconds,
+    )
+    runner_up = rest[0] if rest else None
+    reason = _reason(best, runner_up, replication, bandwidth)
+    left_out = [s.name for s, _ in scored if not s.fits]
+    if left_out:
+        reason += (
+            f". Over the memory budget of {units.format_bytes(budget)} per rank: "
+            + ", ".join(left_out)
+        )
+    # The layouts carry the reason, so the plan of them says why they were chosen.
+    a, b, c = (
+        dataclasses.replace(x, reason=f"chosen by auto_layouts: {reason}") for x in (a, b, c)
+    )
+    return LayoutChoice(
+        a=a,
+        b=b,
+        c=c,
+        name=best.name,
+        predicted_seconds=best.predicted_seconds,
+        reason=reason,
+        candidates=tuple(s for s, _ in scored),
+        bound_ratio=_bound_ratio(M, K, N, speeds, best, itemsize, accum, replication),
+        work=work,
+    )
+
+
+def _replication(replication: str | None, replicated_is_free: bool | None) -> str:
+    if replicated_is_free is not None:
+        if not isinstance(replicated_is_free, bool):
+            raise TypeError(f"replicated_is_free must be True or False, got {replicated_is_free!r}")
+        implied = "free" if replicated_is_free else "fetched"
+        if replication is not None and replication != implied:
+            raise ValueError(
+                f"replication={replication!r} contradicts replicated_is_free={replicated_is_free}"
+            )
+        return implied
+    if replication is None:
+        return "synced"
+    if replication not in REPLICATION:
+        raise ValueError(f"replication must be one of {REPLICATION}, got {replication!r}")
+    return replication
+
+
+def _memory_bytes(layouts, totals: PlanTotals, itemsize: int, accum: int) -> int:
+    """The most bytes one rank holds during a product: its A, B and C blocks (a replicated one
+    whole), the input pieces it fetches and the partials it computes for other ranks (kept
+    until the reduce finishes). A 3-D rank at 4 x 4 x 4 holds 4 times its own slices so; a rank
+    of an 8 x 8 grid nearly 6 times. Not counted: the MPI windows (persistent, sized by the
+    largest block), XLA's temporaries."""
+    t = totals.totals
+    most = 0
+    for rank, blocks in enumerate(zip(*(layout.blocks for layout in layouts))):
+        owned = sum((r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in blocks) * itemsize
+        transient = t.received_inputs[rank] * itemsize + t.partials[rank] * accum
+        most = max(most, owned + transient)
+    return most
+
+
+def _bound_ratio(M, K, N, speeds, best: Candidate, itemsize, accum, replication) -> float:
+    """The chosen candidate's most elements moved by one rank over the lower bound's most.
+
+    Both in the bound's terms (:mod:`osmm_jax._src.planning.comm_bound`): what a rank gets beyond the
+    inputs it owns and delivers beyond the C it owns, plus its share of the sync. The bound
+    limits that sum, not the larger of a rank's sent and received bytes that the model prices
+    (``Candidate.link_elements`` may even be under the bound: a rank that gets ``x`` and
+    delivers ``y`` moves ``x + y`` here, ``max(x, y)`` or more on its link)."""
+    bound = max(comm_bound.rank_bounds(M, K, N, speeds))
+    moved = best.moved_elements + best.sync_bytes / accum
+    if bound <= 0:
+        return 1.0 if moved == 0 else math.inf
+    return moved / bound
+
+
+def _describe(c: Candidate, replication: str, bandwidth: float) -> str:
+    replicated = {"rows": "B", "cols": "A"}.get(c.name) if replication != "fetched" else None
+    if c.comm_seconds == 0:
+        comm = "no communication"
+        if replicated:
+            comm += f" ({replicated} assumed already on every rank)"
+    else:
+        comm = f"{c.comm_seconds:.3g} s moving {units.format_bytes(c.comm_seconds * bandwidth)}"
+        if c.sync_bytes:
+            comm += (
+                f" (keeping the copies of {replicated} in sync: {units.format_bytes(c.sync_bytes)})"
+            )
+    return f"{c.compute_seconds:.3g} s of compute on the slowest rank, {comm}"
+
+
+def _ties(seconds: float, fastest: float) -> bool:
+    return seconds <= fastest * (1 + TIE_TOLERANCE)
+
+
+def _reason(best: Candidate, runner_up, replication: str, bandwidth: float) -> str:
+    text = f"{best.name}: {_describe(best, replication, bandwidth)}"
+    if runner_up is None:
+        return text + " (the only candidate)"
+    if _ties(runner_up.predicted_seconds, best.predicted_seconds):
+        versus = f"within {TIE_TOLERANCE:.1%}: a tie, which goes to the one moving fewer bytes"
+    elif math.isinf(runner_up.predicted_seconds):
+        versus = "cannot run (a rank with work has speed 0)"
+    else:
+        pct = 100 * (runner_up.predicted_seconds / best.predicted_seconds - 1)
+        versus = f"{runner_up.predicted_seconds:.3g} s, +{pct:.0f}%"
+    return (
+        f"{text}; total {best.predicted_seconds:.3g} s. Runner-up {runner_up.name} ({versus}): "
+        f"{_describe(runner_up, replication, bandwidth)}"
+    )

@@ -1,0 +1,95 @@
+"""The all-reduce executor: the mpi4jax baseline (and the fallback) for a plan.
+
+:func:`forward` is called by every rank of the plan's communicator at the same
+point of the program, with the same plan and its own blocks ``a`` (shape
+``plan.a.local_shape(rank)``) and ``b`` (``plan.b.local_shape(rank)``) of one
+supported dtype. It returns this rank's C block, shape
+``plan.c.local_shape(rank)``, in the input dtype; the copies of a replicated C
+are bit-identical on every rank.
+
+* A plan that needs no communication at all (every rank holds all it needs for
+  its own block, e.g. a data-parallel forward product) is computed locally, as
+  a data-parallel code would, by the one-sided executor (which then moves
+  nothing).
+* Otherwise, if any rank lacks input pieces, A and B are first assembled whole
+  on every rank the baseline way: each rank places its block into a zero
+  full-size matrix in the accumulation dtype (M x K, K x N), ``mpi4jax.allreduce``
+  sums them, and the sum is cast back to the input dtype (replicated inputs
+  pass through). Each rank then adds the products of its primary multiplies
+  (each cell of the product once over all ranks) into a zero full-size C
+  (M x N, accumulation dtype), one ``mpi4jax.allreduce`` sums it, and each rank
+  slices its block.
+
+Precision: products and sums are formed in the accumulation dtype (float32 for
+float32, bfloat16 and float16; float64 for float64), so the all-reduced C is in
+it; the result is cast to the input dtype once, at the end.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from osmm_jax._src import dtypes
+from osmm_jax._src.planning.planner import Plan
+from osmm_jax._src.runtime import communicators, one_sided, primitives
+
+
+def forward(plan: Plan, rank: int, a, b):
+    """This rank's C block by all-reduce (see the module docstring)."""
+    if not (plan.has_gets or plan.has_deliveries):
+        # Every rank holds all it needs for its own block (e.g. a data-parallel forward
+        # product): a data-parallel code would not communicate here, so neither does the
+        # baseline.
+        return one_sided.forward(plan, rank, a, b)
+    import mpi4jax
+    from mpi4py import MPI
+
+    comm = communicators.in_graph_comm(plan.comm_key)
+    acc = dtypes.accumulation_dtype(a.dtype)
+    multiplies = [m for m in plan.multiplies_on(rank) if m.primary]
+    remote = {}
+    if plan.has_gets:
+        # Inputs a rank lacks are assembled the baseline way too: zero-padded blocks, summed.
+        a_full = _assemble(a, plan.a, rank, comm, plan.comm_key)
+        b_full = _assemble(b, plan.b, rank, comm, plan.comm_key)
+        for m in multiplies:
+            remote[("A", m.rows, m.inner)] = a_full[m.rows[0] : m.rows[1], m.inner[0] : m.inner[1]]
+            remote[("B", m.inner, m.cols)] = b_full[m.inner[0] : m.inner[1], m.cols[0] : m.cols[1]]
+    M, _, N = plan.dims
+    total = jnp.zeros((M, N), acc)
+    for (rows, _, cols), product in _products(plan, rank, a, b, multiplies, remote).items():
+        total = total.at[rows[0] : rows[1], cols[0] : cols[1]].add(product)
+    total = primitives.watched(
+        lambda: mpi4jax.allreduce(total, op=MPI.SUM, comm=comm), comm=plan.comm_key
+    )
+    row_slice, col_slice = plan.c.local_slices(rank)
+    return total[row_slice, col_slice].astype(a.dtype)
+
+
+def _products(plan: Plan, rank: int, a, b, multiplies, remote: dict) -> dict:
+    """The GEMMs of ``multiplies``: ``{(rows, inner, cols): A[rows, inner] @ B[inner, cols]}``.
+
+    Local pieces are cut from ``a``/``b``; others come from ``remote``, keyed
+    ``(matrix, rows, cols)``. Products are in the accumulation dtype, formed as the one-sided
+    executor forms them (:func:`osmm_jax._src.runtime.one_sided.products`).
+    """
+    requests = [(m, m.rows) for m in multiplies]
+    return {
+        (m.rows, m.inner, m.cols): part
+        for (m, _), part in zip(requests, one_sided.products(plan, rank, a, b, requests, remote))
+    }
+
+
+def _assemble(x, layout, rank, comm, comm_key):
+    """The whole matrix on every rank, summed from zero-padded blocks (replicated layouts pass through)."""
+    import mpi4jax
+    from mpi4py import MPI
+
+    if layout.is_replicated:
+        return x
+    rows, cols = layout.local_slices(rank)
+    padded = jnp.zeros(layout.shape, dtypes.accumulation_dtype(x.dtype)).at[rows, cols].set(x)
+    summed = primitives.watched(
+        lambda: mpi4jax.allreduce(padded, op=MPI.SUM, comm=comm), comm=comm_key
+    )
+    return summed.astype(x.dtype)

@@ -1,0 +1,138 @@
+"""Host-side entry points that bind the pure planner to an MPI communicator.
+
+MPI (mpi4py), JAX and the native module are imported by the functions that use them, so that
+``osmm_jax.plan(..., rank=r)`` works in a process that never starts MPI.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from osmm_jax._src.planning.auto_layout import LayoutChoice
+from osmm_jax._src.planning.layout import Layout
+from osmm_jax._src.planning.planner import Plan, RankPlan, make_plan
+
+
+def plan(
+    a_layout: Layout | LayoutChoice,
+    b_layout: Layout | None = None,
+    c_layout: Layout | None = None,
+    *,
+    work=None,
+    comm=None,
+    rank=None,
+) -> Plan | RankPlan:
+    """The plan of ``C = A @ B`` for the three layouts, on ``comm``; or one rank's part of it.
+
+    Args:
+        a_layout, b_layout, c_layout: layouts of A (M x K), B (K x N), C (M x N); or, alone,
+            a :class:`osmm_jax.LayoutChoice` from :func:`osmm_jax.auto_layouts`, whose three
+            layouts and work split are taken (``osmm_jax.plan(choice)``).
+        work: an :class:`osmm_jax.Work` split of the product's multiply-adds (which rank
+            computes each box, e.g. from :func:`osmm_jax.three_d_layouts`), or None: the
+            owners of each cell's pieces compute it. It decides who computes every cell that
+            no C owner computes for itself (one holding both its inputs), and so what moves;
+            the product is the same.
+        comm: an mpi4py intracommunicator whose ranks run the product (default
+            COMM_WORLD). osmm_jax communicates on a private duplicate of it,
+            created collectively on first use, so call this on every rank.
+        rank: instead of a plan to run, return rank ``rank``'s part of the plan
+            (a :class:`RankPlan`: its multiplies and the transfers it issues, serves
+            and receives) for layouts of any rank count, without MPI: how to check
+            the plan of a large cluster from a laptop. ``comm`` must then be None.
+
+    Returns:
+        An immutable, hashable :class:`Plan`, identical on every rank; cached,
+        so calling again with equal layouts is cheap. Making it computes nothing:
+        each rank builds only its own part, when it first runs the product, in
+        time and memory that grow with its share of the product (for the usual
+        layouts), not with the rank count; the whole schedule (``describe()``,
+        ``plot()``, ``transfers``) is built only when asked for.
+
+    Raises:
+        TypeError / ValueError: not layouts, mismatched dimensions, layouts made
+            for a different number of ranks than ``comm`` has, or a ``rank``
+            out of range; a ``work`` split for another product or rank count.
+    """
+    if isinstance(a_layout, LayoutChoice):
+        if b_layout is not None or c_layout is not None or work is not None:
+            raise ValueError(
+                "pass a LayoutChoice alone: it holds the three layouts and the work split"
+            )
+        choice = a_layout
+        a_layout, b_layout, c_layout, work = choice.a, choice.b, choice.c, choice.work
+    elif b_layout is None or c_layout is None:
+        raise TypeError("plan needs three layouts (A, B, C), or one LayoutChoice")
+    if rank is not None:
+        if comm is not None:
+            raise ValueError("pass either comm (a plan to run) or rank (one rank's part), not both")
+        return make_plan(a_layout, b_layout, c_layout, work=work).for_rank(rank)
+    from osmm_jax._src.runtime import communicators, metrics
+
+    private = communicators.private_comm(comm)
+    metrics.start_from_environment()
+    size = private.Get_size()
+    for name, layout in (("a_layout", a_layout), ("b_layout", b_layout), ("c_layout", c_layout)):
+        if isinstance(layout, Layout) and layout.nranks != size:
+            raise ValueError(
+                f"{name} is for {layout.nranks} ranks but the communicator has {size}; "
+                f"build layouts with nranks={size} (or nranks=None for COMM_WORLD)"
+            )
+    return make_plan(a_layout, b_layout, c_layout, communicators.comm_key(private), work)
+
+
+def default_nranks() -> int:
+    """The rank count of a layout built with ``nranks=None``: the size of COMM_WORLD.
+
+    The package installs this as the layouts' default (see
+    :func:`osmm_jax._src.planning.layout.set_default_nranks`); the first call initialises MPI.
+    """
+    from osmm_jax._src.runtime import communicators
+
+    return communicators.default_comm().Get_size()
+
+
+def gather(x_local, layout: Layout, *, comm=None) -> np.ndarray:
+    """The whole global matrix, assembled on every rank from each rank's block (eager, host-side).
+
+    A collective over ``comm`` (default COMM_WORLD): every rank must call it.
+    Meant for tests, demos and notebooks, not for hot loops. Returns numpy.
+    """
+    if not isinstance(layout, Layout):
+        raise TypeError(f"layout must be an osmm_jax.Layout, got {type(layout).__name__}")
+    from osmm_jax._src.runtime import communicators
+
+    private = communicators.private_comm(comm)
+    rank, size = private.Get_rank(), private.Get_size()
+    if layout.nranks != size:
+        raise ValueError(f"layout is for {layout.nranks} ranks but the communicator has {size}")
+    block = np.asarray(x_local)
+    error = None
+    if block.shape != layout.local_shape(rank):
+        error = f"block has shape {block.shape} but the layout gives rank {rank} {layout.local_shape(rank)}"
+    communicators.agree(
+        private, "osmm_jax.gather", repr((layout.shape, layout.blocks, layout.is_replicated)), error
+    )
+    if layout.is_replicated:
+        return block.copy()
+    blocks = private.allgather(block)
+    out = np.empty(layout.shape, dtype=block.dtype)
+    for r, part in enumerate(blocks):
+        rows, cols = layout.local_slices(r)
+        out[rows, cols] = part
+    return out
+
+
+def stats() -> dict:
+    """This rank's cumulative native counters.
+
+    Keys: ``rma_ops`` (RMA operations issued), ``rma_bytes`` (bytes they
+    moved), ``sent_bytes`` (of those, pushed to other ranks by accumulate and
+    put), ``accumulates``, ``puts``, ``gets``, ``fences``, ``calls`` (fetch
+    and reduce epochs run), ``agreements`` (all-ranks checks the native layer
+    ran: one per new compiled signature, none in a steady loop), ``windows``
+    (live persistent windows) and ``window_bytes`` (their total size).
+    """
+    from osmm_jax._src.runtime import native
+
+    return native.stats()

@@ -1,0 +1,309 @@
+"""``osmm_jax.matmul``: a distributed product as a differentiable JAX operation.
+
+Section order: public function, input checks, batching, differentiation.
+
+Every rank calls :func:`matmul` with the same plan and its own local blocks
+(SPMD). After every rank has checked its inputs and all have agreed on the plan
+and options, the product runs in one of two executors, each in its own module
+(which states what it computes, what it sends and in which dtype):
+
+* ``one_sided`` (:mod:`osmm_jax._src.runtime.one_sided`): XLA dots on static slices
+  plus the native one-sided transfers (MPI_Get of remote input pieces,
+  MPI_Accumulate / MPI_Put of partials straight into their owners' windows,
+  overlapped with the GEMMs in chunks).
+* ``allreduce`` (:mod:`osmm_jax._src.runtime.allreduce`): the mpi4jax baseline, which
+  sums full-size products with ``mpi4jax.allreduce``.
+
+This module adds what both share: the optional checksum verification and
+metrics, a vmap rule that runs a batch of products one after another (see
+:func:`_batchable_forward`), and the custom_vjp whose backward products are
+distributed products with transposed layouts (first order only).
+
+Accumulation precision: products and sums are formed in float32 for float32,
+bfloat16 and float16 inputs, and in float64 for float64; the result is cast
+back to the input dtype once, at the end. 16-bit partials therefore travel as
+float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from osmm_jax._src import config, dtypes
+from osmm_jax._src.planning.planner import Plan, PlanFacts, backward_plans, combine_facts
+from osmm_jax._src.runtime import allreduce, checksum, communicators, metrics, one_sided, watchdog
+
+# -- public function ------------------------------------------------------------------
+
+
+class _Options(NamedTuple):
+    """Static choices of one product, shared by its backward products."""
+
+    method: str
+    verify: bool
+    chunk_bytes: int  # one_sided: overlap sends with GEMMs in chunks of this size; 0 = off
+
+
+def matmul(
+    a_local,
+    b_local,
+    plan: Plan,
+    *,
+    method: str | None = None,
+    verify: bool | None = None,
+    chunk_bytes: int | None = None,
+):
+    """This rank's block of ``C = A @ B`` in ``plan``'s C layout.
+
+    Args:
+        a_local: this rank's block of A, shape ``plan.a.local_shape(rank)``.
+        b_local: this rank's block of B, shape ``plan.b.local_shape(rank)``,
+            same dtype as ``a_local`` (float32, float64, bfloat16 or float16).
+        plan: from :func:`osmm_jax.plan`; the same on every rank.
+        method: ``"one_sided"`` (default) or ``"allreduce"`` (the mpi4jax
+            baseline); ``None`` reads ``OSMM_USE_ALLREDUCE``.
+        verify: check the result by checksum (see :mod:`osmm_jax._src.runtime.checksum`;
+            a few percent of the product's cost) and raise ChecksumError, naming
+            the C block and the ranks involved, if it drifts; the backward
+            products are checked too. ``None`` reads ``OSMM_VERIFY``.
+        chunk_bytes: ``one_sided`` only: overlap communication with computation.
+            The partials other ranks receive are computed in chunks of about
+            this many bytes, and each chunk is sent by a background thread as
+            soon as its GEMMs finish, while the next chunk (and finally this
+            rank's own part) is computed. ``0`` turns overlap off: every GEMM
+            first, then all sends. ``None`` reads ``OSMM_CHUNK_BYTES``
+            (default 4 MiB). The sums are the same either way; a GEMM split by
+            rows may round differently in the last bits.
+
+    Returns:
+        A JAX array of shape ``plan.c.local_shape(rank)`` and the input dtype.
+
+    Works eagerly, under ``jax.jit``, inside loops, under ``jax.grad`` /
+    ``jax.vjp`` (the backward products are distributed products with transposed
+    layouts) and under ``jax.vmap`` (a batch of distributed products, run one
+    after another). Every rank must call it at the same point of the program.
+    Before any MPI traffic, all ranks check together that they hold the same
+    plan and method and valid blocks and options (arguments and ``OSMM_*``
+    variables); otherwise every rank raises the same ValueError (TypeError when
+    every failing rank had a wrong type).
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(
+            f"plan must be an osmm_jax Plan (from osmm_jax.plan), got {type(plan).__name__}"
+        )
+    comm = communicators.comm_for_key(plan.comm_key)
+    rank = comm.Get_rank()
+    # A bad option (an argument, or an OSMM_* variable set on some ranks only) is agreed on
+    # like a bad block, so that every rank raises it instead of the others waiting.
+    try:
+        options, error = _resolve_options(method, verify, chunk_bytes), None
+    except (TypeError, ValueError) as exc:
+        options, error = None, exc
+    if error is None:
+        a_local, b_local, error = _check_inputs(a_local, b_local, plan, rank)
+    try:
+        watchdog.apply_settings()
+    except (TypeError, ValueError) as exc:
+        error = error or exc
+    # Both executors read the plan facts (whether anyone gets or delivers).
+    share = _facts_to_share(plan, rank) if error is None else None
+    with watchdog.host_step(comm, "osmm_jax.matmul's checks"):
+        shared = communicators.agree(
+            comm, "osmm_jax.matmul", f"plan {plan.fingerprint} {options}", error, share=share
+        )
+    if share is not None:
+        _adopt_facts(plan, shared)
+    return _matmul(plan, options, a_local, b_local)
+
+
+def _executed_plans(plan: Plan) -> tuple[Plan, ...]:
+    """The plans a product of ``plan`` and its gradient run: the product and its two backward
+    products, each as executed (its gather stage where it has one)."""
+    return tuple(
+        p.gather_stage if p.gather_stage is not None else p for p in (plan, *backward_plans(plan))
+    )
+
+
+def _facts_to_share(plan: Plan, rank: int) -> tuple[PlanFacts, ...]:
+    """This rank's :class:`~osmm_jax._src.planning.planner.PlanFacts` of every executed plan (cached in
+    the plans after the first product: later calls only look them up).
+
+    Sent on every call, not only until the plans have adopted the combined facts: another rank
+    may hold a new, equal plan object that has not."""
+    return tuple(p.for_rank(rank).facts for p in _executed_plans(plan))
+
+
+def _adopt_facts(plan: Plan, shared: list[tuple[PlanFacts, ...]]) -> None:
+    """Give each executed plan the facts combined over ranks, so that running it (and its
+    gradient) builds only this rank's part of the plan, never the whole schedule."""
+    executed = _executed_plans(plan)
+    for i, target in enumerate(executed):
+        if not target._agreed:
+            target.adopt_facts(combine_facts(rank_facts[i] for rank_facts in shared))
+    if not plan._agreed:
+        plan.adopt_facts(executed[0].facts)
+
+
+# -- input checks -----------------------------------------------------------------------
+
+
+def _resolve_options(method, verify, chunk_bytes) -> _Options:
+    """The options of one product: the arguments, or the ``OSMM_*`` defaults (config.py)."""
+    return _Options(
+        config.resolve_method(method),
+        config.resolve_verify(verify),
+        config.resolve_chunk_bytes(chunk_bytes),
+    )
+
+
+def _as_array(x, name):
+    if isinstance(x, jax.Array) or hasattr(x, "aval"):
+        return x, None
+    try:
+        return jnp.asarray(x), None
+    except (TypeError, ValueError) as exc:
+        return None, f"{name} is not an array ({type(x).__name__}: {exc})"
+
+
+def _check_inputs(a_local, b_local, plan: Plan, rank: int):
+    """Validate this rank's blocks; returns (a, b, error message or None)."""
+    given = (getattr(a_local, "dtype", None), getattr(b_local, "dtype", None))
+    a_local, err_a = _as_array(a_local, "a_local")
+    b_local, err_b = _as_array(b_local, "b_local")
+    if err_a or err_b:
+        return a_local, b_local, err_a or err_b
+    # Compare the dtypes as given: JAX would silently turn a float64 numpy array into
+    # float32 when x64 is off, hiding the mismatch.
+    dtype_a, dtype_b = (
+        np.dtype(d) if d is not None else x.dtype for d, x in zip(given, (a_local, b_local))
+    )
+    if dtype_a != dtype_b:
+        return a_local, b_local, f"a_local is {dtype_a} but b_local is {dtype_b}; they must match"
+    if not dtypes.is_supported(a_local.dtype):
+        names = ", ".join(dtypes.NAMES)
+        return a_local, b_local, f"dtype {a_local.dtype} is not supported (use one of {names})"
+    for name, x, layout in (("a_local", a_local, plan.a), ("b_local", b_local, plan.b)):
+        expected = layout.local_shape(rank)
+        if tuple(x.shape) != expected:
+            return (
+                a_local,
+                b_local,
+                (
+                    f"{name} has shape {tuple(x.shape)} but the {layout.kind} layout of "
+                    f"{'A' if name == 'a_local' else 'B'} {layout.shape} gives rank {rank} a block of {expected}"
+                ),
+            )
+    return a_local, b_local, None
+
+
+# -- batching -----------------------------------------------------------------------------
+
+
+def _forward(plan: Plan, options: _Options, a, b):
+    return _batchable_forward(plan, options)(a, b)
+
+
+@functools.lru_cache(maxsize=512)
+def _batchable_forward(plan: Plan, options: _Options):
+    """The forward product of ``plan``, with a vmap rule that loops over the batch.
+
+    Every rank must issue the same MPI operations in the same order. Under a
+    plain vmap, whether an intermediate is batched can differ between ranks (a
+    rank with an empty block has nothing batched to send), so each rank would
+    issue a different number of collectives. Looping over the batch instead
+    runs ``axis_size`` complete products, identically on every rank.
+    """
+    rank = communicators.comm_for_key(plan.comm_key).Get_rank()
+    comm = communicators.in_graph_comm(plan.comm_key)
+    if options.method == "allreduce":
+        execute = allreduce.forward
+    else:
+        execute = functools.partial(one_sided.forward, chunk_bytes=options.chunk_bytes)
+
+    @jax.custom_batching.custom_vmap
+    def forward(a, b):
+        c = execute(plan, rank, a, b)
+        fault = checksum.injected_fault(rank)
+        if fault is not None and c.size:
+            c = c.at[0, 0].add(jnp.asarray(fault, c.dtype))
+        if options.verify:
+            checksum.check(plan, rank, comm, a, b, c, dtypes.accumulation_dtype(a.dtype))
+        if metrics.enabled():
+            jax.debug.callback(metrics.count_product)
+        return c
+
+    @forward.def_vmap
+    def _loop_over_batch(axis_size, in_batched, a, b):
+        a_batched, b_batched = in_batched
+        outs = [
+            forward(a[i] if a_batched else a, b[i] if b_batched else b) for i in range(axis_size)
+        ]
+        return jnp.stack(outs), True
+
+    return forward
+
+
+# -- differentiation ------------------------------------------------------------------------
+
+
+@jax.custom_jvp
+def _first_order_only(x):
+    """Identity that refuses forward-mode differentiation.
+
+    A custom_vjp's forward pass is only differentiated when a derivative of a
+    derivative is taken. The native primitives have no derivative rules, and
+    mpi4jax's all-reduce transposes to the identity, which would make a
+    second derivative of the baseline silently wrong: refuse clearly instead.
+    """
+    return x
+
+
+@_first_order_only.defjvp
+def _first_order_only_jvp(primals, tangents):
+    raise NotImplementedError(
+        "osmm_jax.matmul supports first-order reverse-mode differentiation (jax.grad, jax.vjp, "
+        "jax.value_and_grad); forward-mode (jax.jvp) and higher-order derivatives are not supported"
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _matmul(plan: Plan, options: _Options, a, b):
+    return _forward(plan, options, a, b)
+
+
+def _matmul_fwd(plan: Plan, options: _Options, a, b):
+    """The product, keeping what the backward products will need: B for dA only when A is
+    differentiated, A for dB only when B is.
+
+    ``a`` and ``b`` are :class:`jax.custom_derivatives.CustomVJPPrimal` (``symbolic_zeros``):
+    ``perturbed`` is False for an input no derivative is taken with respect to, such as a
+    model's input batch or a frozen weight."""
+    c = _forward(plan, options, _first_order_only(a.value), _first_order_only(b.value))
+    return c, (b.value if a.perturbed else None, a.value if b.perturbed else None)
+
+
+def _matmul_bwd(plan: Plan, options: _Options, residuals, d_c):
+    """dA = dC @ B.T and dB = A.T @ dC, each a distributed product with transposed layouts.
+
+    Only the products whose result is needed run: the custom calls move data between ranks, so
+    XLA may not drop an unused one, and an input that is not differentiated (the first layer's
+    batch) would otherwise cost a whole distributed product per step. Whether an input is
+    differentiated is a property of the traced program, the same on every rank."""
+    b_for_da, a_for_db = residuals
+    if isinstance(d_c, jax.custom_derivatives.SymbolicZero):
+        return None, None
+    plan_da, plan_db = backward_plans(plan)
+    d_a = d_b = None
+    if b_for_da is not None:
+        d_a = _matmul(plan_da, options, d_c.astype(b_for_da.dtype), b_for_da.T)
+    if a_for_db is not None:
+        d_b = _matmul(plan_db, options, a_for_db.T, d_c.astype(a_for_db.dtype))
+    return d_a, d_b
+
+
+_matmul.defvjp(_matmul_fwd, _matmul_bwd, symbolic_zeros=True)

@@ -1,0 +1,313 @@
+"""JAX primitives for the two native data-movement steps of a one-sided product.
+
+``osmm_fetch``
+    Every rank exposes the A/B blocks others need and gets the remote pieces it
+    needs (MPI_Get). Inputs: this rank's A and B blocks. Output: the fetched
+    pieces, concatenated flat.
+``osmm_reduce_start``, ``osmm_reduce_issue``, ``osmm_reduce_finish``
+    Every rank accumulates (MPI_Accumulate) or writes (MPI_Put) its C partials
+    into their owners' windows, chunk by chunk, then adds what it received to
+    its own local partial. ``start`` takes chunk 0 (and validates the records
+    of every chunk), ``issue`` takes chunk i, ``finish`` takes the local
+    partial of this rank's C block (and every chunk, to keep it alive while a
+    background thread may still be sending it) and returns the finished block.
+    ``start`` and ``issue`` return a ticket (an int32 scalar) that the caller
+    can make the next GEMM depend on, so the chunk is on its way before that
+    GEMM runs.
+
+``osmm_fetch``, ``start`` and ``finish`` are MPI collectives over the plan's
+communicator: every rank must issue them in the same order (``issue`` is local;
+ranks may have different numbers of chunks). Each carries mpi4jax's ordered
+effect, so one token chain orders them against each other AND against mpi4jax
+calls in the same program; XLA never reorders them.
+
+They lower, on every platform whose handlers :mod:`osmm_jax._src.runtime.native` registered
+(``native.platforms()``: the CPU, and CUDA when built), to the FFI targets of the same
+names.
+
+Section order as in mpi4jax: primitive, abstract evaluation, lowering.
+Batching and differentiation are handled above, in :mod:`osmm_jax._src.runtime.matmul`
+(``jax.custom_batching.custom_vmap`` and ``jax.custom_vjp``), for the whole
+product: a rule at this level could not keep ranks in step, because whether a
+rank's operand is batched can depend on whether its block is empty.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import mlir
+
+from osmm_jax._src.compat import (
+    abstract_token,
+    apply_primitive,
+    get_token_effect,
+    ordered_effect,
+    recover_failed_runtime_tokens,
+    set_token_effect,
+)
+from osmm_jax._src.runtime import native
+
+# An error inside one rank's product must not make every later product on that rank fail at
+# once (see compat.recover_failed_runtime_tokens): the other ranks would wait for it forever.
+recover_failed_runtime_tokens(ordered_effect)
+
+# -- primitives -----------------------------------------------------------------
+
+osmm_fetch_p = Primitive("osmm_fetch")
+osmm_reduce_start_p = Primitive("osmm_reduce_start")
+osmm_reduce_issue_p = Primitive("osmm_reduce_issue")
+osmm_reduce_finish_p = Primitive("osmm_reduce_finish")
+osmm_watch_p = Primitive("osmm_watch")
+for _p in (
+    osmm_fetch_p,
+    osmm_reduce_start_p,
+    osmm_reduce_issue_p,
+    osmm_reduce_finish_p,
+    osmm_watch_p,
+):
+    _p.def_impl(functools.partial(apply_primitive, _p))
+
+
+def fetch(
+    a, b, *, comm, call_id, window_bytes, b_offset, expose_a, expose_b, gets, fetched_elements
+):
+    """Bind ``osmm_fetch``: returns a 1-D array of ``fetched_elements`` elements of a's dtype.
+
+    ``gets`` is a tuple of int records ``(region, target, offset, rows, cols,
+    row0, col0, ld)`` (fields: :data:`native.RECORD_FIELDS`; region
+    :data:`native.REGION_A` or :data:`native.REGION_B`); ``window_bytes`` and ``b_offset`` are identical on every rank.
+    ``call_id`` (see :func:`call_id`) is identical on every rank and determines every
+    rank's attributes: the native layer agrees across ranks once per id.
+    """
+    return osmm_fetch_p.bind(
+        a,
+        b,
+        comm=int(comm),
+        call_id=int(call_id),
+        window_bytes=int(window_bytes),
+        b_offset=int(b_offset),
+        expose_a=bool(expose_a),
+        expose_b=bool(expose_b),
+        gets=tuple(int(x) for x in gets),
+        fetched_elements=int(fetched_elements),
+    )
+
+
+def reduce_start(
+    chunk, *, comm, call_id, window_bytes, local_elements, overlap, transfers, chunk_sizes
+):
+    """Bind ``osmm_reduce_start``: open the reduce epoch, send chunk 0; returns a ticket.
+
+    ``transfers`` is one list of int records ``(op, target, offset, rows, cols,
+    row0, col0, ld)`` per chunk (op :data:`native.OP_ACCUMULATE` or
+    :data:`native.OP_PUT`), ``offset`` relative to that chunk;
+    ``chunk_sizes`` the element count of every chunk's buffer. ``window_bytes``
+    is identical on every rank. ``overlap``: send from the background thread.
+    ``call_id``: as for :func:`fetch`.
+    """
+    chunk_ends = tuple(
+        int(x) for x in np.cumsum([len(r) // native.RECORD_LENGTH for r in transfers])
+    )
+    return osmm_reduce_start_p.bind(
+        chunk,
+        comm=int(comm),
+        call_id=int(call_id),
+        window_bytes=int(window_bytes),
+        local_elements=int(local_elements),
+        overlap=bool(overlap),
+        transfers=tuple(int(x) for records in transfers for x in records),
+        chunk_ends=chunk_ends,
+        chunk_sizes=tuple(int(x) for x in chunk_sizes),
+    )
+
+
+def reduce_issue(chunk, *, comm, index):
+    """Bind ``osmm_reduce_issue``: send chunk ``index`` (1, 2, ...); returns a ticket."""
+    return osmm_reduce_issue_p.bind(chunk, comm=int(comm), index=int(index))
+
+
+def reduce_finish(local, chunks, *, comm):
+    """Bind ``osmm_reduce_finish``: ``local`` plus everything other ranks delivered to this rank."""
+    return osmm_reduce_finish_p.bind(local, *chunks, comm=int(comm))
+
+
+def watched(run, *, comm):
+    """``run()``, bracketed by two ``osmm_watch`` calls on the ordered-effect token chain, so
+    that the watchdog bounds the mpi4jax collectives ``run`` issues (they share the chain) like
+    its own blocking steps, reporting against the plan's communicator ``comm`` (a comm_key)."""
+    marker = osmm_watch_p.bind(jnp.zeros((), jnp.int32), comm=int(comm), begin=True)
+    result = run()
+    osmm_watch_p.bind(marker, comm=int(comm), begin=False)
+    return result
+
+
+def call_id(*parts) -> int:
+    """A signed 63-bit id of a native call, from ``parts`` that are identical on every rank and
+    determine every rank's attributes (plan fingerprint, step, dtype, chunking)."""
+    digest = hashlib.sha256(repr(parts).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+# -- abstract evaluation ----------------------------------------------------------
+
+
+def _fetch_abstract(a, b, *, fetched_elements, **_):
+    return jax.core.ShapedArray((fetched_elements,), a.dtype), {ordered_effect}
+
+
+def _ticket_abstract(chunk, **_):
+    return jax.core.ShapedArray((), np.int32), {ordered_effect}
+
+
+def _reduce_finish_abstract(local, *chunks, **_):
+    return jax.core.ShapedArray(local.shape, local.dtype), {ordered_effect}
+
+
+osmm_fetch_p.def_effectful_abstract_eval(_fetch_abstract)
+osmm_reduce_start_p.def_effectful_abstract_eval(_ticket_abstract)
+osmm_reduce_issue_p.def_effectful_abstract_eval(_ticket_abstract)
+osmm_reduce_finish_p.def_effectful_abstract_eval(_reduce_finish_abstract)
+osmm_watch_p.def_effectful_abstract_eval(
+    lambda marker, **_: (jax.core.ShapedArray((), np.int32), {ordered_effect})
+)
+
+
+# -- lowering -----------------------------------------------------------------------
+
+
+def _lower_with_token(target: str, ctx, *operands, token_position=None, aliases=None, **attrs):
+    """Lower an FFI call with the ordered-effect token as operand ``token_position`` (default:
+    last) and as the last result."""
+    token = get_token_effect(ctx, ordered_effect)
+    position = len(operands) if token_position is None else token_position
+    avals_in = list(ctx.avals_in)
+    avals_in.insert(position, abstract_token)
+    ctx_with_token = ctx.replace(
+        avals_in=tuple(avals_in),
+        avals_out=(*ctx.avals_out, abstract_token),
+    )
+    rule = jax.ffi.ffi_lowering(target, has_side_effect=True, operand_output_aliases=aliases)
+    operands = list(operands)
+    operands.insert(position, token)
+    results = list(rule(ctx_with_token, *operands, **attrs))
+    set_token_effect(ctx, ordered_effect, results.pop())
+    return results
+
+
+def _records(values) -> np.ndarray:
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+def _fetch_lowering(
+    ctx, a, b, *, comm, call_id, window_bytes, b_offset, expose_a, expose_b, gets, fetched_elements
+):
+    return _lower_with_token(
+        "osmm_fetch",
+        ctx,
+        a,
+        b,
+        comm=np.int64(comm),
+        call_id=np.int64(call_id),
+        window_bytes=np.int64(window_bytes),
+        b_offset=np.int64(b_offset),
+        expose_a=np.int64(expose_a),
+        expose_b=np.int64(expose_b),
+        gets=_records(gets),
+    )
+
+
+def _reduce_start_lowering(
+    ctx,
+    chunk,
+    *,
+    comm,
+    call_id,
+    window_bytes,
+    local_elements,
+    overlap,
+    transfers,
+    chunk_ends,
+    chunk_sizes,
+):
+    return _lower_with_token(
+        "osmm_reduce_start",
+        ctx,
+        chunk,
+        comm=np.int64(comm),
+        call_id=np.int64(call_id),
+        window_bytes=np.int64(window_bytes),
+        local_elements=np.int64(local_elements),
+        overlap=np.int64(overlap),
+        transfers=_records(transfers),
+        chunk_ends=_records(chunk_ends),
+        chunk_sizes=_records(chunk_sizes),
+    )
+
+
+def _reduce_issue_lowering(ctx, chunk, *, comm, index):
+    return _lower_with_token(
+        "osmm_reduce_issue", ctx, chunk, comm=np.int64(comm), index=np.int64(index)
+    )
+
+
+def _reduce_finish_lowering(ctx, local, *chunks, comm):
+    return _lower_with_token(
+        "osmm_reduce_finish",
+        ctx,
+        local,
+        *chunks,
+        token_position=1,
+        # The finished block is written over the local partial: no fresh output buffer.
+        aliases={0: 0},
+        comm=np.int64(comm),
+    )
+
+
+def _watch_lowering(ctx, marker, *, comm, begin):
+    return _lower_with_token(
+        "osmm_watch", ctx, marker, aliases={0: 0}, comm=np.int64(comm), begin=np.int64(begin)
+    )
+
+
+def _watch_passthrough(ctx, marker, *, comm, begin):
+    """Where the handlers are not available, the watch is not made: the token passes on."""
+    set_token_effect(ctx, ordered_effect, get_token_effect(ctx, ordered_effect))
+    return [marker]
+
+
+_LOWERINGS = {
+    osmm_fetch_p: _fetch_lowering,
+    osmm_reduce_start_p: _reduce_start_lowering,
+    osmm_reduce_issue_p: _reduce_issue_lowering,
+    osmm_reduce_finish_p: _reduce_finish_lowering,
+}
+
+
+def _unavailable_lowering(platform: str):
+    def lowering(ctx, *args, **kwargs):
+        raise NotImplementedError(
+            f"osmm_jax cannot run one-sided products on {platform}: "
+            f"{native.UNAVAILABLE[platform]}. Use method='allreduce', or rebuild osmm_jax "
+            "(BUILD.md, 'GPUs')."
+        )
+
+    return lowering
+
+
+# Every platform whose handlers are registered lowers to them; the GPU without them lowers to
+# a clear error instead of XLA's "no registered implementation".
+for _platform in native.platforms():
+    for _p, _rule in _LOWERINGS.items():
+        mlir.register_lowering(_p, _rule, platform=_platform)
+for _platform in native.platforms():
+    mlir.register_lowering(osmm_watch_p, _watch_lowering, platform=_platform)
+for _platform in native.UNAVAILABLE:
+    for _p in _LOWERINGS:
+        mlir.register_lowering(_p, _unavailable_lowering(_platform), platform=_platform)
+    mlir.register_lowering(osmm_watch_p, _watch_passthrough, platform=_platform)

@@ -1,0 +1,480 @@
+"""Move rows away from ranks that fall behind, while a training loop runs.
+
+A :class:`Rebalancer` owns the split of ``total_rows`` rows (a batch, the M of
+a data-parallel product) over the ranks. Every rank reports each step's time
+in seconds (:meth:`Rebalancer.observe`); the ranks exchange their times (one
+small allgather) and run the same deterministic rule on the same numbers, so
+all of them always hold the same sizes (``sizes``, ``row_slice()``, and the
+cached ``layouts`` / ``plan`` for them) without further agreement.
+
+A rank whose time stands out (suddenly, for ``confirm`` steps in a row, or
+persistently, by its median over the ``window``) loses ``shrink`` of its rows
+(less when less balances it, at least one ``quantum``) to the others in
+proportion to their speeds, only when that lowers the slowest rank's predicted
+time. Sizes
+change at most once every ``1 + min(window, 2 + confirm)`` steps, and at most
+``max_variants`` size tuples keep their plans, so recompiles stay bounded.
+
+What to time: this rank's own work, before the step's first communicating
+operation (a step that ends in a collective lasts as long on every rank as
+on the slowest). The rules in full, and why: docs/design.md ("Rebalancing
+while training"). Pure Python except for the exchange: pass ``exchange=``
+(and ``nranks=``) to run without MPI, as the unit tests do.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+
+from osmm_jax._src import checks
+from osmm_jax._src.planning.layout import Layout, split_sizes
+from osmm_jax._src.planning.planner import Plan, make_plan
+from osmm_jax._src.runtime import metrics
+
+WARMUP_STEPS = 1
+"""Observations ignored after construction and after every change of sizes."""
+
+MIN_BASELINE_STEPS = 2
+"""Steps the window must hold before the sudden-straggler rule applies."""
+
+_TINY = 1e-12  # seconds; a time of 0 (a coarse clock) must not divide by zero
+
+
+def _checked_shrink(shrink) -> float:
+    """``shrink``, the fraction of a straggler's rows taken away, checked: strictly in (0, 1)."""
+    value = checks.real(shrink, "shrink")
+    if not 0 < value < 1:
+        raise ValueError(f"shrink must lie strictly between 0 and 1, got {shrink!r}")
+    return value
+
+
+def _min_units(min_rows, quantum: int) -> int:
+    """The fewest quanta a rank with rows keeps: ``min_rows`` rounded up to quanta.
+
+    ``min_rows`` (rows, >= 0) defaults to one quantum, so that a straggler keeps
+    being measured and can win rows back.
+    """
+    min_rows = quantum if min_rows is None else checks.integer(min_rows, "min_rows", 0)
+    return -(-min_rows // quantum)
+
+
+def _local_nranks(speeds, comm, nranks, exchange) -> int:
+    """The number of ranks when the times travel through ``exchange`` instead of MPI.
+
+    ``nranks`` defaults to one per speed; ``comm`` must be None and ``exchange``
+    callable, and there must be one speed per rank.
+    """
+    if comm is not None:
+        raise ValueError("give either comm (MPI) or exchange (no MPI), not both")
+    if not callable(exchange):
+        raise TypeError(f"exchange must be callable, got {type(exchange).__name__}")
+    nranks = len(speeds) if nranks is None else checks.integer(nranks, "nranks", 1)
+    if len(speeds) != nranks:
+        raise ValueError(f"speeds has {len(speeds)} entries but there are {nranks} ranks")
+    return nranks
+
+
+def _proportional(total: int, speeds) -> list[float]:
+    """``total`` rows split in proportion to ``speeds`` (any common unit), as fractional rows."""
+    weight = math.fsum(speeds)
+    return [total * s / weight for s in speeds]
+
+
+def _as_seconds(step_seconds) -> float:
+    """``step_seconds`` (this rank's step time, seconds) as a float; NaN when it is no number.
+
+    A bad time is still exchanged, so that every rank raises together.
+    """
+    try:
+        return float(step_seconds)
+    except (TypeError, ValueError):
+        return math.nan
+
+
+def _checked_times(exchanged, nranks: int) -> tuple[float, ...]:
+    """Every rank's step time in seconds, checked: one per rank, finite and >= 0.
+
+    Raises the same ValueError on every rank, since all see the same times.
+    """
+    times = tuple(float(t) for t in exchanged)
+    if len(times) != nranks:
+        raise ValueError(f"exchange returned {len(times)} times for {nranks} ranks")
+    bad = [(r, t) for r, t in enumerate(times) if not (math.isfinite(t) and t >= 0)]
+    if bad:
+        detail = ", ".join(f"rank {r}: {t}" for r, t in bad)
+        raise ValueError(f"step times must be finite, non-negative seconds; got {detail}")
+    return times
+
+
+def _advance_streaks(streak: list[int], standing_out) -> list[int]:
+    """Consecutive steps each rank has stood out, after one more step: +1, or back to 0."""
+    return [n + 1 if r in standing_out else 0 for r, n in enumerate(streak)]
+
+
+def _change_event(step: int, reasons, old, new) -> str:
+    """Why and how the sizes changed at ``step``, in one readable line (for logs)."""
+    return f"step {step}: " + "; ".join(reasons) + f"; sizes {list(old)} -> {list(new)}"
+
+
+class Rebalancer:
+    """Per-rank row counts of ``total_rows`` rows, adapted to measured step times.
+
+    Construct it on every rank with the same arguments (a collective when it
+    runs on MPI). Typical training loop, on every rank::
+
+        import time
+        import jax
+        import osmm_jax as om
+
+        rb = om.Rebalancer(batch_rows, speeds)  # speeds: GFLOP/s per rank, a first guess
+        forward = jax.jit(forward_fn, static_argnames="plan")  # one compile per plan
+        finish = jax.jit(finish_fn, static_argnames="plan")
+        plan = rb.plan(K, N)  # A rows x B replicated -> C rows, at rb.sizes
+        for batch in batches:
+            x_local = batch[rb.row_slice()]  # this rank's rows
+            t0 = time.perf_counter()
+            y = jax.block_until_ready(forward(x_local, w, plan=plan))  # no communication
+            seconds = time.perf_counter() - t0  # this rank's own work (see "What to time")
+            w = finish(y, x_local, w, plan=plan)  # backward, gradient accumulation, update
+            if rb.observe(seconds):  # every rank, every step: one allgather
+                plan = rb.plan(K, N)  # new sizes: a new (cached) plan
+
+    A jitted function with the plan as a static argument compiles once per
+    distinct plan; ``rb.plan`` returns the same object for a size tuple while it
+    stays cached, and ``variants`` counts the size tuples used, which bounds the
+    compiles per product.
+
+    Args:
+        total_rows: rows to split (> 0), e.g. the batch.
+        speeds: the first guess, one weight per rank (GFLOP/s or any relative
+            measure; finite, >= 0, not all 0). A rank with speed 0 never gets rows.
+        comm: an mpi4py intracommunicator (default COMM_WORLD); the times travel
+            on osmm_jax's private duplicate of it.
+        window: steps of history per size tuple (>= 2).
+        sigma: standard deviations above the window mean that make a step a
+            sudden straggler (>= 0).
+        shrink: fraction of a straggler's rows taken away (0 < shrink < 1).
+        quantum: sizes are multiples of it (>= 1), so few distinct shapes occur.
+        max_variants: size tuples whose layouts and plans stay cached (>= 1).
+        min_rows: no rank that has rows goes below this (rounded up to a
+            quantum; lowered when the rows cannot cover it). Default one quantum,
+            so a straggler keeps being measured and can win rows back.
+        tolerance: a straggler must also be this fraction slower than the mean (>= 0).
+        confirm: consecutive steps a rank must stand out before it counts as a
+            sudden straggler (>= 1); 1 acts on a single slow step.
+        nranks, exchange: run without MPI: ``exchange(seconds)`` returns the list
+            of all ``nranks`` ranks' times (default ``nranks = len(speeds)``);
+            ``comm`` must be None then.
+    """
+
+    def __init__(
+        self,
+        total_rows: int,
+        speeds: Sequence[float],
+        *,
+        comm=None,
+        window: int = 10,
+        sigma: float = 2.0,
+        shrink: float = 0.2,
+        quantum: int = 64,
+        max_variants: int = 8,
+        min_rows: int | None = None,
+        tolerance: float = 0.1,
+        confirm: int = 2,
+        nranks: int | None = None,
+        exchange: Callable[[float], Sequence[float]] | None = None,
+    ):
+        self._total = checks.integer(total_rows, "total_rows", 1)
+        self._window = checks.integer(window, "window", 2)
+        self._quantum = checks.integer(quantum, "quantum", 1)
+        self._max_variants = checks.integer(max_variants, "max_variants", 1)
+        self._confirm = checks.integer(confirm, "confirm", 1)
+        self._sigma = checks.at_least(sigma, "sigma", 0.0)
+        self._tolerance = checks.at_least(tolerance, "tolerance", 0.0)
+        self._shrink = _checked_shrink(shrink)
+        self._min_units = _min_units(min_rows, self._quantum)
+        speeds = checks.speeds(speeds)
+        if exchange is not None:
+            self._nranks = _local_nranks(speeds, comm, nranks, exchange)
+            self._comm, self.rank, self._exchange = None, None, exchange
+        elif nranks is not None:
+            raise ValueError("nranks is only for exchange=; with MPI it is the comm's size")
+        else:
+            self._init_mpi(comm, speeds)
+
+        self._sizes = ()
+        active = [r for r, s in enumerate(speeds) if s > 0]
+        self._sizes = self._quantise(_proportional(self._total, speeds), frozenset(), active)
+        self._restart_window()
+        self._cache: OrderedDict[tuple[int, ...], dict] = OrderedDict()
+        self._seen: set[tuple[int, ...]] = set()
+        self._touch(self._sizes)
+        self.steps = 0
+        """Observations so far (warm-up steps included)."""
+        self.rebalances = 0
+        """Times the sizes changed."""
+        self.recompiles = 0
+        """Plans this controller created (cache misses of :meth:`plan`)."""
+        self.stragglers: tuple[int, ...] = ()
+        """Ranks that shrank at the last change of sizes."""
+        self.last_event: str | None = None
+        """Why the sizes last changed, readable (for logs)."""
+        self.times: tuple[float, ...] = ()
+        """Every rank's time of the last observed step, seconds (for logs)."""
+
+    def _init_mpi(self, comm, speeds) -> None:
+        from osmm_jax._src.runtime import communicators
+
+        private = communicators.private_comm(comm)
+        self._comm, self.rank, self._nranks = private, private.Get_rank(), private.Get_size()
+        self._exchange = private.allgather
+        error = None
+        if len(speeds) != self._nranks:
+            error = (
+                f"speeds has {len(speeds)} entries but the communicator has {self._nranks} ranks"
+            )
+        settings = (self._total, speeds, self._window, self._sigma, self._shrink, self._quantum)
+        settings += (self._max_variants, self._min_units, self._tolerance, self._confirm)
+        communicators.agree(private, "osmm_jax.Rebalancer", repr(settings), error)
+
+    # -- state ----------------------------------------------------------------
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Rows per rank, in rank order; sums to ``total_rows``; the same on every rank."""
+        return self._sizes
+
+    @property
+    def nranks(self) -> int:
+        return self._nranks
+
+    @property
+    def variants(self) -> int:
+        """Distinct size tuples used so far (the initial one included)."""
+        return len(self._seen)
+
+    @property
+    def cached_variants(self) -> tuple[tuple[int, ...], ...]:
+        """Size tuples whose plans are cached, least recently used first."""
+        return tuple(self._cache)
+
+    def row_slice(self, rank: int | None = None) -> slice:
+        """The rows of ``rank`` (default this rank, on MPI) as a slice into the global rows."""
+        if rank is None:
+            if self.rank is None:
+                raise ValueError("give the rank: without MPI the controller has no rank of its own")
+            rank = self.rank
+        rank = checks.integer(rank, "rank", 0)
+        if rank >= self._nranks:
+            raise ValueError(f"rank {rank} is out of range for {self._nranks} ranks")
+        start = sum(self._sizes[:rank])
+        return slice(start, start + self._sizes[rank])
+
+    # -- plans ----------------------------------------------------------------
+
+    def layouts(self, K: int, N: int) -> tuple[Layout, Layout, Layout]:
+        """``(a, b, c)`` at the current sizes: A (total_rows x K) by rows, B (K x N) replicated, C by rows."""
+        key = ("layouts", K, N)
+        entry = self._cache[self._sizes]
+        if key not in entry:
+            M, n = self._total, self._nranks
+            entry[key] = (
+                Layout.rows((M, K), sizes=self._sizes),
+                Layout.replicated((K, N), nranks=n),
+                Layout.rows((M, N), sizes=self._sizes),
+            )
+        return entry[key]
+
+    def plan(self, K: int, N: int) -> Plan:
+        """The :class:`Plan` of :meth:`layouts` (on the controller's communicator; cached).
+
+        The same object is returned while the size tuple stays cached, so use it
+        as a static argument of ``jax.jit``. Without MPI the plan is the pure
+        planner's (``comm_key`` 0): for inspection, not for running.
+        """
+        key = ("plan", K, N)
+        entry = self._cache[self._sizes]
+        if key not in entry:
+            a, b, c = self.layouts(K, N)
+            if self._comm is None:
+                entry[key] = make_plan(a, b, c)
+            else:
+                from osmm_jax._src.runtime.api import plan
+
+                entry[key] = plan(a, b, c, comm=self._comm)
+            self.recompiles += 1
+        return entry[key]
+
+    def _touch(self, sizes: tuple[int, ...]) -> None:
+        if sizes in self._cache:
+            self._cache.move_to_end(sizes)
+        else:
+            self._cache[sizes] = {}
+            while len(self._cache) > self._max_variants:
+                self._cache.popitem(last=False)
+        self._seen.add(sizes)
+
+    # -- observing ------------------------------------------------------------
+
+    def observe(self, step_seconds: float) -> bool:
+        """Report this rank's time of the last step (seconds); True if ``sizes`` changed.
+
+        Every rank must call it once per step (one allgather of a float). The
+        same ValueError is raised on every rank if any rank's time is not a
+        finite, non-negative number.
+        """
+        local = _as_seconds(step_seconds)
+        times = _checked_times(self._exchange(local), self._nranks)
+        self.steps += 1
+        self.times = times
+        metrics.observe_step(local)
+        if self._warmup:
+            self._warmup -= 1
+            return False
+        active = [r for r in range(self._nranks) if self._sizes[r] > 0]
+        flagged = self._flag_stragglers(times, active)
+        if not flagged:
+            return False
+        new, shrunk = self._redistribute(flagged, active)
+        if new == self._sizes:
+            return False
+        self._resize(new, shrunk, [flagged[r][1] for r in shrunk])
+        return True
+
+    def _flag_stragglers(self, times, active) -> dict[int, tuple[float, str]]:
+        """This step's stragglers, rank -> (seconds, why); records the step in the window.
+
+        Sudden stragglers count once they have stood out ``confirm`` steps in a
+        row; once the window is full, persistent ones are added (a rank flagged
+        both ways keeps its sudden time, this step's).
+        """
+        standing_out = self._stand_out(times, active)
+        self._streak = _advance_streaks(self._streak, standing_out)
+        flagged = {r: v for r, v in standing_out.items() if self._streak[r] >= self._confirm}
+        self._history.append((times, bool(standing_out)))
+        if len(self._history) == self._window:
+            for r, found in self._persistent(active).items():
+                flagged.setdefault(r, found)
+        return flagged
+
+    def _resize(self, new, shrunk, reasons) -> None:
+        """Adopt the ``new`` sizes: cache them, restart the window, count and describe the change."""
+        old, self._sizes = self._sizes, new
+        self._touch(new)
+        self._restart_window()
+        self.rebalances += 1
+        metrics.increment("rebalances")
+        if self.rank is not None:
+            metrics.set_share(new[self.rank] / max(sum(new), 1))
+        self.stragglers = shrunk
+        self.last_event = _change_event(self.steps, reasons, old, new)
+
+    def _restart_window(self) -> None:
+        """Forget the step times (they were measured with other sizes) and skip the next step."""
+        self._history: deque[tuple[tuple[float, ...], bool]] = deque(maxlen=self._window)
+        self._streak = [0] * self._nranks
+        self._warmup = WARMUP_STEPS
+
+    def _stand_out(self, times, active) -> dict[int, tuple[float, str]]:
+        """Ranks whose time this step stands out of the baseline: rank -> (time, why)."""
+        baseline = [step for step, stood_out in self._history if not stood_out]
+        if len(baseline) < MIN_BASELINE_STEPS:
+            return {}
+        pooled = [step[r] for step in baseline for r in active]
+        mean = math.fsum(pooled) / len(pooled)
+        std = math.sqrt(math.fsum((t - mean) ** 2 for t in pooled) / len(pooled))
+        limit = max(mean + self._sigma * std, (1 + self._tolerance) * mean)
+        return {
+            r: (
+                times[r],
+                f"rank {r} took {times[r]:.3g} s > {limit:.3g} s (mean {mean:.3g} s, "
+                f"std {std:.3g} s over {len(baseline)} steps)",
+            )
+            for r in active
+            if times[r] > limit
+        }
+
+    def _median_times(self, active) -> dict[int, float]:
+        return {r: statistics.median(step[r] for step, _ in self._history) for r in active}
+
+    def _persistent(self, active) -> dict[int, tuple[float, str]]:
+        """Ranks slower over the full window: rank -> (median time, why)."""
+        medians = self._median_times(active)
+        overall = math.fsum(medians.values()) / len(medians)
+        limit = (1 + self._tolerance) * overall
+        return {
+            r: (
+                m,
+                f"rank {r}'s median {m:.3g} s > {limit:.3g} s (mean of all ranks' medians "
+                f"{overall:.3g} s over {len(self._history)} steps)",
+            )
+            for r, m in medians.items()
+            if m > limit
+        }
+
+    def _redistribute(self, flagged, active) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """New sizes and the ranks that shrank; the current sizes if no move would help."""
+        no_change = (self._sizes, ())
+        medians = self._median_times(active)
+        seconds = {r: flagged[r][0] if r in flagged else medians[r] for r in active}
+        speed = {r: self._sizes[r] / max(seconds[r], _TINY) for r in active}
+        balanced = math.fsum(self._sizes) / math.fsum(
+            speed.values()
+        )  # seconds, with rows proportional to speed
+        cuts = {r: min(self._shrink, 1 - balanced / max(seconds[r], _TINY)) for r in flagged}
+        shrinking = tuple(r for r in sorted(cuts) if cuts[r] > 0)
+        receivers = [r for r in active if r not in shrinking]
+        receiving_speed = math.fsum(speed[r] for r in receivers)
+        if not shrinking or receiving_speed <= 0:
+            return no_change
+        targets = [float(s) for s in self._sizes]
+        removed = 0.0
+        for r in shrinking:
+            removed += cuts[r] * targets[r]
+            targets[r] *= 1 - cuts[r]
+        for r in receivers:
+            targets[r] += removed * speed[r] / receiving_speed
+        new = self._quantise(targets, frozenset(shrinking), active)
+
+        def slowest(sizes):  # predicted, with times proportional to rows at the measured speeds
+            return max(sizes[r] / speed[r] if sizes[r] else 0.0 for r in active)
+
+        if slowest(new) >= slowest(self._sizes):
+            return no_change
+        return new, shrinking
+
+    def _quantise(self, targets, shrinking, active) -> tuple[int, ...]:
+        """Whole quanta near ``targets`` (rows, summing to total_rows), floors kept.
+
+        Ranks in ``shrinking`` get the nearest count of quanta but at least one
+        fewer than now; the others share the rest by largest remainder. The
+        ``total_rows % quantum`` left over goes to the last non-empty rank.
+        """
+        q, total = self._quantum, self._total
+        units_total, leftover = divmod(total, q)
+        scale = units_total / total
+        floor = min(self._min_units, units_total // len(active))
+        units = [0] * self._nranks
+        for r in active:
+            units[r] = floor
+        for r in shrinking:
+            current = self._sizes[r] // q
+            units[r] = max(floor, min(round(targets[r] * scale), current - 1))
+        rest = units_total - sum(units)
+        others = [r for r in active if r not in shrinking]
+        if rest < 0 or not others:
+            return self._sizes
+        weights = [max(targets[r] * scale - units[r], 0.0) for r in others]
+        if not any(weights):
+            weights = [1.0] * len(others)
+        for r, extra in zip(others, split_sizes(rest, len(others), weights)):
+            units[r] += extra
+        rows = [u * q for u in units]
+        if leftover:
+            nonempty = [r for r in range(self._nranks) if rows[r]]
+            last = nonempty[-1] if nonempty else max(active, key=lambda r: (targets[r], -r))
+            rows[last] += leftover
+        return tuple(rows)

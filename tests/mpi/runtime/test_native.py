@@ -1,0 +1,97 @@
+"""The native handlers below osmm_jax.matmul: agreement before RMA, and its steady state.
+
+The records here are written by hand (matmul's lowering never produces bad ones), to check
+what the handlers promise: a bad record on one rank gives every rank an error before any
+data moves, windows keep their all-zero invariant, and a call signature every rank has
+accepted once runs without another agreement collective.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import osmm_jax as om
+from osmm_jax._src.runtime import communicators, native, primitives
+
+RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+ROWS, COLS = 3, 4
+
+
+def _reduce_to_next(key: int, target_on_rank0: int):
+    """A jitted product-less reduce: every rank adds ones into the next rank's 3x4 block.
+
+    Rank 0 addresses ``target_on_rank0`` instead of the next rank.
+    """
+    target = (RANK + 1) % SIZE if RANK else target_on_rank0
+    record = [native.OP_ACCUMULATE, target, 0, ROWS, COLS, 0, 0, COLS]  # the whole block
+    assert len(record) == native.RECORD_LENGTH
+
+    @jax.jit
+    def run(local):
+        chunk = jnp.ones((ROWS * COLS,), jnp.float32)
+        primitives.reduce_start(
+            chunk,
+            comm=key,
+            call_id=primitives.call_id("test", target_on_rank0),
+            window_bytes=ROWS * COLS * 4,
+            local_elements=ROWS * COLS,
+            overlap=False,
+            transfers=[record],
+            chunk_sizes=[ROWS * COLS],
+        )
+        return primitives.reduce_finish(local, [chunk], comm=key)
+
+    return run
+
+
+@pytest.fixture
+def key():
+    plan = om.plan(
+        om.Layout.rows((ROWS * SIZE, COLS)),
+        om.Layout.replicated((COLS, COLS)),
+        om.Layout.rows((ROWS * SIZE, COLS)),
+    )
+    communicators.comm_for_key(plan.comm_key)  # the communicator exists on every rank
+    return plan.comm_key
+
+
+@pytest.mark.ranks(min=2, reason="a rank needs a neighbour to send to")
+def test_a_bad_record_on_one_rank_fails_every_rank_before_anything_moves(key):
+    local = jnp.zeros((ROWS, COLS), jnp.float32)
+    before = om.stats()
+    with pytest.raises(Exception, match="target outside the communicator|rank 0 rejected"):
+        jax.block_until_ready(_reduce_to_next(key, target_on_rank0=SIZE + 5)(local))
+    assert om.stats()["rma_ops"] == before["rma_ops"]  # nothing was sent, on any rank
+    # The windows are untouched: a good call afterwards receives exactly one block of ones.
+    out = jax.block_until_ready(_reduce_to_next(key, target_on_rank0=1 % SIZE)(local))
+    np.testing.assert_array_equal(np.asarray(out), np.ones((ROWS, COLS)))
+
+
+def test_a_signature_is_agreed_on_once_then_runs_without_the_collective(key):
+    run = _reduce_to_next(key, target_on_rank0=1 % SIZE)
+    local = jnp.zeros((ROWS, COLS), jnp.float32)
+    jax.block_until_ready(run(local))  # this signature may be agreed already (test above)
+    before = om.stats()
+    for _ in range(3):
+        out = jax.block_until_ready(run(local))
+    after = om.stats()
+    assert after["agreements"] == before["agreements"]
+    assert after["calls"] == before["calls"] + 3
+    np.testing.assert_array_equal(np.asarray(out), np.ones((ROWS, COLS)))
+    # A new signature (another block size) is agreed on once.
+    plan = om.plan(
+        om.Layout.cols((5, 4 * SIZE)), om.Layout.rows((4 * SIZE, 6)), om.Layout.rows((5, 6))
+    )
+    f = jax.jit(lambda a, b: om.matmul(a, b, plan))
+    a = jnp.ones(plan.a.local_shape(RANK), jnp.float32)
+    b = jnp.ones(plan.b.local_shape(RANK), jnp.float32)
+    first = om.stats()["agreements"]
+    jax.block_until_ready(f(a, b))
+    second = om.stats()["agreements"]
+    jax.block_until_ready(f(a, b))
+    assert second - first == (1 if plan.has_deliveries else 0)
+    assert om.stats()["agreements"] == second

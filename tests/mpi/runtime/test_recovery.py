@@ -1,0 +1,103 @@
+"""After an error inside a jitted product, every rank stays in step: the next product on every
+rank runs and is right.
+
+Two errors are injected: a checksum failure (``verify=True``, raised on every rank by a host
+callback after the product), and a failure between a reduce's start and its finish on one rank
+only (the native test hook ``inject_failure("osmm_reduce_finish")``: that rank's program stops
+with the reduce epoch open while the others wait in its closing fence). The second is
+recovered by the rank's next call, which closes the abandoned epoch with the others and marks
+it abandoned in their windows, so that their product fails too instead of returning a
+partial sum.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import osmm_jax as om
+from osmm_jax._src.runtime import communicators, native
+from osmm_jax._src.runtime.checksum import inject_fault
+
+RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+M, K, N = 11, 13, 7
+
+
+def _plans():
+    """A K-split (reduce only) and a plan that also fetches (rows of A against columns of B)."""
+    return {
+        "k_split": om.plan(om.Layout.cols((M, K)), om.Layout.rows((K, N)), om.Layout.rows((M, N))),
+        "fetch_and_reduce": om.plan(
+            om.Layout.rows((M, K)), om.Layout.cols((K, N)), om.Layout.grid((M, N), (1, SIZE))
+        ),
+    }
+
+
+def _run(plan, **options):
+    """A jitted product under ``plan`` and its expected result on this rank."""
+    rng = np.random.default_rng(7)
+    a, b = rng.standard_normal((M, K)), rng.standard_normal((K, N))
+    a_loc, b_loc = plan.a.shard(a, RANK), plan.b.shard(b, RANK)
+    fn = jax.jit(lambda x, y: om.matmul(x, y, plan, **options))
+    expected = plan.c.shard(a @ b, RANK)
+    return (lambda: np.asarray(jax.block_until_ready(fn(a_loc, b_loc)))), expected
+
+
+def _stats_after_warm_up(run):
+    run()
+    return om.stats()
+
+
+@pytest.mark.ranks(min=2, reason="one rank abandons a product the others are in")
+@pytest.mark.parametrize("kind", ["k_split", "fetch_and_reduce"])
+@pytest.mark.parametrize("chunk_bytes", [0, 64])
+def test_a_product_abandoned_by_one_rank_fails_everywhere_then_the_next_is_right(kind, chunk_bytes):
+    jax.config.update("jax_enable_x64", True)
+    run, expected = _run(_plans()[kind], chunk_bytes=chunk_bytes)
+    before = _stats_after_warm_up(run)
+    if RANK == 0:
+        native.inject_failure("osmm_reduce_finish")
+        with pytest.raises(jax.errors.JaxRuntimeError, match="injected failure"):
+            run()
+    else:
+        # Waits in the closing fence until rank 0's next call closes the epoch with it.
+        with pytest.raises(jax.errors.JaxRuntimeError, match="rank 0 abandoned this product"):
+            run()
+    for _ in range(3):
+        np.testing.assert_allclose(run(), expected, rtol=1e-12, atol=1e-12)
+    after = om.stats()
+    assert after["windows"] == before["windows"]
+    assert after["window_bytes"] == before["window_bytes"]
+
+
+def test_inject_failure_refuses_other_calls():
+    with pytest.raises(ValueError, match="osmm_reduce_finish"):
+        native.inject_failure("osmm_fetch")
+
+
+@pytest.mark.parametrize("method", ["one_sided", "allreduce"])
+def test_a_checksum_failure_leaves_every_rank_in_step(method):
+    jax.config.update("jax_enable_x64", True)
+    plan = _plans()["k_split"]
+    with inject_fault(SIZE - 1, 64.0):
+        bad, _ = _run(plan, method=method, verify=True)
+        with pytest.raises(jax.errors.JaxRuntimeError, match="checksum verification failed"):
+            bad()
+    good, expected = _run(plan, method=method, verify=True)
+    for _ in range(3):
+        np.testing.assert_allclose(good(), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.ranks(min=2)
+def test_every_rank_reports_where_the_others_are():
+    run, _ = _run(_plans()["k_split"])
+    run()
+    plan_comm = communicators.comm_for_key(_plans()["k_split"].comm_key)
+    MPI.COMM_WORLD.Barrier()
+    report = native.describe_ranks(plan_comm.handle, "where are you")
+    assert report.startswith("where are you\n")
+    for r in range(SIZE):
+        assert f"rank {r}" in report, report
+    assert "did not answer" not in report, report
