@@ -39,7 +39,8 @@ MPI4JAX_ENV = PATH="$(ABS_VENV)/bin:$$PATH" MPI4JAX_BUILD_MPICC="$(ABS_VENV)/bin
 	     else echo "CUDA_ROOT=$$(dirname "$$(dirname "$$(readlink -f "$$(command -v nvcc)")")")"; fi; \
 	   fi)
 
-CXX_SOURCES := $(wildcard xla_ffi/*.cc xla_ffi/*.cu xla_ffi/*.h)
+CXX_SOURCES := $(wildcard xla_ffi/*.cc xla_ffi/*.cu xla_ffi/*.h tests/native/*.cc tests/native/*.h \
+	tests/native/cuda_standin/*.cc tests/native/cuda_standin/*.h)
 RUFF := $(VENV)/bin/ruff
 CLANG_FORMAT := $(VENV)/bin/clang-format
 
@@ -217,27 +218,56 @@ example-lm: install
 
 GPU_TEST_RANKS ?= 2 3
 GPU_MEM_FRACTION ?= 0.3
-GPU_ENV = JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_PREALLOCATE=false \
+# GPU_PLATFORM: the JAX platform the GPU targets run on (cpu only to rehearse their plumbing).
+GPU_PLATFORM ?= cuda
+GPU_ENV = JAX_PLATFORMS=$(GPU_PLATFORM) XLA_PYTHON_CLIENT_PREALLOCATE=false \
 	XLA_PYTHON_CLIENT_MEM_FRACTION=$(GPU_MEM_FRACTION)
+# The tests compare float32 products with numpy at float32's accuracy: no TF32 dots there.
+GPU_TEST_ENV = $(GPU_ENV) JAX_DEFAULT_MATMUL_PRECISION=highest
 GPU_BENCH_RANKS ?= 2
+# Where gpu-bench writes its results (gpu_raw.json, gpu_staging.md), and its sizes.
+GPU_BENCH_OUT ?= benchmarks/results
+GPU_FFN_DIMS ?= --m 2046 --k 2048 --n 5504
+GPU_STAGING_DIMS ?= --m 8190 --k 8192 --n 22016 --dtype bfloat16
+# GPU_DEPS: what the GPU targets build first; tools/gpu_session.sh, which installs by itself
+# from a wheelhouse, sets it empty.
+GPU_DEPS ?= install
 
-.PHONY: gpu-check gpu-test gpu-bench
-gpu-check: install
-	@env $(GPU_ENV) $(PY) -c "import jax; from osmm_jax._src import native; \
+.PHONY: gpu-check gpu-test gpu-bench gpu-wheelhouse gpu-rehearsal
+gpu-check: $(GPU_DEPS)
+	@env $(GPU_ENV) $(PY) -c "import jax; from osmm_jax._src.runtime import native; \
 	  assert 'cuda' in native.platforms(), native.UNAVAILABLE.get('cuda'); \
 	  print('GPU:', jax.devices()[0].device_kind, '| osmm_jax CUDA handlers registered')"
 
 gpu-test: gpu-check
 	@set -e; for n in $(GPU_TEST_RANKS); do \
-	  env $(GPU_ENV) timeout --kill-after=30 $(MPI_RUN_TIMEOUT) $(MPIEXEC) -n $$n $(PY) tests/mpi/run.py \
+	  env $(GPU_TEST_ENV) timeout --kill-after=30 $(MPI_RUN_TIMEOUT) $(MPIEXEC) -n $$n $(PY) tests/mpi/run.py \
 	    tests/mpi/runtime/test_gpu.py tests/mpi/runtime/test_native.py tests/mpi/runtime/test_matmul.py -q \
 	    --timeout=$(TEST_TIMEOUT) --timeout-method=thread \
 	    || { echo "GPU MPI tests FAILED on $$n rank(s)"; exit 1; }; \
 	done
-	env $(GPU_ENV) $(MPIEXEC) -n 2 $(PY) examples/train_mlp.py
+	env $(GPU_TEST_ENV) $(MPIEXEC) -n 2 $(PY) examples/train_mlp.py
 
 gpu-bench: gpu-check
+	@mkdir -p $(GPU_BENCH_OUT)
 	env $(GPU_ENV) $(MPIEXEC) -n $(GPU_BENCH_RANKS) $(PY) -m benchmarks.compare_methods --case rows \
-	  --m 2046 --k 2048 --n 5504 --label gpu_ffn
+	  $(GPU_FFN_DIMS) --label gpu_ffn --json $(GPU_BENCH_OUT)/gpu_raw.json
 	env $(GPU_ENV) $(MPIEXEC) -n $(GPU_BENCH_RANKS) $(PY) -m benchmarks.gpu_staging \
-	  --m 8190 --k 8192 --n 22016 --dtype bfloat16
+	  $(GPU_STAGING_DIMS) | tee $(GPU_BENCH_OUT)/gpu_staging.md
+
+# For a GPU machine without network (BUILD.md, "GPUs"): gpu-wheelhouse downloads here what it
+# lacks (CPython 3.12 wheels, under 60 MiB; carry it with the working tree), and
+# tools/gpu_session.sh OUT, run there, goes from bare to results in one call. gpu-rehearsal
+# runs that script here (a wheelhouse for this machine's Python, the CUDA steps skipped) so
+# every install and build step of the real run is exercised; it takes several minutes.
+GPU_WHEELHOUSE ?= gpu-wheelhouse
+gpu-wheelhouse:
+	tools/gpu_wheelhouse.sh $(GPU_WHEELHOUSE)
+
+gpu-rehearsal:
+	rm -rf gpu-rehearsal
+	PIP="$(PYTHON) -m pip" tools/gpu_wheelhouse.sh --python \
+	  $$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])') --jax 0.10.2 \
+	  --with-base gpu-rehearsal/wheelhouse
+	GPU_WHEELHOUSE=gpu-rehearsal/wheelhouse GPU_VENV=gpu-rehearsal/venv GPU_STEP_SCALE=3 \
+	  GPU_MACHINE_ENV=gpu-rehearsal/machine tools/gpu_session.sh --cpu gpu-rehearsal/out
