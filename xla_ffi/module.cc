@@ -1,5 +1,5 @@
-// The nanobind module osmm_jax._src.runtime._osmm_ffi: hands the CPU FFI handlers to JAX and exposes
-// the native layer's counters, window cache and transfer-record format to Python. (The CUDA
+// The nanobind module osmm_jax._src.runtime._osmm_ffi: hands the CPU FFI handlers to JAX and
+// exposes the native layer's counters, window cache and transfer-record format to Python. (The CUDA
 // handlers live in the sibling module _osmm_ffi_cuda; both share one native core, so counters,
 // windows and communicators are the same whichever platform a call runs on.)
 #include <mpi.h>
