@@ -57,7 +57,7 @@ def moved_with_sync(plan, choice_candidate, nranks: int) -> list[float]:
 def evaluate(name: str, dims: tuple[int, int, int], nranks: int, mix: str) -> dict:
     """The choice, its ratio to the bound, and every candidate's ratio, for one case."""
     from osmm_jax._src.planning import auto_layout, comm_bound
-    from osmm_jax._src.planning.planner import Plan
+    from osmm_jax._src.planning.plan import Plan
 
     M, K, N = dims
     unit = MIXES[mix]

@@ -82,7 +82,7 @@ def layouts(case: str, nranks: int, dim: int):
 def plan_of(case: str, nranks: int, dim: int):
     """The plan of one case (not ``auto``), its layouts built here."""
     from osmm_jax._src.planning.auto_layout import _three_d_grids
-    from osmm_jax._src.planning.planner import Plan
+    from osmm_jax._src.planning.plan import Plan
     from osmm_jax._src.planning.work import three_d_layouts
 
     if case == "3d":

@@ -38,11 +38,11 @@ _layout.set_default_nranks(_comm_world_size)
 _PUBLIC = {
     "Layout": "osmm_jax._src.planning.layout",
     "split_sizes": "osmm_jax._src.planning.layout",
-    "Plan": "osmm_jax._src.planning.planner",
-    "RankPlan": "osmm_jax._src.planning.planner",
-    "LocalMultiply": "osmm_jax._src.planning.planner",
-    "LocalUpdate": "osmm_jax._src.planning.planner",
-    "Transfer": "osmm_jax._src.planning.planner",
+    "Plan": "osmm_jax._src.planning.plan",
+    "RankPlan": "osmm_jax._src.planning.plan",
+    "LocalMultiply": "osmm_jax._src.planning.records",
+    "LocalUpdate": "osmm_jax._src.planning.records",
+    "Transfer": "osmm_jax._src.planning.records",
     "plan": "osmm_jax._src.runtime.api",
     "Work": "osmm_jax._src.planning.work",
     "three_d_layouts": "osmm_jax._src.planning.work",
@@ -127,8 +127,9 @@ if TYPE_CHECKING:
     from osmm_jax._src.planning.auto_layout import LayoutChoice, auto_layouts
     from osmm_jax._src.planning.balance import Balance, balance, guarantees_balance
     from osmm_jax._src.planning.layout import Layout, split_sizes
-    from osmm_jax._src.planning.planner import LocalMultiply, LocalUpdate, Plan, RankPlan, Transfer
+    from osmm_jax._src.planning.plan import Plan, RankPlan
     from osmm_jax._src.planning.plot import plot_layout, plot_plan
+    from osmm_jax._src.planning.records import LocalMultiply, LocalUpdate, Transfer
     from osmm_jax._src.planning.work import Work, three_d_layouts
     from osmm_jax._src.runtime.api import gather, plan, stats
     from osmm_jax._src.runtime.checksum import ChecksumError

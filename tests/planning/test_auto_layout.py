@@ -7,7 +7,8 @@ import math
 
 import pytest
 
-from osmm_jax._src.planning import comm_bound, planner
+from osmm_jax._src.planning import comm_bound, totals
+from osmm_jax._src.planning import plan as plan_module
 from osmm_jax._src.planning.auto_layout import (
     DEFAULT_BANDWIDTH,
     THREE_D_CANDIDATES,
@@ -19,7 +20,8 @@ from osmm_jax._src.planning.auto_layout import (
     predict,
 )
 from osmm_jax._src.planning.layout import Layout
-from osmm_jax._src.planning.planner import Plan, PlanTotals, make_plan
+from osmm_jax._src.planning.plan import Plan, make_plan
+from osmm_jax._src.planning.plan_totals import PlanTotals
 from osmm_jax._src.planning.work import three_d_layouts
 
 SPEEDS = [3.0, 1.0, 2.0, 2.0, 0.5, 4.0]
@@ -258,7 +260,7 @@ def test_a_rank_is_priced_by_the_busier_direction_of_its_link():
     for name in ("k_split", "grid 4x2", "rows, B split"):
         plan, cand = Plan(*layouts[name]), by_name[name]
         sent = plan.bytes_sent()
-        received = planner.per_rank_totals(plan.transfers, plan.nranks, "receiver", "elements")
+        received = totals.per_rank_totals(plan.transfers, plan.nranks, "receiver", "elements")
         received = tuple(4 * r for r in received)  # float32 pieces and partials
         link = max(max(s, r) for s, r in zip(sent, received))
         assert cand.sent_bytes == max(sent), name
@@ -365,7 +367,7 @@ def test_plan_describe_says_why_auto_layouts_chose_the_layouts():
     assert "chosen by" not in Plan(choice.a, choice.b, plain[2]).describe()
     d_a, d_b = make_plan(choice.a, choice.b, choice.c).backward()
     assert "chosen by" not in d_a.describe() and "chosen by" not in d_b.describe()
-    assert not hasattr(planner, "_CHOICE_REASONS")
+    assert not hasattr(plan_module, "_CHOICE_REASONS")
 
 
 def test_memory_counts_the_pieces_a_rank_fetches_and_the_partials_it_delivers():

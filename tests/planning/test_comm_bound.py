@@ -10,7 +10,7 @@ import pytest
 
 from osmm_jax._src.planning.comm_bound import moved_elements, moved_lower_bound, rank_bounds
 from osmm_jax._src.planning.layout import Layout
-from osmm_jax._src.planning.planner import Plan
+from osmm_jax._src.planning.plan import Plan
 
 
 def test_no_movement_when_the_owned_pieces_suffice():

@@ -9,15 +9,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from osmm_jax._src.planning.auto_layout import candidate_layouts
+from osmm_jax._src.planning.cells import cut_cells
 from osmm_jax._src.planning.family_totals import family_totals
 from osmm_jax._src.planning.layout import Layout
-from osmm_jax._src.planning.planner import (
-    Plan,
-    build_schedule,
-    cut_cells,
-    per_rank_totals,
-    schedule_totals,
-)
+from osmm_jax._src.planning.plan import Plan
+from osmm_jax._src.planning.schedule import build_schedule
+from osmm_jax._src.planning.totals import per_rank_totals, schedule_totals
 
 
 @st.composite

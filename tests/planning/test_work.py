@@ -13,7 +13,7 @@ from strategies import worked_products
 
 from osmm_jax._src.planning import comm_bound
 from osmm_jax._src.planning.layout import Layout
-from osmm_jax._src.planning.planner import Plan, backward_plans, make_plan
+from osmm_jax._src.planning.plan import Plan, backward_plans, make_plan
 from osmm_jax._src.planning.work import Work, three_d_layouts
 
 

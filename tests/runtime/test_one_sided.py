@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from osmm_jax._src.planning.layout import Layout
-from osmm_jax._src.planning.planner import Plan, backward_plans
+from osmm_jax._src.planning.plan import Plan, backward_plans
 from osmm_jax._src.runtime import one_sided
 
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from osmm_jax._src.planning.planner import Plan
+from osmm_jax._src.planning.plan import Plan
 from osmm_jax._src.tuning.rebalance import Rebalancer
 
 

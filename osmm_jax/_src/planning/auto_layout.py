@@ -69,7 +69,8 @@ from typing import NamedTuple
 from osmm_jax._src import checks, config, units
 from osmm_jax._src.planning import comm_bound
 from osmm_jax._src.planning.layout import Layout
-from osmm_jax._src.planning.planner import Plan, PlanTotals
+from osmm_jax._src.planning.plan import Plan
+from osmm_jax._src.planning.plan_totals import PlanTotals
 from osmm_jax._src.planning.work import Work, three_d_layouts
 
 DEFAULT_BANDWIDTH = 5e9
@@ -197,56 +198,67 @@ def candidate_layouts(
     M, K, N = (checks.integer(v, name) for v, name in ((M, "M"), (K, "K"), (N, "N")))
     speeds = checks.speeds(speeds)
     mode = _replication(replication, replicated_is_free)
-    replicate = mode != "fetched"
+    return (
+        *_one_d_strategies(M, K, N, speeds, mode),
+        *_grid_strategies(M, K, N, speeds),
+        *_three_d_strategies(M, K, N, speeds),
+    )
+
+
+def _one_d_strategies(M: int, K: int, N: int, speeds, mode: str) -> list[Strategy]:
+    """``rows``, ``cols``, (``mode`` ``"synced"``) ``rows, B split`` and ``cols, A split``, and
+    ``k_split``: every rank holds a band of rows or columns, in shares proportional to
+    ``speeds``; ``rows`` and ``cols`` hold the other operand whole unless ``mode`` is
+    ``"fetched"``."""
+
+    def rows(shape):
+        return Layout.rows(shape, weights=speeds)
+
+    def cols(shape):
+        return Layout.cols(shape, weights=speeds)
+
     p = len(speeds)
-    rows_b = (
-        Layout.replicated((K, N), nranks=p) if replicate else Layout.rows((K, N), weights=speeds)
-    )
-    cols_a = (
-        Layout.replicated((M, K), nranks=p) if replicate else Layout.cols((M, K), weights=speeds)
-    )
+    replicate = mode != "fetched"
+    rows_b = Layout.replicated((K, N), nranks=p) if replicate else rows((K, N))
+    cols_a = Layout.replicated((M, K), nranks=p) if replicate else cols((M, K))
     out = [
-        ("rows", Layout.rows((M, K), weights=speeds), rows_b, Layout.rows((M, N), weights=speeds)),
-        ("cols", cols_a, Layout.cols((K, N), weights=speeds), Layout.cols((M, N), weights=speeds)),
+        Strategy("rows", rows((M, K)), rows_b, rows((M, N))),
+        Strategy("cols", cols_a, cols((K, N)), cols((M, N))),
     ]
     if mode == "synced":
         # Holding the operand whole is one choice; leaving it split and fetching what each
         # rank lacks (about half the bytes of keeping copies in sync) is the other.
         out += [
-            (
-                "rows, B split",
-                Layout.rows((M, K), weights=speeds),
-                Layout.rows((K, N), weights=speeds),
-                Layout.rows((M, N), weights=speeds),
-            ),
-            (
-                "cols, A split",
-                Layout.cols((M, K), weights=speeds),
-                Layout.cols((K, N), weights=speeds),
-                Layout.cols((M, N), weights=speeds),
-            ),
+            Strategy("rows, B split", rows((M, K)), rows((K, N)), rows((M, N))),
+            Strategy("cols, A split", cols((M, K)), cols((K, N)), cols((M, N))),
         ]
-    out += [
-        (
-            "k_split",
-            Layout.cols((M, K), weights=speeds),
-            Layout.rows((K, N), weights=speeds),
-            Layout.rows((M, N), weights=speeds),
-        ),
-    ]
-    for pr, pc in _two_d_grids(M, K, N, p):
+    out.append(Strategy("k_split", cols((M, K)), rows((K, N)), rows((M, N))))
+    return out
+
+
+def _grid_strategies(M: int, K: int, N: int, speeds) -> list[Strategy]:
+    """One ``grid PRxPC`` per grid of :func:`_two_d_grids`: ranks in row-major order, a grid
+    row's share of rows weighted by its ranks' summed speeds, a grid column's likewise."""
+    out = []
+    for pr, pc in _two_d_grids(M, K, N, len(speeds)):
         row_w = [math.fsum(speeds[i * pc : (i + 1) * pc]) for i in range(pr)]
         col_w = [math.fsum(speeds[j::pc]) for j in range(pc)]
         if not any(row_w) or not any(col_w):  # pragma: no cover - speeds are not all zero
             continue
+        a, b, c = (
+            Layout.grid(shape, (pr, pc), row_weights=row_w, col_weights=col_w)
+            for shape in ((M, K), (K, N), (M, N))
+        )
+        out.append(Strategy(f"grid {pr}x{pc}", a, b, c))
+    return out
 
-        def grid(shape, rw=row_w, cw=col_w, g=(pr, pc)):
-            return Layout.grid(shape, g, row_weights=rw, col_weights=cw)
 
-        out.append((f"grid {pr}x{pc}", grid((M, K)), grid((K, N)), grid((M, N))))
-    for pm, pk, pn in _three_d_grids(M, K, N, p):
-        out.append((f"3-D {pm}x{pk}x{pn}", *three_d_layouts((M, K, N), (pm, pk, pn), speeds)))
-    return tuple(Strategy(*x) for x in out)
+def _three_d_strategies(M: int, K: int, N: int, speeds) -> list[Strategy]:
+    """One ``3-D PMxPKxPN`` (with its :class:`Work` split) per split of :func:`_three_d_grids`."""
+    return [
+        Strategy(f"3-D {pm}x{pk}x{pn}", *three_d_layouts((M, K, N), (pm, pk, pn), speeds))
+        for pm, pk, pn in _three_d_grids(M, K, N, len(speeds))
+    ]
 
 
 def _two_d_grids(M: int, K: int, N: int, p: int) -> list[tuple[int, int]]:
@@ -278,7 +290,7 @@ def predict(
 ) -> Candidate:
     """The model's time of ``plan`` on ranks of ``speeds`` GFLOP/s (name left empty).
 
-    ``plan`` may be a :class:`~osmm_jax._src.planning.planner.PlanTotals`: only its ``nranks``,
+    ``plan`` may be a :class:`~osmm_jax._src.planning.plan_totals.PlanTotals`: only its ``nranks``,
     ``flops``, ``bytes_sent`` and ``bytes_received`` are used. ``comm_seconds`` is the
     busiest link's: the most bytes one rank sends or receives, over ``bandwidth``.
 
@@ -346,70 +358,15 @@ def auto_layouts(
     )
     itemsize = checks.integer(itemsize, "itemsize", 1)
     replication = _replication(replication, replicated_is_free)
-    if memory_budget is None:
-        budget = config.memory_budget()
-    elif memory_budget == math.inf:
-        budget = math.inf
-    else:
-        budget = checks.positive_real(memory_budget, "memory_budget")
-    p = len(speeds)
-    accum = max(itemsize, 4)
+    budget = _memory_budget(memory_budget)
 
-    scored = []
-    for name, a, b, c, work in candidate_layouts(M, K, N, speeds, replication=replication):
-        # The plan's totals alone (not the cached make_plan(): trial plans must not evict the
-        # user's, and their records are never needed), counted in bulk for these layouts.
-        totals = PlanTotals(a, b, c, work)
-        sync = 0
-        if replication == "synced" and p > 1:
-            for layout in (a, b):
-                if layout.is_replicated:
-                    rows, cols = layout.shape
-                    sync += 2 * (p - 1) * rows * cols * accum // (p * PRODUCTS_PER_SYNC)
-        compute = _compute_seconds(totals.flops, speeds)
-        link = max(totals.link_bytes(itemsize, accum))
-        comm = (link + sync) / bandwidth
-        memory = _memory_bytes((a, b, c), totals, itemsize, accum)
-        cost = Candidate(
-            name,
-            compute + comm,
-            compute,
-            comm,
-            sent_bytes=max(totals.bytes_sent(itemsize, accum)),
-            sync_bytes=sync,
-            memory_bytes=memory,
-            fits=memory <= budget,
-            sent_elements=max(totals.bytes_sent(1, 1)),
-            link_bytes=link,
-            link_elements=max(totals.link_bytes(1, 1)),
-            moved_elements=max(totals.bytes_issued(1, 1)),
-        )
-        scored.append((cost, (a, b, c, work)))
-    fitting = [i for i, (s, _) in enumerate(scored) if s.fits]
-    if not fitting:
-        least = min((s for s, _ in scored), key=lambda s: s.memory_bytes)
-        raise ValueError(
-            f"no layout for {M} x {K} @ {K} x {N} on {p} ranks fits the memory budget of "
-            f"{units.format_bytes(budget)} per rank: the smallest, {least.name}, needs "
-            f"{units.format_bytes(least.memory_bytes)} (raise memory_budget or "
-            f"{config.MEMORY_BUDGET}, or use more ranks)"
-        )
-    fastest = min(scored[i][0].predicted_seconds for i in fitting)
-    tied = [i for i in fitting if _ties(scored[i][0].predicted_seconds, fastest)]
-    pick = min(tied, key=lambda i: (scored[i][0].link_bytes + scored[i][0].sync_bytes, i))
-    best, (a, b, c, work) = scored[pick]
-    rest = sorted(
-        (s for i, (s, _) in enumerate(scored) if i != pick and s.fits),
-        key=lambda s: s.predicted_seconds,
-    )
-    runner_up = rest[0] if rest else None
-    reason = _reason(best, runner_up, replication, bandwidth)
-    left_out = [s.name for s, _ in scored if not s.fits]
-    if left_out:
-        reason += (
-            f". Over the memory budget of {units.format_bytes(budget)} per rank: "
-            + ", ".join(left_out)
-        )
+    strategies = candidate_layouts(M, K, N, speeds, replication=replication)
+    scored = [_price(s, speeds, bandwidth, itemsize, replication, budget) for s in strategies]
+    if not any(s.fits for s in scored):
+        raise _over_budget((M, K, N), len(speeds), budget, scored)
+    pick = _pick(scored)
+    best, (_, a, b, c, work) = scored[pick], strategies[pick]
+    reason = _choice_reason(scored, pick, replication, bandwidth, budget)
     # The layouts carry the reason, so the plan of them says why they were chosen.
     a, b, c = (
         dataclasses.replace(x, reason=f"chosen by auto_layouts: {reason}") for x in (a, b, c)
@@ -421,10 +378,104 @@ def auto_layouts(
         name=best.name,
         predicted_seconds=best.predicted_seconds,
         reason=reason,
-        candidates=tuple(s for s, _ in scored),
-        bound_ratio=_bound_ratio(M, K, N, speeds, best, itemsize, accum, replication),
+        candidates=tuple(scored),
+        bound_ratio=_bound_ratio(M, K, N, speeds, best, itemsize, max(itemsize, 4), replication),
         work=work,
     )
+
+
+def _memory_budget(memory_budget) -> float:
+    """``memory_budget`` checked (bytes per rank, positive, or ``math.inf``: no limit); None:
+    ``OSMM_MEMORY_BUDGET``, else a quarter of the host's memory."""
+    if memory_budget is None:
+        return config.memory_budget()
+    if memory_budget == math.inf:
+        return math.inf
+    return checks.positive_real(memory_budget, "memory_budget")
+
+
+def _price(
+    strategy: Strategy, speeds, bandwidth: float, itemsize: int, replication: str, budget: float
+) -> Candidate:
+    """The model's :class:`Candidate` for one strategy: its time, the bytes it moves and
+    holds per rank, and whether it fits ``budget``."""
+    layouts = (strategy.a, strategy.b, strategy.c)
+    accum = max(itemsize, 4)
+    # The plan's totals alone (not the cached make_plan(): trial plans must not evict the
+    # user's, and their records are never needed), counted in bulk for these layouts.
+    totals = PlanTotals(*layouts, strategy.work)
+    sync = _sync_bytes(layouts[:2], len(speeds), accum) if replication == "synced" else 0
+    compute = _compute_seconds(totals.flops, speeds)
+    link = max(totals.link_bytes(itemsize, accum))
+    comm = (link + sync) / bandwidth
+    memory = _memory_bytes(layouts, totals, itemsize, accum)
+    return Candidate(
+        strategy.name,
+        compute + comm,
+        compute,
+        comm,
+        sent_bytes=max(totals.bytes_sent(itemsize, accum)),
+        sync_bytes=sync,
+        memory_bytes=memory,
+        fits=memory <= budget,
+        sent_elements=max(totals.bytes_sent(1, 1)),
+        link_bytes=link,
+        link_elements=max(totals.link_bytes(1, 1)),
+        moved_elements=max(totals.bytes_issued(1, 1)),
+    )
+
+
+def _sync_bytes(inputs, p: int, accum: int) -> int:
+    """Bytes per rank and product of keeping the copies of the replicated ones of ``inputs``
+    (the layouts of A and B) in sync over ``p`` ranks: the all-reduce of the gradient,
+    ``2 (p-1)/p`` times its size in the accumulation type (``accum`` bytes an element), shared
+    by :data:`PRODUCTS_PER_SYNC` products."""
+    sync = 0
+    if p > 1:
+        for layout in inputs:
+            if layout.is_replicated:
+                rows, cols = layout.shape
+                sync += 2 * (p - 1) * rows * cols * accum // (p * PRODUCTS_PER_SYNC)
+    return sync
+
+
+def _over_budget(dims, p: int, budget: float, scored) -> ValueError:
+    """The error when no candidate of ``scored`` fits ``budget``: it names the smallest need."""
+    M, K, N = dims
+    least = min(scored, key=lambda s: s.memory_bytes)
+    return ValueError(
+        f"no layout for {M} x {K} @ {K} x {N} on {p} ranks fits the memory budget of "
+        f"{units.format_bytes(budget)} per rank: the smallest, {least.name}, needs "
+        f"{units.format_bytes(least.memory_bytes)} (raise memory_budget or "
+        f"{config.MEMORY_BUDGET}, or use more ranks)"
+    )
+
+
+def _pick(scored) -> int:
+    """The index of the winner among the candidates of ``scored`` that fit (at least one): the
+    fastest, a tie (:data:`TIE_TOLERANCE`) going to the fewest bytes per rank, then the earlier."""
+    fitting = [i for i, s in enumerate(scored) if s.fits]
+    fastest = min(scored[i].predicted_seconds for i in fitting)
+    tied = [i for i in fitting if _ties(scored[i].predicted_seconds, fastest)]
+    return min(tied, key=lambda i: (scored[i].link_bytes + scored[i].sync_bytes, i))
+
+
+def _choice_reason(scored, pick: int, replication: str, bandwidth: float, budget: float) -> str:
+    """Why ``scored[pick]`` won, against the fastest other candidate that fits, and which
+    candidates the memory budget left out."""
+    rest = sorted(
+        (s for i, s in enumerate(scored) if i != pick and s.fits),
+        key=lambda s: s.predicted_seconds,
+    )
+    runner_up = rest[0] if rest else None
+    reason = _reason(scored[pick], runner_up, replication, bandwidth)
+    left_out = [s.name for s in scored if not s.fits]
+    if left_out:
+        reason += (
+            f". Over the memory budget of {units.format_bytes(budget)} per rank: "
+            + ", ".join(left_out)
+        )
+    return reason
 
 
 def _replication(replication: str | None, replicated_is_free: bool | None) -> str:

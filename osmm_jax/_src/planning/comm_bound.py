@@ -97,7 +97,7 @@ def moved_elements(plan) -> tuple[int, ...]:
     """Elements each rank of ``plan`` moves in the bound's terms: the input pieces it gets
     from other ranks plus the partial sums it sends to other ranks.
 
-    ``plan`` is a :class:`osmm_jax._src.planning.planner.Plan`. Partials a rank receives into its own
+    ``plan`` is a :class:`osmm_jax._src.planning.plan.Plan`. Partials a rank receives into its own
     C block are not counted (it owns those elements), as in the bound.
     """
     moved = [0] * plan.nranks

@@ -3,10 +3,10 @@ arrays instead of cell by cell.
 
 :func:`osmm_jax.auto_layouts` prices each candidate by every rank's flops and the bytes it
 sends and receives, exactly as the planner would plan it
-(:class:`osmm_jax._src.planning.planner.PlanTotals`). Cell by cell that is P^2 decisions for the
+(:class:`osmm_jax._src.planning.plan_totals.PlanTotals`). Cell by cell that is P^2 decisions for the
 one-dimensional splits over K (a K-split over 1024 ranks
 has a million cells) and P (pr + pc) for a pr x pc grid. Their layouts have a structure that
-makes the same decisions (:func:`osmm_jax._src.planning.planner.decide`) countable in bulk:
+makes the same decisions (:func:`osmm_jax._src.planning.cells.decide`) countable in bulk:
 
 * ``rows, B split`` (A, B, C by rows; A and C split alike), ``cols, A split`` (its transpose)
   and ``k_split`` (A by columns, B by rows, split alike over K; C by rows): every cell pairs
@@ -32,15 +32,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from osmm_jax._src.planning.cells import cuts
 from osmm_jax._src.planning.layout import Layout
-from osmm_jax._src.planning.planner import Totals, _cuts
+from osmm_jax._src.planning.totals import Totals
 from osmm_jax._src.planning.work import Work
 
 _NEVER = np.iinfo(np.int64).max  # a threshold every share is under
 
 
 def family_totals(a: Layout, b: Layout, c: Layout, work: Work | None = None) -> Totals | None:
-    """The :class:`~osmm_jax._src.planning.planner.Totals` of ``Plan(a, b, c, work=work)`` for the
+    """The :class:`~osmm_jax._src.planning.totals.Totals` of ``Plan(a, b, c, work=work)`` for the
     candidate families above, or None when the layouts are not one of them."""
     if a.is_replicated or b.is_replicated or c.is_replicated or a.nranks < 2:
         return None
@@ -76,7 +77,7 @@ def _nested_in_boxes(a: Layout, b: Layout, c: Layout, work: Work) -> Totals | No
 
     Then every piece of a cell in box ``(i, ki, j)`` belongs to a rank ``(i, ki, *)``, ``(*, ki,
     j)`` or ``(i, *, j)``, so only the box's own rank can own all three, and
-    :func:`~osmm_jax._src.planning.planner.decide` gives every cell to its box's rank. A rank with a
+    :func:`~osmm_jax._src.planning.cells.decide` gives every cell to its box's rank. A rank with a
     non-empty box gets the parts of ``A[M_i, K_ki]`` and ``B[K_ki, N_j]`` it does not own and
     delivers the parts of ``C[M_i, N_j]`` it does not own; its own pieces are got by the other
     ranks with non-empty boxes beside it, and its C block is delivered into by them."""
@@ -233,28 +234,121 @@ def _grid(a_rows, a_cols, b_rows, b_cols, K) -> Totals:
     (servers of one A piece differ from cell to cell along ``j``), likewise along ``i`` for B;
     an A owner serving several K pieces of one column band sends one partial per C cell.
     """
-    pr, pc = len(a_rows), len(b_cols)
-    m, n = _sizes(a_rows), _sizes(b_cols)
-    k_cuts = _cuts(K, a_cols, b_rows)
-    k = np.array([hi - lo for lo, hi in k_cuts], dtype=np.int64)
-    col_band = _band_of(a_cols, [lo for lo, _ in k_cuts])
-    row_band = _band_of(b_rows, [lo for lo, _ in k_cuts])
-    flops = np.zeros(pr * pc, dtype=np.int64)
-    inputs = np.zeros(pr * pc, dtype=np.int64)
-    partials = np.zeros(pr * pc, dtype=np.int64)
-    received_inputs = np.zeros(pr * pc, dtype=np.int64)
-    received_partials = np.zeros(pr * pc, dtype=np.int64)
-    i = np.arange(pr)[None, :, None]
-    j = np.arange(pc)[None, None, :]
-    mm, nn = m[None, :, None], n[None, None, :]
-    exists = (mm > 0) & (nn > 0)
-    # The planner's cut indices (empty bands make no cut), for the turns of tied cells.
-    rotation = (np.cumsum(m > 0) - 1)[None, :, None] + (np.cumsum(n > 0) - 1)[None, None, :]
-    area = m[:, None] * n[None, :]
-    rows, cols = np.arange(pr), np.arange(pc)
-    carried = {"A": None, "B": None}  # the last band's partial mask, continued by the next chunk
+    k_cuts = cuts(K, a_cols, b_rows)
+    k = _sizes(k_cuts)
+    starts = [lo for lo, _ in k_cuts]
+    col_band, row_band = _band_of(a_cols, starts), _band_of(b_rows, starts)
+    tally = _GridTally(_sizes(a_rows), _sizes(b_cols))
+    step = max(1, _CHUNK_CELLS // max(1, len(a_rows) * len(b_cols)))
+    for t0 in range(0, len(k_cuts), step):
+        t = np.arange(t0, min(t0 + step, len(k_cuts)))
+        tally.add(t, k[t], col_band[t], row_band[t])
+    return tally.totals()
 
-    def runs(kind, bands, masks):
+
+class _GridTally:
+    """The totals of a pr x pc grid, summed over chunks of K pieces (:meth:`add`).
+
+    Rank ``i * pc + j`` owns row band ``i`` (``m[i]`` rows) of A and C and column band ``j``
+    (``n[j]`` columns) of B and C. The cells of ``T`` K pieces are arrays of shape
+    ``(T, pr, pc)``; the per-rank sums are flat arrays indexed by rank.
+    """
+
+    def __init__(self, m: np.ndarray, n: np.ndarray):
+        pr, pc = len(m), len(n)
+        self.m, self.n, self.pc = m, n, pc
+        self.rows, self.cols = np.arange(pr), np.arange(pc)
+        self.i, self.j = self.rows[None, :, None], self.cols[None, None, :]
+        self.mm, self.nn = m[None, :, None], n[None, None, :]
+        self.area = m[:, None] * n[None, :]
+        self.exists = (self.mm > 0) & (self.nn > 0)
+        self.all_exist = bool(self.exists.all())
+        # The planner's cut indices (empty bands make no cut), for the turns of tied cells.
+        rotation = (np.cumsum(m > 0) - 1)[None, :, None] + (np.cumsum(n > 0) - 1)[None, None, :]
+        self.rotation_even = rotation % 2 == 0
+        # Off the special row and column: whether the A owner is cheaper than the B owner.
+        self.a_cheaper, self.a_b_tie = self.nn < self.mm, self.nn == self.mm
+        self.any_tie = bool(self.a_b_tie.any())
+        self.flops, self.inputs, self.partials = (np.zeros(pr * pc, np.int64) for _ in range(3))
+        self.received_inputs = np.zeros(pr * pc, dtype=np.int64)
+        self.received_partials = np.zeros(pr * pc, dtype=np.int64)
+        # Per kind of server ("A", "B"): the last band's partial mask, continued by the next chunk.
+        self.carried: dict[str, tuple | None] = {"A": None, "B": None}
+
+    def servers(self, t, kt, cbt, rbt):
+        """Who serves the cells of the K pieces ``t`` (sizes ``kt``, in A's column bands ``cbt``
+        and B's row bands ``rbt``): ``(has_a, has_b, by_c, by_a, by_b)``, whether the C owner
+        holds the A piece, the B piece, and whether the C, the A or the B owner serves."""
+        i, j, mm, nn = self.i, self.j, self.mm, self.nn
+        kk = kt[:, None, None]
+        cb, rb = cbt[:, None, None], rbt[:, None, None]
+        has_a = j == cb  # the C owner holds the A piece (one column per K piece)
+        has_b = i == rb  # ... the B piece (one row)
+        # Three different owners: the C owner moves m k + k n, the A owner k n + m n, the B
+        # owner m k + m n; the C owner serves when k <= m and k <= n, else the cheaper of the
+        # other two (n < m: the A owner), tied ones taking turns: the lower rank on even
+        # positions.
+        by_c = (kk <= mm) & (kk <= nn)
+        by_a = self.a_cheaper
+        if self.any_tie:
+            a_lower = (i < rb) | ((i == rb) & (cb < j))
+            even = self.rotation_even ^ (t[:, None, None] % 2 == 1)
+            by_a = by_a | (self.a_b_tie & (even == a_lower))
+        by_a = ~by_c & by_a
+        # The special column (the C owner holds A): the C owner (k n) or the B owner
+        # (m k + m n); the special row (it holds B): the C owner (m k) or the A owner
+        # (k n + m n); their crossing: the C owner holds both.
+        tt, rows, cols = np.arange(len(t)), self.rows, self.cols
+        m_col, n_col = self.m[None, :], self.n[cbt][:, None]  # (T, pr) along the special column
+        col_c = kt[:, None] * n_col <= m_col * kt[:, None] + m_col * n_col
+        by_c[tt[:, None], rows[None, :], cbt[:, None]] = col_c
+        by_a[tt[:, None], rows[None, :], cbt[:, None]] = False
+        m_row, n_row = self.m[rbt][:, None], self.n[None, :]  # (T, pc) along the special row
+        row_c = m_row * kt[:, None] <= kt[:, None] * n_row + m_row * n_row
+        by_c[tt[:, None], rbt[:, None], cols[None, :]] = row_c
+        by_a[tt[:, None], rbt[:, None], cols[None, :]] = ~row_c
+        by_c[tt, rbt, cbt] = True
+        by_a[tt, rbt, cbt] = False
+        return has_a, has_b, by_c, by_a, ~by_c & ~by_a
+
+    def add(self, t, kt, cbt, rbt) -> None:
+        """Count the flops, gets and partials of the cells of the K pieces ``t`` (arguments as
+        :meth:`servers`); a partial is counted when its band's run of K pieces ends."""
+        has_a, has_b, by_c, by_a, by_b = self.servers(t, kt, cbt, rbt)
+        mine = has_a & has_b
+        if self.all_exist:
+            live, served_c, served_a, served_b = ~mine, by_c, by_a, by_b
+        else:
+            e = self.exists
+            live, served_c, served_a, served_b = e & ~mine, e & by_c, e & by_a, e & by_b
+        m, n, pc = self.m, self.n, self.pc
+        mk = self.mm[:, :, 0] * kt[:, None]  # (T, pr)
+        kn = kt[:, None] * self.nn[:, 0, :]  # (T, pc)
+        # Flops: 2 m k n per cell, to its server.
+        self.flops += 2 * self.area.ravel() * (kt @ served_c.reshape(len(t), -1))
+        a_index = (self.rows[None, :] * pc + cbt[:, None]).ravel()
+        b_index = (rbt[:, None] * pc + self.cols[None, :]).ravel()
+        np.add.at(self.flops, a_index, (2 * mk * (served_a @ n)).ravel())
+        np.add.at(self.flops, b_index, (2 * kn * (m @ served_b)).ravel())
+        gets_a = live & ((by_c & ~has_a) | by_b)
+        gets_b = live & ((by_c & ~has_b) | by_a)
+        np.add.at(self.inputs, a_index, (mk * gets_a.sum(axis=2)).ravel())
+        np.add.at(self.inputs, b_index, (kn * gets_b.sum(axis=1)).ravel())
+        # The same gets at the servers: the C owner gets what it lacks, the B owner the A
+        # piece, the A owner the B piece.
+        c_gets_a = (live & by_c & ~has_a).astype(np.int64)
+        c_gets_b = (live & by_c & ~has_b).astype(np.int64)
+        self.received_inputs += (
+            np.einsum("ti,tij->ij", mk, c_gets_a) + np.einsum("tj,tij->ij", kn, c_gets_b)
+        ).ravel()
+        b_gets_a = (live & by_b).astype(np.int64)
+        a_gets_b = (live & by_a).astype(np.int64)
+        np.add.at(self.received_inputs, b_index, np.einsum("ti,tij->tj", mk, b_gets_a).ravel())
+        np.add.at(self.received_inputs, a_index, np.einsum("tj,tij->ti", kn, a_gets_b).ravel())
+        self.runs("A", cbt, live & by_a)
+        self.runs("B", rbt, live & by_b)
+
+    def runs(self, kind: str, bands: np.ndarray, masks: np.ndarray) -> None:
         """Count one partial per (server, C cell) over each band's K pieces: ``masks[t]`` says
         which cells the band's owner serves at piece ``t``; a band's run may span chunks."""
         starts = np.flatnonzero(np.diff(bands, prepend=-1))
@@ -263,97 +357,36 @@ def _grid(a_rows, a_cols, b_rows, b_cols, K) -> Totals:
         else:
             merged = np.logical_or.reduceat(masks, starts, axis=0)
         run_bands = bands[starts]
-        pending = carried[kind]
+        pending = self.carried[kind]
         if pending is not None and pending[0] == run_bands[0]:
             merged[0] |= pending[1]
         elif pending is not None:
-            flush(kind, np.array([pending[0]]), pending[1][None])
-        carried[kind] = (run_bands[-1], merged[-1].copy())
+            self.flush(kind, np.array([pending[0]]), pending[1][None])
+        self.carried[kind] = (run_bands[-1], merged[-1].copy())
         if len(run_bands) > 1:
-            flush(kind, run_bands[:-1], merged[:-1])
+            self.flush(kind, run_bands[:-1], merged[:-1])
 
-    def flush(kind, bands, masks):
+    def flush(self, kind: str, bands: np.ndarray, masks: np.ndarray) -> None:
         """Add the partials of complete runs: ``masks[r]`` the C cells band ``bands[r]``'s
         owners send to (each C owner receives one partial per run)."""
-        np.add(received_partials, (area * masks.sum(axis=0)).ravel(), out=received_partials)
+        m, n, pc = self.m, self.n, self.pc
+        self.received_partials += (self.area * masks.sum(axis=0)).ravel()
         if kind == "A":  # owner (i, band) sends m_i n_j to (i, j)
+            senders = self.rows[None, :] * pc + bands[:, None]
             values = (masks @ n) * m[None, :]
-            np.add.at(partials, (rows[None, :] * pc + bands[:, None]).ravel(), values.ravel())
         else:  # owner (band, j) sends m_i n_j to (i, j)
+            senders = bands[:, None] * pc + self.cols[None, :]
             values = (m @ masks) * n[None, :]
-            np.add.at(partials, (bands[:, None] * pc + cols[None, :]).ravel(), values.ravel())
+        np.add.at(self.partials, senders.ravel(), values.ravel())
 
-    step = max(1, _CHUNK_CELLS // max(1, pr * pc))
-    rotation_even = rotation % 2 == 0
-    a_cheaper, a_b_tie = nn < mm, nn == mm  # off the special row and column: A owner vs B owner
-    any_tie, all_exist = bool(a_b_tie.any()), bool(exists.all())
-    for t0 in range(0, len(k_cuts), step):
-        t = np.arange(t0, min(t0 + step, len(k_cuts)))
-        kt, cbt, rbt = k[t], col_band[t], row_band[t]
-        kk = kt[:, None, None]
-        cb, rb = cbt[:, None, None], rbt[:, None, None]
-        has_a = j == cb  # the C owner holds the A piece (one column per K piece)
-        has_b = i == rb  # ... the B piece (one row)
-        mine = has_a & has_b
-        # Three different owners: the C owner moves m k + k n, the A owner k n + m n, the B
-        # owner m k + m n; the C owner serves when k <= m and k <= n, else the cheaper of the
-        # other two (n < m: the A owner), tied ones taking turns: the lower rank on even
-        # positions.
-        by_c = (kk <= mm) & (kk <= nn)
-        by_a = a_cheaper
-        if any_tie:
-            a_lower = (i < rb) | ((i == rb) & (cb < j))
-            even = rotation_even ^ (t[:, None, None] % 2 == 1)
-            by_a = by_a | (a_b_tie & (even == a_lower))
-        by_a = ~by_c & by_a
-        # The special column (the C owner holds A): the C owner (k n) or the B owner
-        # (m k + m n); the special row (it holds B): the C owner (m k) or the A owner
-        # (k n + m n); their crossing: the C owner holds both.
-        tt = np.arange(len(t))
-        m_col, n_col = m[None, :], n[cbt][:, None]  # (T, pr) along the special column
-        col_c = kt[:, None] * n_col <= m_col * kt[:, None] + m_col * n_col
-        by_c[tt[:, None], rows[None, :], cbt[:, None]] = col_c
-        by_a[tt[:, None], rows[None, :], cbt[:, None]] = False
-        m_row, n_row = m[rbt][:, None], n[None, :]  # (T, pc) along the special row
-        row_c = m_row * kt[:, None] <= kt[:, None] * n_row + m_row * n_row
-        by_c[tt[:, None], rbt[:, None], cols[None, :]] = row_c
-        by_a[tt[:, None], rbt[:, None], cols[None, :]] = ~row_c
-        by_c[tt, rbt, cbt] = True
-        by_a[tt, rbt, cbt] = False
-        by_b = ~by_c & ~by_a
-        live = ~mine if all_exist else exists & ~mine
-        served_c, served_a, served_b = (
-            (by_c, by_a, by_b) if all_exist else (exists & by_c, exists & by_a, exists & by_b)
-        )
-        mk = mm[:, :, 0] * kt[:, None]  # (T, pr)
-        kn = kt[:, None] * nn[:, 0, :]  # (T, pc)
-        # Flops: 2 m k n per cell, to its server.
-        flops += 2 * area.ravel() * (kt @ served_c.reshape(len(t), -1))
-        a_index = (rows[None, :] * pc + cbt[:, None]).ravel()
-        b_index = (rbt[:, None] * pc + cols[None, :]).ravel()
-        np.add.at(flops, a_index, (2 * mk * (served_a @ n)).ravel())
-        np.add.at(flops, b_index, (2 * kn * (m @ served_b)).ravel())
-        gets_a = live & ((by_c & ~has_a) | by_b)
-        gets_b = live & ((by_c & ~has_b) | by_a)
-        np.add.at(inputs, a_index, (mk * gets_a.sum(axis=2)).ravel())
-        np.add.at(inputs, b_index, (kn * gets_b.sum(axis=1)).ravel())
-        # The same gets at the servers: the C owner gets what it lacks, the B owner the A
-        # piece, the A owner the B piece.
-        c_gets_a = (live & by_c & ~has_a).astype(np.int64)
-        c_gets_b = (live & by_c & ~has_b).astype(np.int64)
-        received_inputs += (
-            np.einsum("ti,tij->ij", mk, c_gets_a) + np.einsum("tj,tij->ij", kn, c_gets_b)
-        ).ravel()
-        b_gets_a = (live & by_b).astype(np.int64)
-        a_gets_b = (live & by_a).astype(np.int64)
-        np.add.at(received_inputs, b_index, np.einsum("ti,tij->tj", mk, b_gets_a).ravel())
-        np.add.at(received_inputs, a_index, np.einsum("tj,tij->ti", kn, a_gets_b).ravel())
-        runs("A", cbt, live & by_a)
-        runs("B", rbt, live & by_b)
-    for kind, pending in carried.items():
-        if pending is not None:
-            flush(kind, np.array([pending[0]]), pending[1][None])
-    return _totals(flops, inputs, partials, received_inputs, received_partials)
+    def totals(self) -> Totals:
+        """The totals of the K pieces added, once the runs still open are counted."""
+        for kind, pending in self.carried.items():
+            if pending is not None:
+                self.flush(kind, np.array([pending[0]]), pending[1][None])
+                self.carried[kind] = None
+        columns = (self.flops, self.inputs, self.partials)
+        return _totals(*columns, self.received_inputs, self.received_partials)
 
 
 def _band_of(intervals, points) -> np.ndarray:

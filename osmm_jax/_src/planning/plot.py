@@ -13,6 +13,9 @@ pyplot, so they work headless (no display, any backend) and leave no global
 figure state behind; in Jupyter they display after ``%matplotlib inline``.
 Matplotlib is imported only when a picture is drawn (``pip install
 osmm_jax[plot]``). Pure host-side: no JAX, no MPI.
+
+Plans are arguments here, never imports: :meth:`Plan.plot` calls :func:`plot_plan`, so this
+module depends only on the modules below the plan's (its records and totals).
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from __future__ import annotations
 import numpy as np
 
 from osmm_jax._src.planning.layout import Layout
-from osmm_jax._src.planning.planner import FLOAT32_BYTES, Plan, per_rank_totals
+from osmm_jax._src.planning.records import FLOAT32_BYTES
+from osmm_jax._src.planning.totals import per_rank_totals
 from osmm_jax._src.units import format_bytes
 
 REPLICATED_HATCH = "//"
@@ -32,9 +36,13 @@ _ANNOTATE_MAX_RANKS = 12
 _LABEL_MIN_FRACTION = 0.05
 """A block is labelled with its rank when both its sides are at least this fraction of the matrix."""
 
+_PLAN_INTERFACE = ("dims", "nranks", "flops", "transfers", "for_rank")
+"""What the class of a :class:`~osmm_jax.Plan` has and :func:`plot_plan` checks for: this module
+takes plans as arguments without importing their class."""
+
 
 def transfer_matrix(
-    plan: Plan, input_itemsize: int = FLOAT32_BYTES, accum_itemsize: int = FLOAT32_BYTES
+    plan, input_itemsize: int = FLOAT32_BYTES, accum_itemsize: int = FLOAT32_BYTES
 ) -> np.ndarray:
     """Bytes rank ``s`` sends to rank ``d`` for one product, as an int64 array of shape ``(P, P)``.
 
@@ -94,7 +102,7 @@ def plot_layout(layout: Layout, ax=None, *, title: str | None = None, colors=Non
 
 
 def plot_plan(
-    plan: Plan,
+    plan,
     *,
     fig=None,
     figsize: tuple[float, float] | None = None,
@@ -123,7 +131,7 @@ def plot_plan(
     Returns:
         The :class:`matplotlib.figure.Figure` drawn (``fig`` itself, if given).
     """
-    if not isinstance(plan, Plan):
+    if not all(hasattr(type(plan), name) for name in _PLAN_INTERFACE):
         raise TypeError(f"plan must be an osmm_jax.Plan, got {type(plan).__name__}")
     fig = _plan_figure(fig, figsize)
     colors = rank_colors(plan.nranks)
@@ -149,7 +157,7 @@ def _plan_figure(fig, figsize):
     return fig
 
 
-def _plan_title(plan: Plan, sent_bytes: int) -> str:
+def _plan_title(plan, sent_bytes: int) -> str:
     """The product's shape, ranks, total GFLOP and total bytes sent, in one line."""
     M, K, N = plan.dims
     return (
@@ -158,7 +166,7 @@ def _plan_title(plan: Plan, sent_bytes: int) -> str:
     )
 
 
-def _draw_tilings(axes, plan: Plan, colors) -> None:
+def _draw_tilings(axes, plan, colors) -> None:
     """Draw A, B and C on the three ``axes``, labelled ``"A"``, ``"B"``, ``"C"``."""
     for ax, name, layout, dims in (
         (axes[0], "A", plan.a, "M×K"),
@@ -176,7 +184,7 @@ def _flops_label(rank: int, flops: int, total_flops: int) -> str:
     return f"rank {rank}: {flops / 1e9:.3g} GFLOP{share}"
 
 
-def _legend_handles(plan: Plan, colors) -> list:
+def _legend_handles(plan, colors) -> list:
     """One patch per rank (colour, GFLOP, share), and the replicated hatch when one is drawn."""
     from matplotlib.patches import Patch
 

@@ -1,7 +1,7 @@
 """Who computes which part of a product: a 3-D split of its multiply-adds over the ranks.
 
 By default the planner lets the owners of a cell's pieces compute it (:func:`decide
-<osmm_jax._src.planning.planner.decide>`): a 1-D or 2-D algorithm, in which a rank touches a whole row
+<osmm_jax._src.planning.cells.decide>`): a 1-D or 2-D algorithm, in which a rank touches a whole row
 band of A or column band of B. On many ranks that moves more than necessary: a rank that
 computes ``V`` multiply-adds touches at least ``3 V^(2/3)`` elements, which only a 3-D split
 of the ``M x K x N`` multiply-adds reaches (Agarwal et al. 1995; the "3-D" and "2.5-D"

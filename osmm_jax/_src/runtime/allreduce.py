@@ -30,7 +30,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from osmm_jax._src import dtypes
-from osmm_jax._src.planning.planner import Plan
+from osmm_jax._src.planning.plan import Plan
 from osmm_jax._src.runtime import communicators, one_sided, primitives
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from osmm_jax._src.planning.auto_layout import LayoutChoice
 from osmm_jax._src.planning.layout import Layout
-from osmm_jax._src.planning.planner import Plan, RankPlan, make_plan
+from osmm_jax._src.planning.plan import Plan, RankPlan, make_plan
 
 
 def plan(

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from osmm_jax._src import dtypes
-from osmm_jax._src.planning.planner import Plan
+from osmm_jax._src.planning.plan import Plan
 
 _faults: dict[int, float] = {}
 

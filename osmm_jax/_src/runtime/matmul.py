@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from osmm_jax._src import config, dtypes
-from osmm_jax._src.planning.planner import Plan, PlanFacts, backward_plans, combine_facts
+from osmm_jax._src.planning.plan import Plan, backward_plans
+from osmm_jax._src.planning.records import PlanFacts, combine_facts
 from osmm_jax._src.runtime import allreduce, checksum, communicators, metrics, one_sided, watchdog
 
 # -- public function ------------------------------------------------------------------
@@ -130,7 +131,7 @@ def _executed_plans(plan: Plan) -> tuple[Plan, ...]:
 
 
 def _facts_to_share(plan: Plan, rank: int) -> tuple[PlanFacts, ...]:
-    """This rank's :class:`~osmm_jax._src.planning.planner.PlanFacts` of every executed plan (cached in
+    """This rank's :class:`~osmm_jax._src.planning.records.PlanFacts` of every executed plan (cached in
     the plans after the first product: later calls only look them up).
 
     Sent on every call, not only until the plans have adopted the combined facts: another rank

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from osmm_jax._src import dtypes
-from osmm_jax._src.planning.planner import Plan
+from osmm_jax._src.planning.plan import Plan
 from osmm_jax._src.runtime import native, primitives
 
 _ALIGN = 64  # bytes; the B region of the expose window starts on this boundary

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 
 from osmm_jax._src import checks
 from osmm_jax._src.planning.layout import Layout, split_sizes
-from osmm_jax._src.planning.planner import Plan, make_plan
+from osmm_jax._src.planning.plan import Plan, make_plan
 from osmm_jax._src.runtime import metrics
 
 WARMUP_STEPS = 1
@@ -117,6 +117,73 @@ def _advance_streaks(streak: list[int], standing_out) -> list[int]:
 def _change_event(step: int, reasons, old, new) -> str:
     """Why and how the sizes changed at ``step``, in one readable line (for logs)."""
     return f"step {step}: " + "; ".join(reasons) + f"; sizes {list(old)} -> {list(new)}"
+
+
+def _shrink_targets(sizes, seconds, speed, flagged, shrink: float):
+    """Fractional rows per rank after the stragglers give rows away, and the ranks that shrink.
+
+    ``speed``: rows/s of every rank that has rows (``sizes[r] / seconds[r]``), in rank order.
+    Each rank of ``flagged`` loses ``shrink`` of its rows, or less when less brings its time
+    (``seconds``) down to the balanced time (total rows over total speed); the rows removed go
+    to the other ranks in proportion to their speeds. ``([], ())`` when no rank would shrink or
+    no other rank can take rows.
+    """
+    balanced = math.fsum(sizes) / math.fsum(speed.values())  # seconds, rows proportional to speed
+    cuts = {r: min(shrink, 1 - balanced / max(seconds[r], _TINY)) for r in flagged}
+    shrinking = tuple(r for r in sorted(cuts) if cuts[r] > 0)
+    receivers = [r for r in speed if r not in shrinking]
+    receiving_speed = math.fsum(speed[r] for r in receivers)
+    if not shrinking or receiving_speed <= 0:
+        return [], ()
+    targets = [float(s) for s in sizes]
+    removed = 0.0
+    for r in shrinking:
+        removed += cuts[r] * targets[r]
+        targets[r] *= 1 - cuts[r]
+    for r in receivers:
+        targets[r] += removed * speed[r] / receiving_speed
+    return targets, shrinking
+
+
+def _slowest(sizes, speed) -> float:
+    """The slowest rank's predicted seconds at ``sizes``: times proportional to rows at the
+    measured ``speed`` (rows/s of the ranks that have rows)."""
+    return max(sizes[r] / speed[r] if sizes[r] else 0.0 for r in speed)
+
+
+def _quantise(targets, sizes, shrinking, active, *, total: int, quantum: int, min_units: int):
+    """Whole quanta near ``targets`` (fractional rows, one per rank, summing to ``total``).
+
+    Every rank of ``active`` (those that may have rows) keeps ``min_units`` quanta (fewer when
+    the rows cannot cover it). Ranks in ``shrinking`` get the nearest count of quanta but at
+    least one fewer than in ``sizes`` (the current rows); the others share the rest by largest
+    remainder. The ``total % quantum`` rows left over go to the last non-empty rank. Returns
+    ``sizes`` when the floors leave nothing to share.
+    """
+    units_total, leftover = divmod(total, quantum)
+    scale = units_total / total
+    floor = min(min_units, units_total // len(active))
+    units = [0] * len(targets)
+    for r in active:
+        units[r] = floor
+    for r in shrinking:
+        current = sizes[r] // quantum
+        units[r] = max(floor, min(round(targets[r] * scale), current - 1))
+    rest = units_total - sum(units)
+    others = [r for r in active if r not in shrinking]
+    if rest < 0 or not others:
+        return sizes
+    weights = [max(targets[r] * scale - units[r], 0.0) for r in others]
+    if not any(weights):
+        weights = [1.0] * len(others)
+    for r, extra in zip(others, split_sizes(rest, len(others), weights)):
+        units[r] += extra
+    rows = [u * quantum for u in units]
+    if leftover:
+        nonempty = [r for r in range(len(rows)) if rows[r]]
+        last = nonempty[-1] if nonempty else max(active, key=lambda r: (targets[r], -r))
+        rows[last] += leftover
+    return tuple(rows)
 
 
 class Rebalancer:
@@ -417,64 +484,25 @@ class Rebalancer:
 
     def _redistribute(self, flagged, active) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """New sizes and the ranks that shrank; the current sizes if no move would help."""
-        no_change = (self._sizes, ())
         medians = self._median_times(active)
         seconds = {r: flagged[r][0] if r in flagged else medians[r] for r in active}
         speed = {r: self._sizes[r] / max(seconds[r], _TINY) for r in active}
-        balanced = math.fsum(self._sizes) / math.fsum(
-            speed.values()
-        )  # seconds, with rows proportional to speed
-        cuts = {r: min(self._shrink, 1 - balanced / max(seconds[r], _TINY)) for r in flagged}
-        shrinking = tuple(r for r in sorted(cuts) if cuts[r] > 0)
-        receivers = [r for r in active if r not in shrinking]
-        receiving_speed = math.fsum(speed[r] for r in receivers)
-        if not shrinking or receiving_speed <= 0:
-            return no_change
-        targets = [float(s) for s in self._sizes]
-        removed = 0.0
-        for r in shrinking:
-            removed += cuts[r] * targets[r]
-            targets[r] *= 1 - cuts[r]
-        for r in receivers:
-            targets[r] += removed * speed[r] / receiving_speed
-        new = self._quantise(targets, frozenset(shrinking), active)
-
-        def slowest(sizes):  # predicted, with times proportional to rows at the measured speeds
-            return max(sizes[r] / speed[r] if sizes[r] else 0.0 for r in active)
-
-        if slowest(new) >= slowest(self._sizes):
-            return no_change
-        return new, shrinking
+        targets, shrinking = _shrink_targets(self._sizes, seconds, speed, flagged, self._shrink)
+        if shrinking:
+            new = self._quantise(targets, frozenset(shrinking), active)
+            if _slowest(new, speed) < _slowest(self._sizes, speed):
+                return new, shrinking
+        return self._sizes, ()
 
     def _quantise(self, targets, shrinking, active) -> tuple[int, ...]:
-        """Whole quanta near ``targets`` (rows, summing to total_rows), floors kept.
-
-        Ranks in ``shrinking`` get the nearest count of quanta but at least one
-        fewer than now; the others share the rest by largest remainder. The
-        ``total_rows % quantum`` left over goes to the last non-empty rank.
-        """
-        q, total = self._quantum, self._total
-        units_total, leftover = divmod(total, q)
-        scale = units_total / total
-        floor = min(self._min_units, units_total // len(active))
-        units = [0] * self._nranks
-        for r in active:
-            units[r] = floor
-        for r in shrinking:
-            current = self._sizes[r] // q
-            units[r] = max(floor, min(round(targets[r] * scale), current - 1))
-        rest = units_total - sum(units)
-        others = [r for r in active if r not in shrinking]
-        if rest < 0 or not others:
-            return self._sizes
-        weights = [max(targets[r] * scale - units[r], 0.0) for r in others]
-        if not any(weights):
-            weights = [1.0] * len(others)
-        for r, extra in zip(others, split_sizes(rest, len(others), weights)):
-            units[r] += extra
-        rows = [u * q for u in units]
-        if leftover:
-            nonempty = [r for r in range(self._nranks) if rows[r]]
-            last = nonempty[-1] if nonempty else max(active, key=lambda r: (targets[r], -r))
-            rows[last] += leftover
-        return tuple(rows)
+        """:func:`_quantise` from the current sizes, with this controller's total, quantum and
+        floor."""
+        return _quantise(
+            targets,
+            self._sizes,
+            shrinking,
+            active,
+            total=self._total,
+            quantum=self._quantum,
+            min_units=self._min_units,
+        )

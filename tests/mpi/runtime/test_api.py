@@ -9,7 +9,7 @@ import pytest
 from mpi4py import MPI
 
 import osmm_jax as om
-from osmm_jax._src.planning.planner import combine_facts
+from osmm_jax._src.planning.records import combine_facts
 
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 

@@ -16,15 +16,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from strategies import products
 
+from osmm_jax._src.planning.cells import EVERYONE, cut_cells, decide
 from osmm_jax._src.planning.layout import Layout
-from osmm_jax._src.planning.planner import (
-    EVERYONE,
-    FLOAT32_BYTES,
-    Plan,
-    cut_cells,
-    decide,
-    rank_speeds,
-)
+from osmm_jax._src.planning.plan import Plan
+from osmm_jax._src.planning.records import FLOAT32_BYTES
+from osmm_jax._src.planning.totals import rank_speeds
 
 MIB = 2**20
 
