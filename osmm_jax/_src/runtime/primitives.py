@@ -183,7 +183,8 @@ osmm_watch_p.def_effectful_abstract_eval(
 
 def _lower_with_token(target: str, ctx, *operands, token_position=None, aliases=None, **attrs):
     """Lower an FFI call with the ordered-effect token as operand ``token_position`` (default:
-    last) and as the last result."""
+    last) and as the last result; ``attrs`` are the primitive's parameters, passed to the handler
+    as :func:`_ffi_attribute` converts them."""
     token = get_token_effect(ctx, ordered_effect)
     position = len(operands) if token_position is None else token_position
     avals_in = list(ctx.avals_in)
@@ -195,65 +196,32 @@ def _lower_with_token(target: str, ctx, *operands, token_position=None, aliases=
     rule = jax.ffi.ffi_lowering(target, has_side_effect=True, operand_output_aliases=aliases)
     operands = list(operands)
     operands.insert(position, token)
+    attrs = {name: _ffi_attribute(value) for name, value in attrs.items()}
     results = list(rule(ctx_with_token, *operands, **attrs))
     set_token_effect(ctx, ordered_effect, results.pop())
     return results
 
 
-def _records(values) -> np.ndarray:
-    return np.asarray(values, dtype=np.int64).reshape(-1)
+def _ffi_attribute(value) -> np.int64 | np.ndarray:
+    """A primitive's parameter as the handlers read it: a tuple of ints (records, chunk ends or
+    sizes) as a flat int64 array, an int or a bool as an int64 scalar."""
+    if isinstance(value, tuple):
+        return np.asarray(value, dtype=np.int64).reshape(-1)
+    return np.int64(value)
 
 
-def _fetch_lowering(
-    ctx, a, b, *, comm, call_id, window_bytes, b_offset, expose_a, expose_b, gets, fetched_elements
-):
-    return _lower_with_token(
-        "osmm_fetch",
-        ctx,
-        a,
-        b,
-        comm=np.int64(comm),
-        call_id=np.int64(call_id),
-        window_bytes=np.int64(window_bytes),
-        b_offset=np.int64(b_offset),
-        expose_a=np.int64(expose_a),
-        expose_b=np.int64(expose_b),
-        gets=_records(gets),
-    )
+def _fetch_lowering(ctx, a, b, *, fetched_elements, **attrs):
+    """``fetched_elements`` only shapes the output; the handler gets the other parameters of
+    :func:`fetch`."""
+    return _lower_with_token("osmm_fetch", ctx, a, b, **attrs)
 
 
-def _reduce_start_lowering(
-    ctx,
-    chunk,
-    *,
-    comm,
-    call_id,
-    window_bytes,
-    local_elements,
-    overlap,
-    transfers,
-    chunk_ends,
-    chunk_sizes,
-):
-    return _lower_with_token(
-        "osmm_reduce_start",
-        ctx,
-        chunk,
-        comm=np.int64(comm),
-        call_id=np.int64(call_id),
-        window_bytes=np.int64(window_bytes),
-        local_elements=np.int64(local_elements),
-        overlap=np.int64(overlap),
-        transfers=_records(transfers),
-        chunk_ends=_records(chunk_ends),
-        chunk_sizes=_records(chunk_sizes),
-    )
+def _reduce_start_lowering(ctx, chunk, **attrs):
+    return _lower_with_token("osmm_reduce_start", ctx, chunk, **attrs)
 
 
-def _reduce_issue_lowering(ctx, chunk, *, comm, index):
-    return _lower_with_token(
-        "osmm_reduce_issue", ctx, chunk, comm=np.int64(comm), index=np.int64(index)
-    )
+def _reduce_issue_lowering(ctx, chunk, **attrs):
+    return _lower_with_token("osmm_reduce_issue", ctx, chunk, **attrs)
 
 
 def _reduce_finish_lowering(ctx, local, *chunks, comm):
@@ -265,14 +233,12 @@ def _reduce_finish_lowering(ctx, local, *chunks, comm):
         token_position=1,
         # The finished block is written over the local partial: no fresh output buffer.
         aliases={0: 0},
-        comm=np.int64(comm),
+        comm=comm,
     )
 
 
 def _watch_lowering(ctx, marker, *, comm, begin):
-    return _lower_with_token(
-        "osmm_watch", ctx, marker, aliases={0: 0}, comm=np.int64(comm), begin=np.int64(begin)
-    )
+    return _lower_with_token("osmm_watch", ctx, marker, aliases={0: 0}, comm=comm, begin=begin)
 
 
 def _watch_passthrough(ctx, marker, *, comm, begin):
