@@ -10,10 +10,12 @@ from osmm_jax._src.nn.tensor_parallel import (
     check_batch_sizes,
     check_sizes,
     check_split,
+    cut_param,
     input_error,
     join_params,
     shard_params,
     span,
+    unsupported_error,
 )
 
 
@@ -84,26 +86,51 @@ def test_bad_batch_sizes(batch_sizes, error, message):
         check_batch_sizes(batch_sizes, 3)
 
 
+BATCH, SIZES = (2, 0, 1), (2, 0, 3)
+
+
+@pytest.mark.parametrize(
+    "split, shape, in_features, rank",
+    [
+        # Column-parallel: this rank's own entries, then the whole input's features.
+        ("column", (2, 5, 4), 4, 0),
+        ("column", (0, 5, 4), 4, 1),
+        ("column", (1, 4), 4, 2),
+        # Row-parallel: every rank's entries, then this rank's features.
+        ("row", (3, 5, 2), 5, 0),
+        ("row", (3, 0), 5, 1),
+    ],
+)
+def test_inputs_of_the_right_batch_entries_pass(split, shape, in_features, rank):
+    assert input_error(split, shape, in_features, SIZES, rank, BATCH) is None
+
+
+@pytest.mark.parametrize(
+    "split, shape, in_features, message",
+    [
+        (
+            "column",
+            (3, 5, 4),
+            4,
+            "the input has 3 batch entries (shape (3, 5, 4)) but this rank's batch_sizes[0] is 2 "
+            "(batch_sizes [2, 0, 1])",
+        ),
+        (
+            "row",
+            (2, 5, 2),
+            5,
+            "the input has 2 batch entries (shape (2, 5, 2)) but every rank's (the sum of "
+            "batch_sizes) is 3 (batch_sizes [2, 0, 1])",
+        ),
+    ],
+)
+def test_inputs_of_other_batch_entries_are_named(split, shape, in_features, message):
+    assert input_error(split, shape, in_features, SIZES, 0, BATCH) == message
+
+
 def test_input_errors_with_batch_sizes_name_the_batch_entries():
-    batch, sizes = (2, 0, 1), (2, 0, 3)
-    # Column-parallel: this rank's own entries, then the whole input's features.
-    assert input_error("column", (2, 5, 4), 4, sizes, 0, batch) is None
-    assert input_error("column", (0, 5, 4), 4, sizes, 1, batch) is None
-    assert input_error("column", (1, 4), 4, sizes, 2, batch) is None
-    message = input_error("column", (3, 5, 4), 4, sizes, 0, batch)
-    assert message == (
-        "the input has 3 batch entries (shape (3, 5, 4)) but this rank's batch_sizes[0] is 2 "
-        "(batch_sizes [2, 0, 1])"
-    )
+    batch, sizes = BATCH, SIZES
     assert "this rank's batch_sizes[1] is 0" in input_error("column", (2, 5, 4), 4, sizes, 1, batch)
-    # Row-parallel: every rank's entries, then this rank's features.
-    assert input_error("row", (3, 5, 2), 5, sizes, 0, batch) is None
-    assert input_error("row", (3, 0), 5, sizes, 1, batch) is None
-    message = input_error("row", (2, 5, 2), 5, sizes, 0, batch)
-    assert message == (
-        "the input has 2 batch entries (shape (2, 5, 2)) but every rank's (the sum of "
-        "batch_sizes) is 3 (batch_sizes [2, 0, 1])"
-    )
     # The right entries, the wrong features: the features' message, as without batch_sizes.
     assert "has 5 features but the kernel has 4 rows" in input_error(
         "column", (2, 5), 4, sizes, 0, batch
@@ -169,3 +196,28 @@ def test_shard_params_checks_its_arguments():
         shard_params({"kernel": np.zeros(4)}, [4], 0, split="column")
     with pytest.raises(ValueError, match="none"):
         join_params([], split="row")
+
+
+def test_cut_param_takes_this_ranks_columns_or_rows_and_a_row_parallel_bias_whole():
+    kernel, bias = np.arange(20).reshape(5, 4), np.arange(4)
+    part = slice(1, 3)
+    np.testing.assert_array_equal(cut_param("kernel", kernel, part, split="column"), kernel[:, 1:3])
+    np.testing.assert_array_equal(cut_param("kernel", kernel, part, split="row"), kernel[1:3, :])
+    np.testing.assert_array_equal(cut_param("bias", bias, part, split="column"), bias[1:3])
+    assert cut_param("bias", bias, part, split="row") is bias
+
+
+def test_completed_prefix_names_what_a_sequence_parallel_product_completes():
+    path = ("params", "up")
+    assert TensorParallelDot("column", [2, 1]).completed_prefix(path) is None
+    assert TensorParallelDot("row", [2, 1]).completed_prefix(path) is None
+    column = TensorParallelDot("column", [2, 1], batch_sizes=[1, 1])
+    assert column.completed_prefix(path) == path  # kernel and bias
+    row = TensorParallelDot("row", [2, 1], batch_sizes=[1, 1])
+    assert row.completed_prefix(path) == (*path, "kernel")  # not the bias
+
+
+def test_unsupported_arguments_are_named():
+    assert unsupported_error(None) is None and unsupported_error(None, None) is None
+    assert "precision='highest' is not supported" in unsupported_error("highest")
+    assert "out_sharding is not supported" in unsupported_error(None, "sharding")

@@ -233,3 +233,37 @@ def test_frozen_parameters_are_not_named():
         return model.apply({"params": {"LayerNorm_0": norm, "Dense_0": dense}}, X)
 
     assert _warnings(lambda: jax.jit(jax.grad(dense_only))(params["params"]["Dense_0"])) == []
+
+
+@pytest.mark.parametrize(
+    "split, batch_sizes, kind, completed",
+    [
+        ("column", None, "tensor_parallel", ()),  # each shard's gradient is this rank's own
+        ("column", [4], "sequence_parallel", ("kernel", "bias")),
+        ("row", [4], "sequence_parallel", ("kernel",)),  # the bias: this rank's rows' alone
+    ],
+)
+def test_tensor_parallel_layers_report_their_communicator_and_what_they_complete(
+    split, batch_sizes, kind, completed
+):
+    from osmm_jax._src.nn.tensor_parallel import TensorParallelDot
+
+    comm = object()
+    dot = TensorParallelDot(split, [4], comm=comm, batch_sizes=batch_sizes)
+    reported, returned = [], []
+
+    def loss(kernel, bias):
+        with unsummed_grads.collecting(lambda *report: reported.append(report)):
+            params = {"kernel": kernel, "bias": bias}
+            got = unsummed_grads.note_tensor_parallel(dot, kernel, bias)
+            returned.append(tuple(name for name, p in params.items() for g in got if g is p))
+        return jnp.sum(kernel) + jnp.sum(bias)
+
+    jax.grad(loss)(jnp.ones((4, 4)), jnp.ones(4))
+    assert reported == [(kind, comm)]
+    assert returned == [completed]
+    # Not differentiated: nothing to report; what the product completes all the same.
+    reported.clear()
+    with unsummed_grads.collecting(lambda *report: reported.append(report)):
+        got = unsummed_grads.note_tensor_parallel(dot, jnp.ones((4, 4)), None)
+    assert reported == [] and len(got) == len(completed)

@@ -21,7 +21,8 @@ same accumulation, with no extra collective (a bias added outside the product,
 as Flax's stock layers do, would only get each rank's own rows' gradient).
 
 Layout of this module: pure argument checks (no JAX, no MPI: testable without
-``mpiexec``), then :class:`DistributedDot`, the hook itself.
+``mpiexec``), then :class:`DistributedDot`, the hook itself, and
+:func:`dot_general`, the public way to build one (``osmm_jax.flax.dot_general``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from osmm_jax._src import checks
+from osmm_jax._src.nn.rank_counts import counts_per_rank
 
 # -- pure checks ---------------------------------------------------------------------
 
@@ -42,24 +43,15 @@ def check_row_sizes(row_sizes, nranks: int) -> tuple[int, ...]:
             non-integer.
         ValueError: the wrong number of entries, or a negative entry.
     """
-    if row_sizes is None:
-        raise TypeError(
-            "row_sizes is required: the number of input rows (leading dimensions flattened) "
-            "each rank holds, one entry per rank"
-        )
-    if isinstance(row_sizes, (str, bytes)) or not isinstance(row_sizes, Sequence):
-        try:
-            row_sizes = tuple(row_sizes)
-        except TypeError:
-            raise TypeError(
-                f"row_sizes must be a sequence of row counts, one per rank, got {row_sizes!r}"
-            ) from None
-    if len(row_sizes) != nranks:
-        raise ValueError(
-            f"row_sizes {list(row_sizes)} has {len(row_sizes)} entries but the communicator "
-            f"has {nranks} ranks: give one row count per rank"
-        )
-    return tuple(checks.integer(s, f"row_sizes[{i}]") for i, s in enumerate(row_sizes))
+    return counts_per_rank(
+        row_sizes,
+        nranks,
+        "row_sizes",
+        entries="row counts",
+        give="one row count per rank",
+        required="the number of input rows (leading dimensions flattened) each rank holds, "
+        "one entry per rank",
+    )
 
 
 def local_rows(shape: Sequence[int]) -> int:
@@ -262,6 +254,22 @@ class DistributedDot:
         if preferred_element_type is not None:
             y = y.astype(preferred_element_type)
         return y
+
+
+def dot_general(row_sizes: Sequence[int], *, comm=None, method: str | None = None):
+    """A ``dot_general`` for Flax's hooks whose product runs on osmm_jax.
+
+    ``nn.Dense(features, use_bias=False, dot_general=dot_general(sizes))`` and
+    ``nnx.Linear(..., use_bias=False, dot_general=dot_general(sizes))`` compute
+    ``x_local @ kernel`` for this rank's ``sizes[rank]`` rows, and the kernel
+    gradient comes back summed over ranks. It contracts the input's last
+    dimension with a 2-D kernel's first, nothing else.
+
+    With a bias, use :class:`osmm_jax.flax.Dense` / :class:`osmm_jax.flax.Linear`
+    instead: the stock layers add the bias outside the product, so its gradient
+    would stay this rank's own.
+    """
+    return DistributedDot(row_sizes, comm=comm, method=method)
 
 
 def _check_apply(

@@ -28,7 +28,8 @@ is replicated and added once, after the sum (its gradient, from the replicated
 cotangent, is already the whole gradient on every rank).
 
 Layout of this module: pure checks and the checkpoint helpers (numpy only, no
-JAX, no MPI: testable without ``mpiexec``), then :class:`TensorParallelDot`.
+JAX, no MPI: testable without ``mpiexec``), then :class:`TensorParallelDot`, then
+:func:`gather_params`, which joins the shards on every rank together.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from osmm_jax._src import checks
+from osmm_jax._src.nn.rank_counts import counts_per_rank
 
 SPLITS = ("column", "row")
 
@@ -63,21 +65,14 @@ def check_sizes(sizes, nranks: int, total: int | None = None, *, what: str = "co
         ValueError: the wrong number of entries, a negative entry, or a sum
             other than ``total``.
     """
-    if sizes is None:
-        raise TypeError(f"sizes is required: the kernel {what} each rank holds, one entry per rank")
-    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence):
-        try:
-            sizes = tuple(sizes)
-        except TypeError:
-            raise TypeError(
-                f"sizes must be a sequence of counts of kernel {what}, one per rank, got {sizes!r}"
-            ) from None
-    if len(sizes) != nranks:
-        raise ValueError(
-            f"sizes {list(sizes)} has {len(sizes)} entries but the communicator has {nranks} "
-            f"ranks: give the kernel {what} of every rank"
-        )
-    out = tuple(checks.integer(s, f"sizes[{i}]") for i, s in enumerate(sizes))
+    out = counts_per_rank(
+        sizes,
+        nranks,
+        "sizes",
+        entries=f"counts of kernel {what}",
+        give=f"the kernel {what} of every rank",
+        required=f"the kernel {what} each rank holds, one entry per rank",
+    )
     if total is not None and sum(out) != total:
         raise ValueError(
             f"sizes {list(out)} sum to {sum(out)} but the kernel has {total} {what}: the "
@@ -94,16 +89,14 @@ def check_batch_sizes(batch_sizes, nranks: int) -> tuple[int, ...]:
         TypeError: not a sequence, or a non-integer entry (a float or a bool included).
         ValueError: the wrong number of entries, or a negative one.
     """
-    if isinstance(batch_sizes, (str, bytes)) or not _is_sequence(batch_sizes):
-        raise TypeError(
-            f"batch_sizes must be a sequence of batch entries, one per rank, got {batch_sizes!r}"
-        )
-    if len(batch_sizes) != nranks:
-        raise ValueError(
-            f"batch_sizes {list(batch_sizes)} has {len(batch_sizes)} entries but the "
-            f"communicator has {nranks} ranks: give the batch entries of every rank"
-        )
-    return tuple(checks.integer(s, f"batch_sizes[{i}]") for i, s in enumerate(batch_sizes))
+    return counts_per_rank(
+        batch_sizes,
+        nranks,
+        "batch_sizes",
+        entries="batch entries",
+        give="the batch entries of every rank",
+        any_iterable=False,
+    )
 
 
 def span(sizes: Sequence[int], rank: int) -> slice:
@@ -165,6 +158,16 @@ def input_error(
     return None
 
 
+def unsupported_error(precision, out_sharding=None) -> str | None:
+    """What is wrong with a layer's ``precision`` / ``out_sharding`` (both must be None), or
+    None: osmm_jax forms products at XLA's default precision and places each rank's block."""
+    if precision is not None:
+        return f"precision={precision!r} is not supported (osmm_jax.matmul takes none)"
+    if out_sharding is not None:
+        return "out_sharding is not supported: each rank's output block is placed by osmm_jax"
+    return None
+
+
 def _value(x):
     """An array-like leaf's array (an ``nnx.Variable``'s value, or the leaf itself)."""
     return x[...] if hasattr(x, "get_value") else x
@@ -200,11 +203,20 @@ def shard_params(params: Mapping, sizes: Sequence[int], rank: int, *, split: str
         raise ValueError(f"rank {rank} is out of range for {len(sizes)} sizes")
     part = span(sizes, rank)
     out = dict(params)
-    out["kernel"] = kernel[:, part] if split == "column" else kernel[part, :]
+    out["kernel"] = cut_param("kernel", kernel, part, split=split)
     if params.get("bias") is not None:
-        bias = _value(params["bias"])
-        out["bias"] = bias[part] if split == "column" else bias
+        out["bias"] = cut_param("bias", _value(params["bias"]), part, split=split)
     return out
+
+
+def cut_param(name: str, value, part: slice, *, split: str):
+    """The shard of a stock parameter that the rank holding ``part`` of the split dimension
+    stores: a ``"kernel"``'s columns ``[:, part]`` (``split="column"``) or rows ``[part, :]``
+    (``"row"``); a ``"bias"``'s entries ``[part]`` (column) or the whole of it (row: the
+    bias is replicated, added once after the sum)."""
+    if name == "kernel":
+        return value[:, part] if split == "column" else value[part, :]
+    return value[part] if split == "column" else value
 
 
 def join_params(shards: Sequence[Mapping], *, split: str) -> dict:
@@ -304,6 +316,16 @@ class TensorParallelDot:
     def sequence_parallel(self) -> bool:
         """Whether the activations are split by batch entries (``batch_sizes`` given)."""
         return self.batch_sizes is not None
+
+    def completed_prefix(self, path: tuple) -> tuple | None:
+        """Where, under the layer's parameter ``path``, the gradients lie that this product
+        completes over its ranks, as a data-parallel layer's are: with ``batch_sizes`` (the
+        rows gathered) a column-parallel layer's kernel and bias (``path``), a row-parallel
+        one's kernel (``(*path, "kernel")``; its bias, added to this rank's entries only, is
+        not). None without ``batch_sizes``: each shard's gradient is this rank's own."""
+        if not self.sequence_parallel:
+            return None
+        return path if self.split == "column" else (*path, "kernel")
 
     def check(
         self,
@@ -410,3 +432,61 @@ class TensorParallelDot:
                 out_lead = (self.batch_sizes[private.Get_rank()], *lead[1:])
         y = matmul(x, kernel, plan(a, b, c, comm=private), method=self.method)
         return jnp.reshape(y, out_lead + (y.shape[1],))
+
+
+# -- checkpoints, on every rank together ---------------------------------------------------
+
+
+def gather_params(params, sizes: Sequence[int], *, split: str, comm=None) -> dict:
+    """The stock parameters of a tensor-parallel layer, whole, on every rank (numpy).
+
+    Args:
+        params: this rank's shard, a mapping with ``"kernel"`` and optionally
+            ``"bias"`` (a linen layer's ``params["params"]["<name>"]``, or
+            ``nnx.state(layer)``), as :func:`shard_params` cuts it.
+        sizes: the layer's ``sizes``.
+        split: ``"column"`` or ``"row"``.
+        comm: the layer's communicator (default COMM_WORLD).
+
+    Returns ``{"kernel": (in, out), "bias": (out,)}`` (no ``"bias"`` if the
+    shards have none), the same on every rank: a checkpoint for
+    ``nn.Dense`` / ``nnx.Linear``. Every rank calls it; bad ``sizes`` or a
+    shard of the wrong shape on any rank raise the same error on every rank
+    before any shard moves.
+    """
+    import numpy as np
+
+    from osmm_jax._src.runtime import communicators
+
+    dot = TensorParallelDot(split, sizes, comm=comm, name="osmm_jax.flax.gather_params")
+    private = communicators.private_comm(comm)
+    local = {k: np.asarray(_value(v)) for k, v in params.items() if v is not None}
+    kernel = local.get("kernel")
+    in_features = out_features = error = None
+    if kernel is None or kernel.ndim != 2:
+        error = (
+            f"expected a 2-D 'kernel' in the shard, got {None if kernel is None else kernel.shape}"
+        )
+    else:
+        in_features, out_features, error = _shard_features(dot, kernel.shape, private)
+    _, _, private = dot.check(in_features, out_features or 0, use_bias="bias" in local, error=error)
+    return join_params(private.allgather(local), split=split)
+
+
+def _shard_features(dot: TensorParallelDot, kernel_shape: tuple, private):
+    """``(in_features, out_features, error)`` of the whole layer whose shard on this rank of
+    ``private`` has ``kernel_shape``, for :meth:`TensorParallelDot.check`: the unsplit
+    dimension from the shard, the split one from ``dot.sizes`` (None when they are bad, left
+    for the check to report on every rank) and what is wrong with the shard, or None."""
+    in_features, out_features = kernel_shape
+    try:
+        checked = check_sizes(dot.sizes, private.Get_size())
+    except (TypeError, ValueError):
+        return in_features, out_features, None
+    rank, error = private.Get_rank(), None
+    axis = 1 if dot.split == "column" else 0
+    if kernel_shape[axis] != checked[rank]:
+        error = f"the kernel shard has shape {kernel_shape}; sizes[{rank}] is {checked[rank]}"
+    if dot.split == "column":
+        return in_features, sum(checked), error
+    return None, out_features, error

@@ -140,23 +140,27 @@ def note_differentiated(
     _state.notes.append(_Note(weakref.ref(current), _staged(current), prepare()))
 
 
-def note_tensor_parallel(params: Iterable, comm) -> None:
-    """Called by a tensor-parallel layer with its parameters and communicator: inside
-    :func:`collecting`, differentiated ones go to its callback as ``("tensor_parallel",
-    comm)`` (their shards must not be summed over the ranks that share the layer)."""
-    callback = _collecting.get()
-    if callback is not None and differentiated(params):
-        callback("tensor_parallel", comm)
+def note_tensor_parallel(dot, kernel, bias) -> tuple:
+    """Called by a tensor-parallel layer (linen or nnx) at every call with its product (a
+    ``TensorParallelDot``) and its parameters (``bias`` None allowed).
 
+    Inside :func:`collecting`, when they are differentiated, the product's communicator goes
+    to the callback: as ``("sequence_parallel", comm)`` with ``batch_sizes`` (the gradients it
+    completes are complete over those ranks only), as ``("tensor_parallel", comm)`` without
+    (its shards must not be summed over the ranks that share the layer).
 
-def note_sequence_parallel(params: Iterable, comm) -> None:
-    """Called by a sequence-parallel layer with its parameters and communicator: inside
-    :func:`collecting`, when they are differentiated, its communicator goes to the callback
-    as ``("sequence_parallel", comm)`` (the gradients it completes are complete over those
-    ranks only)."""
+    Returns the parameters whose gradients the product completes over its ranks, to be noted
+    as a data-parallel layer's (see ``TensorParallelDot.completed_prefix``): with
+    ``batch_sizes`` the kernel and a column-parallel bias (the rows were gathered), not a
+    row-parallel bias (added to this rank's rows only); none without.
+    """
+    kind = "sequence_parallel" if dot.sequence_parallel else "tensor_parallel"
     callback = _collecting.get()
-    if callback is not None and differentiated(params):
-        callback("sequence_parallel", comm)
+    if callback is not None and differentiated((kernel, bias)):
+        callback(kind, dot.comm)
+    if not dot.sequence_parallel:
+        return ()
+    return (kernel, bias) if dot.split == "column" else (kernel,)
 
 
 def derived_from(value, trace) -> bool:
@@ -177,6 +181,20 @@ def model_record(root) -> dict:
 def known_models() -> list[dict]:
     """The records :func:`model_record` holds now."""
     return [record for _, record in _state.models.values()]
+
+
+def caller_frames(limit: int = 64):
+    """The frames of the calls on the stack, from the osmm_jax layer's caller outwards (at most
+    ``limit``): where the model a layer belongs to is found while it is traced. Called from a
+    function that looks for the model, itself called from the layer's hook."""
+    import sys
+
+    frame = sys._getframe(3)  # 0: here, 1: the finder, 2: the layer's hook, 3: its caller
+    for _ in range(limit):
+        if frame is None:
+            return
+        yield frame
+        frame = frame.f_back
 
 
 def note_synced() -> None:

@@ -282,6 +282,20 @@ def _row_sizes():
     return ([3, 0, 1, 2] if SIZE >= 3 else [3, 1])[:SIZE]
 
 
+def _tokens(seed):
+    """Rows per rank, every rank's tokens (the same on every rank), this rank's slice of them."""
+    sizes = _row_sizes()
+    tokens = jnp.asarray(np.random.default_rng(seed).integers(0, 7, sum(sizes)), jnp.int32)
+    return sizes, tokens, _mine(sizes)
+
+
+def _features(seed):
+    """Rows per rank, every rank's input rows (the same on every rank), this rank's slice."""
+    sizes = _row_sizes()
+    x = jnp.asarray(np.random.default_rng(seed).standard_normal((sum(sizes), IN)), jnp.float32)
+    return sizes, x, _mine(sizes)
+
+
 class _DataParallel(nn.Module):
     row_sizes: tuple = ()
 
@@ -295,9 +309,7 @@ class _DataParallel(nn.Module):
 
 
 def test_sync_grads_makes_data_parallel_training_match_one_process():
-    sizes = _row_sizes()
-    tokens = jnp.asarray(np.random.default_rng(9).integers(0, 7, sum(sizes)), jnp.int32)
-    mine = _mine(sizes)
+    sizes, tokens, mine = _tokens(9)
     stock, ours = _DataParallel(), _DataParallel(tuple(sizes))
     params = stock.init(jax.random.key(1), tokens)
     total = sum(sizes)
@@ -329,10 +341,7 @@ def _nnx_models(sizes):
 
 
 def test_sync_grads_nnx_model_and_one_process():
-    sizes = _row_sizes()
-    x = jnp.asarray(np.random.default_rng(10).standard_normal((sum(sizes), IN)), jnp.float32)
-    mine = _mine(sizes)
-
+    sizes, x, mine = _features(10)
     ours, stock = _nnx_models(sizes)
 
     def loss(m, x):
@@ -368,9 +377,7 @@ def test_sync_grads_sums_every_leaf_not_skipped_in_one_product_per_dtype():
 
 
 def test_value_and_grad_linen_matches_one_process_inside_jit():
-    sizes = _row_sizes()
-    tokens = jnp.asarray(np.random.default_rng(11).integers(0, 7, sum(sizes)), jnp.int32)
-    mine = _mine(sizes)
+    sizes, tokens, mine = _tokens(11)
     stock, ours = _DataParallel(), _DataParallel(tuple(sizes))
     params = stock.init(jax.random.key(2), tokens)
     total = sum(sizes)
@@ -392,10 +399,7 @@ def test_value_and_grad_linen_matches_one_process_inside_jit():
 
 
 def test_value_and_grad_nnx_with_aux_matches_one_process():
-    sizes = _row_sizes()
-    x = jnp.asarray(np.random.default_rng(12).standard_normal((sum(sizes), IN)), jnp.float32)
-    mine = _mine(sizes)
-
+    sizes, x, mine = _features(12)
     ours, stock = _nnx_models(sizes)
 
     def loss(m, x):
@@ -411,11 +415,10 @@ def test_value_and_grad_nnx_with_aux_matches_one_process():
 def test_applying_unsummed_gradients_warns_once_and_can_be_refused():
     from osmm_jax._src.nn import unsummed_grads
 
-    sizes = _row_sizes()
-    tokens = jnp.asarray(np.random.default_rng(13).integers(0, 7, sum(sizes)), jnp.int32)
+    sizes, tokens, mine = _tokens(13)
     ours = _DataParallel(tuple(sizes))
     params = _DataParallel().init(jax.random.key(3), tokens)
-    t = tokens[_mine(sizes)]
+    t = tokens[mine]
 
     def wrong(p):
         return jax.grad(lambda p: jnp.sum(ours.apply(p, t)))(p)
@@ -436,9 +439,7 @@ def test_applying_unsummed_gradients_warns_once_and_can_be_refused():
 
 
 def test_value_and_grad_leaves_layers_it_does_not_differentiate_to_their_own_grad():
-    sizes = _row_sizes()
-    tokens = jnp.asarray(np.random.default_rng(14).integers(0, 7, sum(sizes)), jnp.int32)
-    mine = _mine(sizes)
+    sizes, tokens, mine = _tokens(14)
     ours, stock = _DataParallel(tuple(sizes)), _DataParallel()
     params = stock.init(jax.random.key(4), tokens)
     t = tokens[mine]
