@@ -182,7 +182,8 @@ def check_mpi_abi() -> None:
         raise ImportError(
             "osmm_jax's native extension and mpi4py use different MPI libraries:\n"
             f"  osmm_jax: {ours.splitlines()[0]}\n  mpi4py:   {theirs.splitlines()[0]}\n"
-            "Rebuild osmm_jax against the MPI that mpi4py loads (see BUILD.md)."
+            "Rebuild osmm_jax against the MPI that mpi4py loads (see BUILD.md; `python -m osmm_jax`\n"
+            "shows which library each side loaded)."
         )
 
 
