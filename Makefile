@@ -65,7 +65,7 @@ $(DEPS_STAMP): pyproject.toml | $(PY)
 	cmake --version 2>/dev/null | awk 'NR == 1 { split($$3, v, "."); ok = v[1] > 3 || (v[1] == 3 && v[2] >= 18) } END { exit !ok }' \
 		|| $(PIP) install "cmake>=3.18"
 	$(PIP) show -q mpi4jax 2>/dev/null || env $(MPI4JAX_ENV) $(PIP) install 'mpi4jax>=0.9,<0.10'
-	$(PIP) install --no-build-isolation -e ".[test,dev]" $(NATIVE_CMAKE_ARGS)
+	$(PIP) install --no-build-isolation -e ".[mpich,test,dev]" $(NATIVE_CMAKE_ARGS)
 	touch $@ $(BUILD_STAMP)
 
 # The native build's CUDA part: AUTO (built when nvcc and the CUDA headers are found), ON or
