@@ -42,31 +42,31 @@ def targets(groups: dict[str, list[dict]]) -> list[tuple[str, str, str, bool | N
     def add(label, text, value, required, ok):
         rows.append((f"({label}) {text}", value, required, ok))
 
+    def faster(label, text, x, required):
+        """A target of one_sided at least ``required`` times faster; ``x``: measured."""
+        add(label, text, f"{x:.2f}x faster", f">= {required}x", x >= required)
+
+    def within(label, text, x, limit):
+        """A target of a time ratio at most ``limit``; ``x``: measured."""
+        add(label, text, f"{x:.2f}", f"<= {limit:.2f}", x <= limit)
+
     if "k_split" in groups:
         r = groups["k_split"][-1]
-        x = ratio(r, "allreduce", "one_sided")
-        add("i", "one_sided vs allreduce", f"{x:.2f}x faster", ">= 1.25x", x >= 1.25)
+        faster("i", "one_sided vs allreduce", ratio(r, "allreduce", "one_sided"), 1.25)
         x = ratio(r, "jax_named_sharding", "one_sided")
         if x is not None:
-            add("i", "one_sided vs JAX NamedSharding", f"{x:.2f}x faster", ">= 1.15x", x >= 1.15)
+            faster("i", "one_sided vs JAX NamedSharding", x, 1.15)
         x = ratio(r, "one_sided", "floor (local GEMMs only)")
-        add("i", "one_sided / no-communication floor", f"{x:.2f}", "<= 1.10", x <= 1.10)
+        within("i", "one_sided / no-communication floor", x, 1.10)
     if "ffn" in groups:
-        r = groups["ffn"][-1]
-        x = ratio(r, "one_sided", "floor (local GEMMs only)")
-        add("ii", "one_sided / no-communication floor", f"{x:.2f}", "<= 1.10", x <= 1.10)
+        x = ratio(groups["ffn"][-1], "one_sided", "floor (local GEMMs only)")
+        within("ii", "one_sided / no-communication floor", x, 1.10)
     if "hetero" in groups:
         r = groups["hetero"][-1]
         x = ratio(r, "allreduce (uniform)", "one_sided")
-        add(
-            "iii",
-            "speed-weighted one_sided vs uniform allreduce",
-            f"{x:.2f}x faster",
-            ">= 1.3x",
-            x >= 1.3,
-        )
+        faster("iii", "speed-weighted one_sided vs uniform allreduce", x, 1.3)
         x = seconds(r, "one_sided") / r["ideal_limit_s"]
-        add("iii", "speed-weighted one_sided / aggregate limit", f"{x:.2f}", "<= 1.15", x <= 1.15)
+        within("iii", "speed-weighted one_sided / aggregate limit", x, 1.15)
     small = [r for r in groups.get("small", []) if r["dims"][0] == 64]
     if small:
         r = small[-1]
@@ -79,15 +79,8 @@ def targets(groups: dict[str, list[dict]]) -> list[tuple[str, str, str, bool | N
             o <= a,
         )
     if "train_step" in groups:
-        r = groups["train_step"][-1]
-        x = ratio(r, "allreduce (DDP: uniform)", "one_sided")
-        add(
-            "v",
-            "train step, one_sided vs DDP-like allreduce",
-            f"{x:.2f}x faster",
-            ">= 1.2x",
-            x >= 1.2,
-        )
+        x = ratio(groups["train_step"][-1], "allreduce (DDP: uniform)", "one_sided")
+        faster("v", "train step, one_sided vs DDP-like allreduce", x, 1.2)
     return rows
 
 

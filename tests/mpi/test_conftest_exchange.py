@@ -140,6 +140,11 @@ def job(tmp_path_factory):
     return result, reports
 
 
+def _outcomes(reports: dict[tuple[str, str], dict], test: str) -> dict[str, str]:
+    """The outcome a rank logged for each phase of ``test`` that it ran."""
+    return {when: report["outcome"] for (name, when), report in reports.items() if name == test}
+
+
 def test_every_rank_logs_the_same_phases_with_the_same_outcomes(job):
     result, (rank0, rank1) = job
     assert rank0.keys() == rank1.keys(), result.stdout + result.stderr
@@ -148,48 +153,56 @@ def test_every_rank_logs_the_same_phases_with_the_same_outcomes(job):
     }
 
 
-def test_a_setup_failure_on_one_rank_is_an_error_at_setup_on_every_rank(job):
+@pytest.mark.parametrize(
+    "test, outcomes, when, says",
+    [
+        pytest.param(
+            "test_setup_fails",
+            {"setup": "failed", "teardown": "passed"},  # no rank runs the test
+            "setup",
+            ["failed on rank(s) [1] of 2", "setup broke on rank 1"],
+            id="a-setup-failure-is-an-error-at-setup",
+        ),
+        pytest.param(
+            "test_teardown_fails",
+            {"setup": "passed", "call": "passed", "teardown": "failed"},
+            "teardown",
+            ["failed on rank(s) [0] of 2", "teardown broke on rank 0"],
+            id="a-teardown-failure-is-an-error-at-teardown",
+        ),
+        pytest.param(
+            "test_skipped",
+            {"setup": "skipped", "teardown": "passed"},  # no rank runs the test
+            "setup",
+            ["skipped on rank(s) [1] of 2", "nothing to do on rank 1"],
+            id="a-skip-skips-the-test",
+        ),
+        pytest.param(
+            "test_call_fails",
+            {"setup": "passed", "call": "failed", "teardown": "passed"},
+            "call",
+            ["call broke on rank 1"],
+            id="a-failure-in-the-call-fails-the-test",
+        ),
+    ],
+)
+def test_what_goes_wrong_on_one_rank_goes_wrong_on_every_rank(job, test, outcomes, when, says):
+    """``test`` goes wrong on one rank: every rank logs ``outcomes`` for its phases (a phase
+    left out: no rank ran it), and every rank's report of phase ``when`` says each of ``says``
+    (which ranks, and what went wrong there)."""
     _, reports = job
     for rank in reports:
-        assert rank["test_setup_fails", "setup"]["outcome"] == "failed"
-        assert ("test_setup_fails", "call") not in rank  # no rank runs the test
-        assert rank["test_setup_fails", "teardown"]["outcome"] == "passed"
-        message = rank["test_setup_fails", "setup"]["longrepr"]
-        assert "failed on rank(s) [1] of 2" in message and "setup broke on rank 1" in message
-
-
-def test_a_teardown_failure_on_one_rank_is_an_error_at_teardown_on_every_rank(job):
-    _, reports = job
-    for rank in reports:
-        assert rank["test_teardown_fails", "call"]["outcome"] == "passed"
-        assert rank["test_teardown_fails", "teardown"]["outcome"] == "failed"
-        message = rank["test_teardown_fails", "teardown"]["longrepr"]
-        assert "failed on rank(s) [0] of 2" in message and "teardown broke on rank 0" in message
-
-
-def test_a_skip_on_one_rank_skips_the_test_on_every_rank(job):
-    _, reports = job
-    for rank in reports:
-        assert rank["test_skipped", "setup"]["outcome"] == "skipped"
-        assert ("test_skipped", "call") not in rank
-        message = rank["test_skipped", "setup"]["longrepr"]
-        assert "skipped on rank(s) [1] of 2" in message and "nothing to do on rank 1" in message
-
-
-def test_a_failure_in_the_call_on_one_rank_fails_on_every_rank(job):
-    _, reports = job
-    for rank in reports:
-        assert rank["test_call_fails", "call"]["outcome"] == "failed"
-        assert "call broke on rank 1" in rank["test_call_fails", "call"]["longrepr"]
+        assert _outcomes(rank, test) == outcomes
+        message = rank[test, when]["longrepr"]
+        assert all(text in message for text in says), message
 
 
 def test_the_tests_that_follow_run_in_step_and_pass_and_the_job_fails(job):
     result, reports = job
+    passed = {"setup": "passed", "call": "passed", "teardown": "passed"}
     for rank in reports:
         for name in ("after_setup_failure", "after_teardown_failure", "after_skip", "last"):
-            name = f"test_{name}"
-            for when in ("setup", "call", "teardown"):
-                assert rank[name, when]["outcome"] == "passed", (name, when, rank[name, when])
+            assert _outcomes(rank, f"test_{name}") == passed, (name, rank)
     assert result.returncode != 0
     summary = result.stdout.strip().splitlines()[-1]
     for count in ("1 failed", "5 passed", "1 skipped", "2 errors"):

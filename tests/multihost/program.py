@@ -33,12 +33,15 @@ import traceback  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mpi"))
 
 import jax  # noqa: E402
-import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 from product_cases import (  # noqa: E402
     KINDS,
+    METHODS,
+    SAMPLE_KINDS,
+    assert_product_and_grads_match,
     global_inputs,
-    make_layout,
+    local_blocks,
+    make_layouts,
     product_and_grads,
 )
 
@@ -48,17 +51,10 @@ jax.config.update("jax_enable_x64", True)
 
 COMM = MPI.COMM_WORLD
 RANK = COMM.Get_rank()
-METHODS = ("one_sided", "allreduce")
 
-# Every kind in every position, the data-parallel, K-split and 2-D grid products among them.
-CORE = [
-    ("rows", "replicated", "rows"),
-    ("cols", "rows", "rows"),
-    ("rows", "cols", "grid"),
-    ("grid", "grid", "grid"),
-    ("replicated", "cols", "replicated"),
-    ("replicated", "replicated", "cols"),
-]
+# Every kind in every position: the sample of product_cases (the data-parallel, K-split and 2-D
+# grid products among them) and a product into a column split.
+CORE = [*SAMPLE_KINDS, ("replicated", "replicated", "cols")]
 COMBOS = {
     "core": CORE,
     "few": [CORE[0], CORE[1], CORE[3]],  # data-parallel, K-split, 2-D grid
@@ -68,16 +64,10 @@ M, K, N = 13, 11, 7  # uneven over any rank count here
 
 
 def check(kinds, method) -> None:
-    a_layout = make_layout(kinds[0], (M, K))
-    b_layout = make_layout(kinds[1], (K, N), shift=1)
-    c_layout = make_layout(kinds[2], (M, N), shift=2)
-    plan = om.plan(a_layout, b_layout, c_layout)
-    a, b, g = global_inputs(m=M, k=K, n=N)
-    a_loc, b_loc, g_loc = a_layout.shard(a, RANK), b_layout.shard(b, RANK), c_layout.shard(g, RANK)
-    c_loc, da, db = product_and_grads(plan, method, a_loc, b_loc, g_loc)
-    np.testing.assert_allclose(c_loc, c_layout.shard(a @ b, RANK), rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(da, a_layout.shard(g @ b.T, RANK), rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(db, b_layout.shard(a.T @ g, RANK), rtol=1e-12, atol=1e-12)
+    plan = om.plan(*make_layouts(kinds, shifts=(0, 1, 2), m=M, k=K, n=N))
+    inputs = global_inputs(m=M, k=K, n=N)
+    results = product_and_grads(plan, method, *local_blocks(plan, inputs))
+    assert_product_and_grads_match(plan, inputs, results)
 
 
 def main() -> int:

@@ -11,11 +11,14 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 from product_cases import (
+    METHODS,
     K,
     M,
     N,
+    assert_product_and_grads_match,
     global_inputs,
-    make_layout,
+    local_blocks,
+    make_layouts,
     product_and_grads,
     product_grads_and_bytes,
 )
@@ -25,7 +28,6 @@ import osmm_jax as om
 jax.config.update("jax_enable_x64", True)
 
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-METHODS = ("one_sided", "allreduce")
 
 
 def grids(p: int):
@@ -48,12 +50,9 @@ def test_three_d_layouts_forward_and_grad_match_numpy(grid, speeds, method):
     weights = None if speeds == "equal" else [1.0 + (r % 3) for r in range(SIZE)]
     a_layout, b_layout, c_layout, work = om.three_d_layouts((M, K, N), grid, weights)
     plan = om.plan(a_layout, b_layout, c_layout, work=work)
-    a, b, g = global_inputs(seed=11)
-    a_loc, b_loc, g_loc = a_layout.shard(a, RANK), b_layout.shard(b, RANK), c_layout.shard(g, RANK)
-    c_loc, da, db = product_and_grads(plan, method, a_loc, b_loc, g_loc)
-    np.testing.assert_allclose(c_loc, c_layout.shard(a @ b, RANK), rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(da, a_layout.shard(g @ b.T, RANK), rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(db, b_layout.shard(a.T @ g, RANK), rtol=1e-12, atol=1e-12)
+    inputs = global_inputs(seed=11)
+    results = product_and_grads(plan, method, *local_blocks(plan, inputs))
+    assert_product_and_grads_match(plan, inputs, results)
 
 
 @pytest.mark.parametrize("kinds", [("rows", "cols", "grid"), ("cols", "rows", "rows")])
@@ -61,17 +60,11 @@ def test_a_work_split_over_ordinary_layouts_moves_what_its_plan_says(kinds):
     # The boxes decide who computes every cell no C owner holding both inputs computes for
     # itself: here every rank computes a slice of K for every C element, so most of its inputs
     # and all but its own rows of C move.
-    a_layout = make_layout(kinds[0], (M, K))
-    b_layout = make_layout(kinds[1], (K, N), shift=1)
-    c_layout = make_layout(kinds[2], (M, N), shift=2)
     work = om.Work.grid((M, K, N), (1, SIZE, 1), k_weights=[2.0, 1.0, 1.0, 3.0][:SIZE])
-    plan = om.plan(a_layout, b_layout, c_layout, work=work)
-    a, b, g = global_inputs(seed=12)
-    a_loc, b_loc, g_loc = a_layout.shard(a, RANK), b_layout.shard(b, RANK), c_layout.shard(g, RANK)
-    c_loc, da, db, sent = product_grads_and_bytes(plan, a_loc, b_loc, g_loc)
-    np.testing.assert_allclose(c_loc, c_layout.shard(a @ b, RANK), rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(da, a_layout.shard(g @ b.T, RANK), rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(db, b_layout.shard(a.T @ g, RANK), rtol=1e-12, atol=1e-12)
+    plan = om.plan(*make_layouts(kinds, shifts=(0, 1, 2)), work=work)
+    inputs = global_inputs(seed=12)
+    *results, sent = product_grads_and_bytes(plan, *local_blocks(plan, inputs))
+    assert_product_and_grads_match(plan, inputs, results)
     assert sent == sum(p.bytes_issued(8, 8)[RANK] for p in (plan, *plan.backward()))
 
 

@@ -17,11 +17,16 @@ import pytest
 from mpi4py import MPI
 from product_cases import (
     KINDS,
+    METHODS,
+    SAMPLE_KINDS,
     K,
     M,
     N,
+    assert_product_and_grads_match,
     global_inputs,
+    local_blocks,
     make_layout,
+    make_layouts,
     product_and_grads,
     product_grads_and_bytes,
     uneven_weights,
@@ -33,27 +38,16 @@ from osmm_jax._src.runtime import matmul as matmul_module
 jax.config.update("jax_enable_x64", True)
 
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-METHODS = ("one_sided", "allreduce")
-
-
 COMBOS = list(itertools.product(KINDS, KINDS, KINDS))
 
 
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("kinds", COMBOS, ids=["-".join(c) for c in COMBOS])
 def test_jit_forward_and_grad_match_numpy(kinds, method):
-    a_layout = make_layout(kinds[0], (M, K))
-    b_layout = make_layout(kinds[1], (K, N), shift=1)
-    c_layout = make_layout(kinds[2], (M, N), shift=2)
-    plan = om.plan(a_layout, b_layout, c_layout)
-    a, b, g = global_inputs()
-    a_loc, b_loc, g_loc = a_layout.shard(a, RANK), b_layout.shard(b, RANK), c_layout.shard(g, RANK)
-
-    c_loc, da, db = product_and_grads(plan, method, a_loc, b_loc, g_loc)
-    np.testing.assert_allclose(c_loc, c_layout.shard(a @ b, RANK), rtol=1e-12, atol=1e-12)
-    # The cotangent of C is g (the same global value on every rank that holds a copy).
-    np.testing.assert_allclose(da, a_layout.shard(g @ b.T, RANK), rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(db, b_layout.shard(a.T @ g, RANK), rtol=1e-12, atol=1e-12)
+    plan = om.plan(*make_layouts(kinds, shifts=(0, 1, 2)))
+    inputs = global_inputs()
+    results = product_and_grads(plan, method, *local_blocks(plan, inputs))
+    assert_product_and_grads_match(plan, inputs, results)
 
 
 @pytest.mark.parametrize("chunk_bytes", [0, 8], ids=["no-overlap", "chunk-per-row"])
@@ -62,47 +56,25 @@ def test_overlapped_chunks_give_the_same_products_and_bytes(kinds, chunk_bytes):
     """chunk_bytes=8 sends every row of every partial as its own chunk (from the issuer
     thread); 0 sends everything at once from the calling thread. Both must give the exact
     products and move exactly the bytes the plan predicts, forward and backward."""
-    a_layout = make_layout(kinds[0], (M, K))
-    b_layout = make_layout(kinds[1], (K, N), shift=1)
-    c_layout = make_layout(kinds[2], (M, N), shift=2)
-    plan = om.plan(a_layout, b_layout, c_layout)
-    a, b, g = global_inputs(seed=5)
-    a_loc, b_loc, g_loc = a_layout.shard(a, RANK), b_layout.shard(b, RANK), c_layout.shard(g, RANK)
-
-    c_loc, da, db, sent = product_grads_and_bytes(
-        plan, a_loc, b_loc, g_loc, chunk_bytes=chunk_bytes
+    plan = om.plan(*make_layouts(kinds, shifts=(0, 1, 2)))
+    inputs = global_inputs(seed=5)
+    *results, sent = product_grads_and_bytes(
+        plan, *local_blocks(plan, inputs), chunk_bytes=chunk_bytes
     )
-    np.testing.assert_allclose(c_loc, c_layout.shard(a @ b, RANK), rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(da, a_layout.shard(g @ b.T, RANK), rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(db, b_layout.shard(a.T @ g, RANK), rtol=1e-12, atol=1e-12)
+    assert_product_and_grads_match(plan, inputs, results)
     expected = sum(p.bytes_issued(8, 8)[RANK] for p in (plan, *plan.backward()))
     assert sent == expected
 
 
-EAGER = [
-    ("rows", "replicated", "rows"),
-    ("cols", "rows", "rows"),
-    ("rows", "cols", "grid"),
-    ("grid", "grid", "grid"),
-    ("replicated", "cols", "replicated"),
-]
-
-
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("kinds", EAGER, ids=["-".join(c) for c in EAGER])
+@pytest.mark.parametrize("kinds", SAMPLE_KINDS, ids=["-".join(c) for c in SAMPLE_KINDS])
 def test_eager_forward_and_grad(kinds, method):
-    a_layout = make_layout(kinds[0], (M, K))
-    b_layout = make_layout(kinds[1], (K, N))
-    c_layout = make_layout(kinds[2], (M, N))
-    plan = om.plan(a_layout, b_layout, c_layout)
-    a, b, g = global_inputs(seed=1)
-    a_loc, b_loc, g_loc = a_layout.shard(a, RANK), b_layout.shard(b, RANK), c_layout.shard(g, RANK)
+    plan = om.plan(*make_layouts(kinds))
+    inputs = global_inputs(seed=1)
+    a_loc, b_loc, g_loc = local_blocks(plan, inputs)
     c_loc = om.matmul(a_loc, b_loc, plan, method=method)
-    np.testing.assert_allclose(c_loc, c_layout.shard(a @ b, RANK), rtol=1e-12, atol=1e-12)
     _, vjp = jax.vjp(lambda x, y: om.matmul(x, y, plan, method=method), a_loc, b_loc)
-    da, db = vjp(jnp.asarray(g_loc))
-    np.testing.assert_allclose(da, a_layout.shard(g @ b.T, RANK), rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(db, b_layout.shard(a.T @ g, RANK), rtol=1e-12, atol=1e-12)
+    assert_product_and_grads_match(plan, inputs, (c_loc, *vjp(jnp.asarray(g_loc))))
 
 
 DTYPE_COMBOS = [("rows", "replicated", "rows"), ("cols", "rows", "rows"), ("rows", "cols", "grid")]
@@ -115,9 +87,7 @@ DTYPE_COMBOS = [("rows", "replicated", "rows"), ("cols", "rows", "rows"), ("rows
 @pytest.mark.parametrize("kinds", DTYPE_COMBOS, ids=["-".join(c) for c in DTYPE_COMBOS])
 def test_low_precision_dtypes(kinds, dtype, rtol, method):
     m, k, n = 33, 64, 17
-    a_layout = make_layout(kinds[0], (m, k))
-    b_layout = make_layout(kinds[1], (k, n))
-    c_layout = make_layout(kinds[2], (m, n))
+    a_layout, b_layout, c_layout = make_layouts(kinds, m=m, k=k, n=n)
     plan = om.plan(a_layout, b_layout, c_layout)
     a, b, _ = global_inputs(np.float64, seed=2, m=m, k=k, n=n)
     a_lo, b_lo = jnp.asarray(a, dtype), jnp.asarray(b, dtype)
@@ -215,9 +185,7 @@ def test_k_split_moves_fewer_bytes_than_the_allreduce_baseline():
 def test_twice_in_one_jit_inside_loops_and_with_mpi4jax():
     import mpi4jax
 
-    a_layout = make_layout("cols", (M, K))
-    b_layout = make_layout("rows", (K, N))
-    c_layout = make_layout("rows", (M, N))
+    a_layout, b_layout, c_layout = make_layouts(("cols", "rows", "rows"))
     sq_layout = make_layout("rows", (M, N), shift=1)
     plan = om.plan(a_layout, b_layout, c_layout)
     plan2 = om.plan(c_layout, om.Layout.replicated((N, N)), sq_layout)
@@ -250,11 +218,7 @@ def test_twice_in_one_jit_inside_loops_and_with_mpi4jax():
 
 @pytest.mark.parametrize("method", METHODS)
 def test_vmap_is_a_batch_of_distributed_products(method):
-    a_layout, b_layout, c_layout = (
-        make_layout("cols", (M, K)),
-        make_layout("rows", (K, N)),
-        make_layout("grid", (M, N)),
-    )
+    a_layout, b_layout, c_layout = make_layouts(("cols", "rows", "grid"))
     plan = om.plan(a_layout, b_layout, c_layout)
     batch = [global_inputs(seed=10 + i) for i in range(3)]
     a_b = jnp.stack([a_layout.shard(a, RANK) for a, _, _ in batch])
@@ -283,11 +247,7 @@ def test_vmap_is_a_batch_of_distributed_products(method):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_higher_order_and_forward_mode_raise_clear_errors(method):
-    a_layout, b_layout, c_layout = (
-        make_layout("rows", (M, K)),
-        make_layout("cols", (K, N)),
-        make_layout("rows", (M, N)),
-    )
+    a_layout, b_layout, c_layout = make_layouts(("rows", "cols", "rows"))
     plan = om.plan(a_layout, b_layout, c_layout)
     a, b, _ = global_inputs(seed=7)
     a_loc, b_loc = a_layout.shard(a, RANK), b_layout.shard(b, RANK)

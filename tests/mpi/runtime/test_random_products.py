@@ -29,11 +29,11 @@ import zlib
 from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 from mpi4py import MPI
+from product_cases import product_and_grads_step, rss_mib
 
 import osmm_jax as om
 
@@ -224,23 +224,13 @@ def make_step(plan, method: str, chunk_bytes, verify: bool, grads: bool):
     def product(x, y):
         return om.matmul(x, y, plan, method=method, verify=verify, chunk_bytes=chunk_bytes)
 
-    def loss(x, y, g):
-        c = product(x, y)
-        return jnp.sum(c * g), c
-
     if grads:
-        value_and_grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+        return product_and_grads_step(product)
 
-        def step(x, y, g):
-            (_, c), (da, db) = value_and_grad(x, y, g)
-            return c, da, db
+    def forward_only(x, y, g):
+        return product(x, y), None, None
 
-    else:
-
-        def step(x, y, g):
-            return product(x, y), None, None
-
-    return step
+    return forward_only
 
 
 def error_bound(x: np.ndarray, y: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -357,15 +347,6 @@ def release_compiled_code() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
-
-
-def rss_mib() -> float:
-    """This process's resident set size in MiB (VmRSS)."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 # -- the test ------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from mpi4py import MPI
+from product_cases import product_and_grads_step, rss_mib
 
 import osmm_jax as om
 
@@ -130,23 +131,12 @@ def make_step(spec: SoakPlan):
         return om.matmul(x, y, plan, method=spec.method, chunk_bytes=spec.chunk_bytes)
 
     if spec.grads:
+        return jax.jit(product_and_grads_step(product))
 
-        def loss(x, y, g):
-            c = product(x, y)
-            return jnp.sum(c * g), c
+    def forward_only(x, y, g):
+        return product(x, y), jnp.zeros_like(x), jnp.zeros_like(y)
 
-        grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
-
-        def step(x, y, g):
-            (_, c), (da, db) = grad(x, y, g)
-            return c, da, db
-
-    else:
-
-        def step(x, y, g):
-            return product(x, y), jnp.zeros_like(x), jnp.zeros_like(y)
-
-    return jax.jit(step)
+    return jax.jit(forward_only)
 
 
 def operand_sets(spec: SoakPlan, index: int):
@@ -188,15 +178,6 @@ def fail_together(problem: str | None) -> None:
     failed = {r: p for r, p in enumerate(everyone) if p is not None}
     if failed:
         pytest.fail("\n".join(f"rank {r}: {p}" for r, p in failed.items()), pytrace=False)
-
-
-def rss_mib() -> float:
-    """This process's resident set size in MiB (VmRSS)."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
 
 
 def counters() -> dict:
