@@ -31,6 +31,9 @@ from mpi4py import MPI
 import osmm_jax as om
 from osmm_jax._src.runtime import native
 
+# Checked at float32's accuracy: no TF32 dots on GPUs (the default there for float32).
+jax.config.update("jax_default_matmul_precision", "highest")
+
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 NOT_CUDA_AWARE = "OSMM_CUDA_AWARE=1 asks for windows in GPU memory"
@@ -79,12 +82,18 @@ def _check_case(case: str, method: str, rng: np.random.Generator) -> list[str]:
 def _run_checks() -> bool:
     rng = np.random.default_rng(1234)  # the same inputs on every rank
     ok = True
+    staged_before = om.stats()["staged_bytes"]
     for case in ("k_split", "data_parallel"):
         for method in ("one_sided", "allreduce"):
             problems = _check_case(case, method, rng)
             problems = sorted({p for ps in COMM.allgather(problems) for p in ps})
             ok &= not problems
             _say(f"{case:14s} {method:10s} {'ok' if not problems else '; '.join(problems)}")
+    if jax.default_backend() == "gpu" and os.environ.get("OSMM_CUDA_AWARE") != "1":
+        # Host-staged: the CUDA handlers (not the CPU ones) ran if they copied through host memory.
+        staged = COMM.allreduce(om.stats()["staged_bytes"] - staged_before)
+        ok &= staged > 0
+        _say(f"staging        {'ok' if staged > 0 else 'NONE'} ({staged} bytes over all ranks)")
     return ok
 
 
