@@ -6,7 +6,9 @@
 // and received data is copied back on the same stream. Works with any MPI.
 //
 // CUDA-aware (OSMM_CUDA_AWARE=1): windows are created over device memory (cudaMalloc +
-// MPI_Win_create) and RMA reads and writes device memory directly. Needs an MPI that reports
+// MPI_Win_create) and RMA reads and writes device memory directly; each window's header (call
+// ids, the abandoned-epoch mark) stays in a small host window of its own (windows.h), so a
+// product another rank abandoned fails here as on the host. Needs an MPI that reports
 // CUDA support (MPIX_Query_cuda_support); otherwise every call fails with a clear error.
 //
 // Every handler synchronises XLA's stream before MPI touches a buffer XLA wrote, and before it

@@ -119,11 +119,10 @@ ffi::Error Fetch(BufferOps& ops, ffi::AnyBuffer a, ffi::AnyBuffer b,
   int rank = 0;
   MPI_Comm_rank(private_comm, &rank);
   int64_t* header = lease.header();
-  if (header != nullptr) {
-    header[WindowHeader::kCallId] = call_id;
-    header[WindowHeader::kCallNumber] = number;
-  }
-  if (ffi::Error err = Fence(lease.win(), private_comm, 0, "osmm_fetch: opening MPI_Win_fence");
+  header[WindowHeader::kCallId] = call_id;
+  header[WindowHeader::kCallNumber] = number;
+  if (ffi::Error err = FenceWithHeader(lease.win(), lease.header_win(), private_comm, 0,
+                                       "osmm_fetch: opening MPI_Win_fence");
       err.failure()) {
     return err;
   }
@@ -131,9 +130,9 @@ ffi::Error Fetch(BufferOps& ops, ffi::AnyBuffer a, ffi::AnyBuffer b,
   int64_t peer[2] = {call_id, 0};
   const int peer_rank = (rank + 1) % call.size;
   int peer_rc = MPI_SUCCESS;
-  if (header != nullptr && call.size > 1) {
-    peer_rc = MPI_Get(peer, 2, MPI_INT64_T, peer_rank, static_cast<MPI_Aint>(lease.bytes()), 2,
-                      MPI_INT64_T, lease.win());
+  if (call.size > 1) {
+    peer_rc = MPI_Get(peer, 2, MPI_INT64_T, peer_rank, lease.header_disp(), 2, MPI_INT64_T,
+                      lease.header_win());
   }
   const double epoch_start = MPI_Wtime();
   int rma_rc = MPI_SUCCESS;
@@ -158,8 +157,8 @@ ffi::Error Fetch(BufferOps& ops, ffi::AnyBuffer a, ffi::AnyBuffer b,
       counters.gets.fetch_add(1, std::memory_order_relaxed);
     }
   }
-  ffi::Error closing =
-      Fence(lease.win(), private_comm, MPI_MODE_NOSUCCEED, "osmm_fetch: closing MPI_Win_fence");
+  ffi::Error closing = FenceWithHeader(lease.win(), lease.header_win(), private_comm,
+                                       MPI_MODE_NOSUCCEED, "osmm_fetch: closing MPI_Win_fence");
   RecordEpochLatency(MPI_Wtime() - epoch_start);
   if (closing.success() && peer_rc == MPI_SUCCESS && peer[0] != call_id) {
     return Desynchronised(

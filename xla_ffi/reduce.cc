@@ -45,10 +45,12 @@ struct ReduceEpoch {
   int rank = 0;
   int size = 1;
   int64_t call_id = 0;
-  int64_t number = 0;         // this call's number on this rank (watchdog.h)
-  int64_t* header = nullptr;  // the window's header (WindowHeader), nullptr if it has none
-  int64_t peer[2] = {0, 0};   // the next rank's header: its call id and number
-  int peer_rc = MPI_SUCCESS;  // MPI_Get of `peer`; not issued: peer[0] stays call_id
+  int64_t number = 0;                 // this call's number on this rank (watchdog.h)
+  int64_t* header = nullptr;          // the window's header (WindowHeader)
+  MPI_Win header_win = MPI_WIN_NULL;  // the window holding it (windows.h)
+  MPI_Aint header_disp = 0;           // and its byte displacement there
+  int64_t peer[2] = {0, 0};           // the next rank's header: its call id and number
+  int peer_rc = MPI_SUCCESS;          // MPI_Get of `peer`; not issued: peer[0] stays call_id
 };
 
 struct EpochTable {
@@ -248,16 +250,16 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
     epoch.window_base = lease.base();
     epoch.window_bytes = lease.bytes();
     epoch.header = lease.header();
+    epoch.header_win = lease.header_win();
+    epoch.header_disp = lease.header_disp();
   }
   MPI_Comm_rank(private_comm, &epoch.rank);
   epoch.size = call.size;
   epoch.call_id = call_id;
   epoch.number = number;
   epoch.peer[0] = call_id;
-  if (epoch.header != nullptr) {
-    epoch.header[WindowHeader::kCallId] = call_id;
-    epoch.header[WindowHeader::kCallNumber] = number;
-  }
+  epoch.header[WindowHeader::kCallId] = call_id;
+  epoch.header[WindowHeader::kCallNumber] = number;
   epoch.key = key;
   epoch.private_comm = private_comm;
   epoch.dtype = dtype;
@@ -270,8 +272,9 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
   epoch.chunk_sizes.assign(chunk_sizes.begin(), chunk_sizes.end());
   // NOPRECEDE: the previous epoch on this window ended with a NOSUCCEED fence, and the
   // agreement above has just synchronised the ranks, so MPI may skip another barrier.
-  if (ffi::Error err = Fence(epoch.win, private_comm, MPI_MODE_NOPRECEDE,
-                             "osmm_reduce_start: opening MPI_Win_fence");
+  if (ffi::Error err =
+          FenceWithHeader(epoch.win, epoch.header_win, private_comm, MPI_MODE_NOPRECEDE,
+                          "osmm_reduce_start: opening MPI_Win_fence");
       err.failure()) {
     return err;
   }
@@ -287,10 +290,10 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
   }
   if (open->progress) BeginProgress(open->private_comm);
   call_scope.Release();
-  if (open->header != nullptr && open->size > 1) {
+  if (open->size > 1) {
     // The next rank's header, to check at the finish that it runs this call too.
     open->peer_rc = MPI_Get(open->peer, 2, MPI_INT64_T, (open->rank + 1) % open->size,
-                            static_cast<MPI_Aint>(open->window_bytes), 2, MPI_INT64_T, open->win);
+                            open->header_disp, 2, MPI_INT64_T, open->header_win);
   }
   // Kept even if issuing fails: the finish must still close the epoch on every rank.
   open->problem = local.success() ? SubmitChunk(ops, open, 0, chunk) : local.message();
@@ -355,8 +358,9 @@ ffi::Error ReduceFinish(BufferOps& ops, ffi::AnyBuffer local, ffi::Result<ffi::A
   // The closing fence makes progress itself.
   if (epoch->progress) EndProgress();
   const double closing_start = MPI_Wtime();
-  ffi::Error closing = Fence(epoch->win, epoch->private_comm, MPI_MODE_NOSUCCEED,
-                             "osmm_reduce_finish: closing MPI_Win_fence");
+  ffi::Error closing =
+      FenceWithHeader(epoch->win, epoch->header_win, epoch->private_comm, MPI_MODE_NOSUCCEED,
+                      "osmm_reduce_finish: closing MPI_Win_fence");
   // What the closing fence waited (for other ranks, and for transfers still in flight).
   GlobalCounters().closing_fence_ns.fetch_add(
       static_cast<int64_t>((MPI_Wtime() - closing_start) * 1e9), std::memory_order_relaxed);
@@ -366,7 +370,7 @@ ffi::Error ReduceFinish(BufferOps& ops, ffi::AnyBuffer local, ffi::Result<ffi::A
   const ffi::DataType dtype = epoch->dtype;
   const MPI_Comm private_comm = epoch->private_comm;
   std::string out_of_step;
-  if (closing.success() && epoch->header != nullptr) {
+  if (closing.success()) {
     const int64_t abandoned = epoch->header[WindowHeader::kAbandoned];
     epoch->header[WindowHeader::kAbandoned] = 0;
     if (abandoned != 0 && problem.empty()) {
@@ -409,19 +413,18 @@ ffi::Error CloseAbandonedReduce(BufferOps& ops, uint64_t comm_key) {
   // The marker must stay valid until the closing fence below has completed.
   const int64_t marker = epoch->rank + 1;
   int rc = MPI_SUCCESS;
-  if (epoch->header != nullptr) {
-    const MPI_Aint disp = static_cast<MPI_Aint>(epoch->window_bytes + 8 * WindowHeader::kAbandoned);
-    for (int target = 0; target < epoch->size && rc == MPI_SUCCESS; ++target) {
-      if (target == epoch->rank) continue;
-      rc = MPI_Accumulate(&marker, 1, MPI_INT64_T, target, disp, 1, MPI_INT64_T, MPI_REPLACE,
-                          epoch->win);
-    }
+  const MPI_Aint disp = epoch->header_disp + 8 * WindowHeader::kAbandoned;
+  for (int target = 0; target < epoch->size && rc == MPI_SUCCESS; ++target) {
+    if (target == epoch->rank) continue;
+    rc = MPI_Accumulate(&marker, 1, MPI_INT64_T, target, disp, 1, MPI_INT64_T, MPI_REPLACE,
+                        epoch->header_win);
   }
   if (epoch->progress) EndProgress();
-  ffi::Error closing = Fence(epoch->win, epoch->private_comm, MPI_MODE_NOSUCCEED,
-                             "closing an abandoned reduce epoch: MPI_Win_fence");
+  ffi::Error closing =
+      FenceWithHeader(epoch->win, epoch->header_win, epoch->private_comm, MPI_MODE_NOSUCCEED,
+                      "closing an abandoned reduce epoch: MPI_Win_fence");
   ffi::Error cleared = ops.ZeroWindow(epoch->window_base, epoch->window_bytes);
-  if (epoch->header != nullptr) epoch->header[WindowHeader::kAbandoned] = 0;
+  epoch->header[WindowHeader::kAbandoned] = 0;
   {
     EpochTable& t = Epochs();
     std::lock_guard<std::mutex> lock(t.mu);

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "rma.h"
 #include "watchdog.h"
 
 namespace osmm {
@@ -21,6 +22,9 @@ struct WindowEntry {
   std::byte* base = nullptr;
   int64_t bytes = 0;
   MPI_Comm comm = MPI_COMM_NULL;  // the window's communicator
+  // A device-memory window's header (WindowHeader::kBytes of MPI_Win_allocate host memory).
+  MPI_Win header_win = MPI_WIN_NULL;
+  std::byte* header_base = nullptr;
 };
 
 namespace {
@@ -64,6 +68,10 @@ ffi::Error FreeEntryLocked(Cache& cache, WindowEntry* entry) {
   {
     BlockingStep blocking(Step::kWindowFree, entry->comm);
     rc = MPI_Win_free(&entry->win);
+    if (entry->header_win != MPI_WIN_NULL) {
+      const int header_rc = MPI_Win_free(&entry->header_win);
+      if (rc == MPI_SUCCESS) rc = header_rc;
+    }
   }
   if (entry->memory != nullptr) entry->memory->Free(entry->base);
   cache.live_count -= 1;
@@ -71,7 +79,28 @@ ffi::Error FreeEntryLocked(Cache& cache, WindowEntry* entry) {
   entry->win = MPI_WIN_NULL;
   entry->base = nullptr;
   entry->bytes = 0;
+  entry->header_win = MPI_WIN_NULL;
+  entry->header_base = nullptr;
   if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Win_free");
+  return ffi::Error::Success();
+}
+
+// Allocates the zeroed header window of a device-memory entry (collective), with the entry's
+// window info. Caller holds entry->mu and cache.mu.
+ffi::Error AllocateHeaderLocked(WindowEntry* entry, MPI_Comm comm, MPI_Info info) {
+  void* header = nullptr;
+  MPI_Win win = MPI_WIN_NULL;
+  int rc = MPI_Win_allocate(static_cast<MPI_Aint>(WindowHeader::kBytes), /*disp_unit=*/1, info,
+                            comm, &header, &win);
+  if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Win_allocate (window header)");
+  rc = MPI_Win_set_errhandler(win, MPI_ERRORS_RETURN);
+  if (rc != MPI_SUCCESS) {
+    MPI_Win_free(&win);
+    return MpiError(rc, "MPI_Win_set_errhandler (window header)");
+  }
+  std::memset(header, 0, static_cast<size_t>(WindowHeader::kBytes));
+  entry->header_win = win;
+  entry->header_base = static_cast<std::byte*>(header);
   return ffi::Error::Success();
 }
 
@@ -125,6 +154,12 @@ ffi::Error AllocateEntryLocked(Cache& cache, WindowEntry* entry, MPI_Comm comm, 
       }
       return MpiError(rc, what + "(" + std::to_string(bytes) + " bytes)");
     }
+    if (ffi::Error err = AllocateHeaderLocked(entry, comm, info); err.failure()) {
+      MPI_Win_free(&win);
+      entry->memory->Free(base);
+      if (info != MPI_INFO_NULL) MPI_Info_free(&info);
+      return err;
+    }
   }
   if (info != MPI_INFO_NULL) MPI_Info_free(&info);
   if (rc != MPI_SUCCESS) {
@@ -150,8 +185,23 @@ MPI_Win WindowLease::win() const { return entry_->win; }
 std::byte* WindowLease::base() const { return entry_->base; }
 int64_t WindowLease::bytes() const { return entry_->bytes; }
 int64_t* WindowLease::header() const {
-  if (entry_->memory != nullptr) return nullptr;
+  if (entry_->header_win != MPI_WIN_NULL) return reinterpret_cast<int64_t*>(entry_->header_base);
   return reinterpret_cast<int64_t*>(entry_->base + entry_->bytes);
+}
+MPI_Win WindowLease::header_win() const {
+  return entry_->header_win != MPI_WIN_NULL ? entry_->header_win : entry_->win;
+}
+MPI_Aint WindowLease::header_disp() const {
+  return entry_->header_win != MPI_WIN_NULL ? 0 : static_cast<MPI_Aint>(entry_->bytes);
+}
+
+ffi::Error FenceWithHeader(MPI_Win win, MPI_Win header_win, MPI_Comm comm, int assertion,
+                           const char* what) {
+  if (ffi::Error err = Fence(win, comm, assertion, what); err.failure()) return err;
+  if (header_win == win) return ffi::Error::Success();
+  const int opening = (assertion & MPI_MODE_NOSUCCEED) == 0 ? MPI_MODE_NOPRECEDE : 0;
+  const std::string header_what = std::string(what) + " (window header)";
+  return Fence(header_win, comm, assertion | opening, header_what.c_str());
 }
 
 ffi::Error AcquireWindow(MPI_Comm comm, WindowSlot slot, int64_t bytes, WindowLease* lease,
@@ -284,6 +334,8 @@ ffi::Error FreeWindows() {
       e->win = MPI_WIN_NULL;
       e->base = nullptr;
       e->bytes = 0;
+      e->header_win = MPI_WIN_NULL;
+      e->header_base = nullptr;
     }
   }
   if (can_free) CloseStatusChannels();

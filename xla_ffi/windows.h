@@ -11,9 +11,12 @@
 //
 // Windows use byte displacements (disp_unit 1) and MPI_ERRORS_RETURN. The memory of a
 // freshly (re)allocated window is zeroed; the reduce handlers keep their window all-zero
-// between calls. A host window (MPI_Win_allocate) has a small header after its `bytes` bytes:
-// each call writes its id there so that a neighbour can check, inside the same epoch, that
-// both run the same call (see WindowHeader).
+// between calls. Every window has a small header in host memory (WindowHeader): each call
+// writes its id there so that a neighbour can check, inside the same epoch, that both run the
+// same call, and a rank that abandons a reduce epoch marks it there. A host window
+// (MPI_Win_allocate) holds its header after its `bytes` bytes; a device-memory window holds
+// none, so it is paired with a host window of the header alone, created, fenced and freed
+// with it (FenceWithHeader).
 //
 // Creating, growing and freeing windows are watched blocking steps (watchdog.h).
 #ifndef OSMM_JAX_XLA_FFI_WINDOWS_H_
@@ -49,13 +52,8 @@ class WindowMemory {
 
 struct WindowEntry;  // defined in windows.cc
 
-// A cached window, held: while a lease is alive, no other lease on the same window can be
-// taken, so the window cannot be grown or freed under it. A lease does not outlive one handler
-// call. The reduce epoch keeps using its window (from later calls and from the issuer thread)
-// after its start call has dropped the lease; that is safe because the ordered-effect token
-// runs no other call on the same communicator until the epoch's finish, and free_windows stops
-// the issuer thread before it frees any window.
-// The header of a host window, at byte offset `bytes()` (int64 fields).
+// A window's header (int64 fields), at byte `WindowLease::header_disp()` of
+// `WindowLease::header_win()`.
 struct WindowHeader {
   static constexpr int64_t kBytes = 64;
   static constexpr int kCallId = 0;      // id of the call that last opened an epoch here
@@ -63,6 +61,12 @@ struct WindowHeader {
   static constexpr int kAbandoned = 2;   // 1 + a rank that abandoned the open reduce epoch
 };
 
+// A cached window, held: while a lease is alive, no other lease on the same window can be
+// taken, so the window cannot be grown or freed under it. A lease does not outlive one handler
+// call. The reduce epoch keeps using its window (from later calls and from the issuer thread)
+// after its start call has dropped the lease; that is safe because the ordered-effect token
+// runs no other call on the same communicator until the epoch's finish, and free_windows stops
+// the issuer thread before it frees any window.
 class WindowLease {
  public:
   WindowLease() = default;
@@ -72,8 +76,12 @@ class WindowLease {
   MPI_Win win() const;
   std::byte* base() const;
   int64_t bytes() const;
-  // The header (WindowHeader) of a host window, else nullptr (device-memory windows).
+  // The window's header (WindowHeader), in host memory.
   int64_t* header() const;
+  // The window that holds the header, and the header's byte displacement in it: win() and
+  // bytes() for a host window; for a device-memory window, its header's own window and 0.
+  MPI_Win header_win() const;
+  MPI_Aint header_disp() const;
 
  private:
   friend ffi::Error AcquireWindow(MPI_Comm, WindowSlot, int64_t, WindowLease*, WindowMemory*);
@@ -88,6 +96,14 @@ class WindowLease {
 // nullptr means MPI_Win_allocate host memory.
 ffi::Error AcquireWindow(MPI_Comm comm, WindowSlot slot, int64_t bytes, WindowLease* lease,
                          WindowMemory* memory = nullptr);
+
+// One watched MPI_Win_fence (rma.h) on `win`, a window over `comm`, then, where its header
+// lives in a window of its own (`header_win` != `win`: device-memory windows), one on
+// `header_win` with the same assertion (an opening fence there adds MPI_MODE_NOPRECEDE: the
+// header's previous epoch closed with MPI_MODE_NOSUCCEED, so no RMA call precedes it). Every
+// rank fences both, in this order; stops at the first failure.
+ffi::Error FenceWithHeader(MPI_Win win, MPI_Win header_win, MPI_Comm comm, int assertion,
+                           const char* what);
 
 // Registers `hook`, called (local, under the cache lock) with the base and size of every
 // MPI_Win_allocate window just before it is freed: a platform that pinned that memory

@@ -102,9 +102,10 @@ def test_host_staged_copies_give_the_cpu_paths_bytes(driver: Path, ranks: int) -
     assert summary.startswith(f"passed: host-staged, {ranks} ranks"), summary
 
 
-def test_cuda_aware_windows_give_the_cpu_paths_bytes(driver: Path) -> None:
-    summary = _run(driver, 2, OSMM_CUDA_AWARE="1", OSMM_STANDIN_MPI_CUDA="1")
-    assert summary.startswith("passed: CUDA-aware, 2 ranks"), summary
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_cuda_aware_windows_give_the_cpu_paths_bytes(driver: Path, ranks: int) -> None:
+    summary = _run(driver, ranks, OSMM_CUDA_AWARE="1", OSMM_STANDIN_MPI_CUDA="1")
+    assert summary.startswith(f"passed: CUDA-aware, {ranks} ranks"), summary
 
 
 def test_cuda_aware_is_refused_on_every_rank_without_mpi_support(driver: Path) -> None:
