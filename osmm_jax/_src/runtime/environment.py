@@ -31,9 +31,11 @@ TRANSPORT_PREFIXES = ("OMPI_MCA_",)
 
 
 def _osmm_jax() -> list[str]:
-    import osmm_jax
+    # The package's own module would import every layer; its metadata and location suffice.
+    import importlib.metadata
 
-    return [f"osmm_jax {osmm_jax.__version__} ({os.path.dirname(osmm_jax.__file__)})"]
+    package = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return [f"osmm_jax {importlib.metadata.version('osmm_jax')} ({package})"]
 
 
 def _python() -> list[str]:
