@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import json
 import re
-import signal
 import sys
 from pathlib import Path
 
@@ -55,23 +54,13 @@ _REASON = unavailable()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"multi-host tests: {_REASON}")
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 @pytest.fixture(scope="module")
 def hosts():
     """The emulated hosts, removed at the end even when the run is ended by SIGTERM (as
     `timeout` ends it: pytest then tears its fixtures down) or SIGHUP; after SIGKILL the next
     run removes them (their maker is gone)."""
-    made = netns.create(HOSTS)
-    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
+    with netns.emulated_hosts(HOSTS) as made:
         yield made
-    finally:
-        netns.remove(made.prefix)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
 
 
 def _finished(status, output, result, ranks):

@@ -109,6 +109,16 @@ std::string DescribeRanks(int64_t handle, const std::string& headline) {
   return osmm::DescribeRanks(osmm::CommFromHandle(handle), headline);
 }
 
+std::string ReportFailure(const std::string& reason) {
+  nb::gil_scoped_release release;  // writes into other ranks' windows, bounded
+  return osmm::ReportFailure(reason);
+}
+
+std::string FailureReport(int64_t handle) {
+  nb::gil_scoped_release release;  // reads other ranks' records if there is a notice
+  return osmm::FailureReport(osmm::CommFromHandle(handle));
+}
+
 void BeginHostStep(int64_t handle) {
   osmm::BeginCall(osmm::CallKind::kHost, 0);
   osmm::EnterStep(osmm::Step::kHostAgreement, osmm::CommFromHandle(handle));
@@ -164,6 +174,23 @@ NB_MODULE(_osmm_ffi, m) {
   m.def("describe_ranks", &DescribeRanks, nb::arg("comm"), nb::arg("headline"),
         "A report of where every rank of the communicator with handle `comm` is (read through "
         "the watchdog's side channel, waiting at most 2 s for each rank), under `headline`.");
+  m.def("report_failure", &ReportFailure, nb::arg("reason"),
+        "Tell every other rank, through the watchdog's side channels (no collective), that this "
+        "rank failed for `reason`: a rank waiting in a blocking step then ends the job at once. "
+        "Once per process; returns a line on ranks that could not be told within 1 s, or \"\".");
+  m.def(
+      "end_job_after_failure",
+      [](double grace_seconds) {
+        nb::gil_scoped_release release;
+        osmm::EndJobAfterFailure(grace_seconds);
+      },
+      nb::arg("grace_seconds"),
+      "After report_failure, in a multi-rank job: wait `grace_seconds`, then end the job with "
+      "this rank's report (MPI_Abort), instead of a collective teardown at exit. Returns at "
+      "once if no failure was reported or the job has one rank.");
+  m.def("failure_report", &FailureReport, nb::arg("comm"),
+        "The report on the communicator with handle `comm` headed by a failed rank's notice "
+        "found in this rank's window (local memory), or \"\" if there is none.");
   m.def("begin_host_step", &BeginHostStep, nb::arg("comm"),
         "Mark this rank as blocked in matmul's own collective on `comm` (watched).");
   m.def("end_host_step", &EndHostStep, "End what begin_host_step marked.");

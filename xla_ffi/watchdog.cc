@@ -11,6 +11,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "watchdog_channel.h"
 #include "watchdog_report.h"
@@ -20,14 +21,28 @@ namespace osmm {
 namespace watchdog {
 namespace {
 
-constexpr double kGraceSeconds = 1.0;  // between telling the others and MPI_Abort
+constexpr double kGraceSeconds = 1.0;   // between telling the others and MPI_Abort
+constexpr double kReaperSeconds = 3.0;  // how long MPI_Abort may take before _exit ends us
 
 void Print(const std::string& text) {
   std::fputs(text.c_str(), stderr);
   std::fflush(stderr);
 }
 
-// Prints `report`, tells the others and ends the job. Never returns.
+// Ends this process with kWatchdogExitCode `seconds` from now, unless it has ended by then:
+// MPI_Abort may itself try to reach a dead rank and never return.
+void StartReaper(double seconds) {
+  std::thread([seconds] {
+    std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+    Print("osmm_jax watchdog: MPI_Abort has not ended this process within " +
+          std::to_string(static_cast<int>(seconds)) + " s: exiting with status " +
+          std::to_string(kWatchdogExitCode) + ".\n");
+    std::_Exit(kWatchdogExitCode);
+  }).detach();
+}
+
+// Prints `report`, tells the others and ends the job, within a few seconds whatever MPI does
+// (every MPI call on the way is bounded or watched by a reaper). Never returns.
 [[noreturn]] void EndJob(State& s, uint64_t comm_key, const std::string& report) {
   Print(report + "Ending the job: MPI_Abort(MPI_COMM_WORLD, " + std::to_string(kWatchdogExitCode) +
         "). OSMM_TIMEOUT sets the limit in seconds; OSMM_ON_TIMEOUT=raise raises an error "
@@ -38,8 +53,25 @@ void Print(const std::string& text) {
     if (c != nullptr) NotifyOthers(*c, s.threads_ok);
   }
   std::this_thread::sleep_for(std::chrono::duration<double>(kGraceSeconds));
+  StartReaper(kReaperSeconds);
   MPI_Abort(MPI_COMM_WORLD, kWatchdogExitCode);
   std::_Exit(kWatchdogExitCode);  // MPI_Abort does not return; this is for the compiler
+}
+
+// A failure notice in this rank's window on any side channel: the communicator's key, with
+// the headline of a report on it; false if none (or s.mu is busy: the next look finds it).
+bool FindFailure(State& s, uint64_t* comm_key, std::string* headline) {
+  std::unique_lock<std::mutex> lock(s.mu, std::try_to_lock);
+  if (!lock.owns_lock()) return false;
+  for (auto& c : s.channels) {
+    std::string reason;
+    if (const int failed = ReadFailure(*c, &reason); failed >= 0) {
+      *comm_key = c->private_key;
+      *headline = FailureHeadline(GlobalProgress(), *c, failed, reason);
+      return true;
+    }
+  }
+  return false;
 }
 
 void MarkUnusable(State& s, uint64_t key, const std::string& why) {
@@ -76,15 +108,20 @@ void WatchdogLoop() {
     std::this_thread::sleep_for(std::chrono::nanoseconds(tick));
     PublishStatus(s);
     const int64_t step = p.step.load();
-    if (timeout <= 0 || step == 0 || s.fired.load()) continue;
-    if (s.raise.load() && p.step_bounded.load()) continue;  // the waiting call times out itself
+    if (step == 0 || s.fired.load()) continue;
+    if (s.raise.load() && p.step_bounded.load()) continue;  // the waiting call ends itself
     const int64_t waited = MonotonicNs() - p.since_mono_ns.load();
-    if (waited <= timeout) continue;
+    uint64_t key = p.step_comm.load();
+    std::string headline;
+    if (!FindFailure(s, &key, &headline)) {
+      if (timeout <= 0 || waited <= timeout) continue;
+      key = p.step_comm.load();
+      headline = TimeoutHeadline(p, waited);
+    }
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized || s.fired.exchange(true)) continue;
-    const uint64_t key = p.step_comm.load();
-    EndJob(s, key, BuildReport(s, key, TimeoutHeadline(p, waited)));
+    EndJob(s, key, BuildReport(s, key, headline));
   }
 }
 
@@ -101,12 +138,33 @@ void StartThreadLocked(State& s) {
 using watchdog::BuildReport;
 using watchdog::DesynchronisedHeadline;
 using watchdog::EndJob;
+using watchdog::FindFailure;
 using watchdog::Global;
 using watchdog::GlobalProgress;
 using watchdog::MarkUnusable;
 using watchdog::MonotonicNs;
 using watchdog::State;
 using watchdog::TimeoutHeadline;
+
+namespace {
+
+constexpr int64_t kFailureLookNs = 100'000'000;  // how often a bounded wait looks for notices
+
+// Raise mode: the error of a wait on `comm` that a failed rank's notice ends (the communicator
+// is then unusable), or success if there is no notice.
+ffi::Error FailedRankError(State& s, MPI_Comm comm, const char* what) {
+  uint64_t key = CommKey(comm);
+  std::string headline;
+  if (!FindFailure(s, &key, &headline)) return ffi::Error::Success();
+  const std::string report = BuildReport(s, key, headline);
+  MarkUnusable(s, CommKey(comm), std::string(what) + " was ended by a failed rank's notice");
+  return ffi::Error(ffi::ErrorCode::kAborted,
+                    report +
+                        "osmm_jax will not use this communicator again in this process: "
+                        "end the job and start it again.");
+}
+
+}  // namespace
 
 void SetWatchdogSettings(const WatchdogSettings& settings) {
   State& s = Global();
@@ -134,12 +192,17 @@ ffi::Error WaitBounded(MPI_Request* request, MPI_Comm comm, Step step, const cha
   }
   BlockingStep blocking(step, comm, /*bounded=*/true);
   const int64_t start = MonotonicNs();
+  int64_t next_look = start;
   for (int64_t spins = 0;; ++spins) {
     int done = 0;
     int rc = MPI_Test(request, &done, MPI_STATUS_IGNORE);
     if (rc != MPI_SUCCESS) return MpiError(rc, what);
     if (done) return ffi::Error::Success();
     const int64_t waited = MonotonicNs() - start;
+    if (waited + start >= next_look) {
+      next_look = waited + start + kFailureLookNs;
+      if (ffi::Error err = FailedRankError(s, comm, what); err.failure()) return err;
+    }
     if (waited > timeout) {
       // The request stays pending forever: nothing more may run on this communicator.
       const std::string report =
@@ -191,6 +254,70 @@ ffi::Error Desynchronised(MPI_Comm comm, const std::string& detail) {
   MarkUnusable(s, CommKey(comm), "the ranks were found out of step");
   return ffi::Error(ffi::ErrorCode::kAborted,
                     report + "osmm_jax will not use this communicator again in this process.");
+}
+
+}  // namespace osmm
+
+namespace osmm {
+
+std::string ReportFailure(const std::string& reason) {
+  State& s = Global();
+  if (s.failure_reported.exchange(true)) return "";
+  std::unique_lock<std::mutex> lock(s.mu, std::defer_lock);
+  for (int i = 0; i < 100 && !lock.try_lock(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (!lock.owns_lock()) return "osmm_jax: could not tell the other ranks of this failure\n";
+  std::string text;
+  for (auto& c : s.channels) {
+    const std::vector<bool> took = watchdog::PublishFailure(*c, s.threads_ok, reason);
+    std::vector<int> silent;
+    for (int r = 0; r < c->size; ++r) {
+      if (r != c->rank && !took[r]) silent.push_back(r);
+    }
+    if (!silent.empty()) {
+      text += "osmm_jax: rank " + std::to_string(c->rank) + " of a " + std::to_string(c->size) +
+              "-rank communicator could not tell " + watchdog::RankList(silent) +
+              " of its failure within " +
+              std::to_string(static_cast<int>(watchdog::kNotifySeconds)) + " s\n";
+    }
+  }
+  return text;
+}
+
+std::string FailureReport(MPI_Comm comm) {
+  State& s = Global();
+  uint64_t key = CommKey(comm);
+  std::string headline;
+  if (!FindFailure(s, &key, &headline)) return "";
+  return BuildReport(s, key, headline);
+}
+
+}  // namespace osmm
+
+namespace osmm {
+
+void EndJobAfterFailure(double grace_seconds) {
+  State& s = Global();
+  {
+    std::unique_lock<std::mutex> lock(s.mu, std::try_to_lock);
+    if (!lock.owns_lock() || !s.failure_reported.load() ||
+        std::none_of(s.channels.begin(), s.channels.end(),
+                     [](const auto& c) { return c->size > 1; })) {
+      return;
+    }
+  }
+  std::this_thread::sleep_for(std::chrono::duration<double>(grace_seconds));
+  uint64_t key = 0;
+  std::string headline;
+  for (int i = 0; i < 10 && !FindFailure(s, &key, &headline); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  if (headline.empty()) return;
+  if (s.fired.exchange(true)) {
+    for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));  // the watchdog ends it
+  }
+  EndJob(s, key, BuildReport(s, key, headline));
 }
 
 }  // namespace osmm

@@ -7,8 +7,16 @@
 // one step for longer than the timeout (OSMM_TIMEOUT, seconds) it reads every rank's status
 // through a side channel (a tiny MPI window per communicator, on a duplicate of its own, read
 // with request-based MPI_Rget under a passive-target epoch, so the stuck collective is not
-// involved and an unresponsive rank costs a bounded wait), prints one report on stderr, tells
-// the other ranks (they print a line of their own) and ends the job with MPI_Abort.
+// involved), prints one report on stderr, tells the other ranks (they print a line of their
+// own) and ends the job with MPI_Abort. Every MPI call on that way runs under a deadline: the
+// remote reads and writes run on helper threads that are waited for with a timeout (MPI may
+// block while issuing a call to a dead rank, in its network layer), what they could not learn
+// is said in the report, and a reaper thread _exits the process with kWatchdogExitCode if
+// MPI_Abort has not ended it a few seconds later.
+//
+// A rank that fails (an uncaught Python exception, see ReportFailure) writes "rank r failed:
+// reason" into every other rank's window; a rank waiting in a blocking step reads its own
+// window every tick and ends the job (raise mode: fails the wait) with that reason at once.
 //
 // In "raise" mode the steps that can be bounded without MPI's help (the agreement, and a
 // barrier run before each synchronising fence and each window creation or free) are waited
@@ -133,6 +141,23 @@ void CloseStatusChannels();
 // A report of every rank's status on `comm`'s side channel (`comm`: a private duplicate or
 // the caller's communicator), headed by `headline`. Reads the others with a bounded wait.
 std::string DescribeRanks(MPI_Comm comm, const std::string& headline);
+
+// This rank failed (an uncaught exception, a failed product): tells every other rank on every
+// side channel, "rank r failed: `reason`", by writing into its window (no collective), waiting
+// at most a second for each. A rank waiting in a blocking step then ends the job (raise mode:
+// fails the wait) with that reason instead of waiting out the timeout; so does this rank, if
+// it waits in a step afterwards (at exit). Once per process; returns a line on the ranks that
+// could not be told ("" if none).
+std::string ReportFailure(const std::string& reason);
+
+// After ReportFailure, on a multi-rank job: waits `grace_seconds` (the others may end the job
+// first, with their reports), then ends the job itself with its own report, rather than let
+// its exit run collective teardown against ranks that are inside a product. Returns at once
+// if this rank reported no failure or runs alone.
+void EndJobAfterFailure(double grace_seconds);
+
+// The report on `comm` headed by a failed rank's notice found in this rank's window, or "".
+std::string FailureReport(MPI_Comm comm);
 
 // The ranks of `comm` are running different calls (`detail` says how this was found). Abort
 // mode: prints the report and ends the job. Raise mode: returns the report as an error and

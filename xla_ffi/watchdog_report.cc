@@ -107,15 +107,6 @@ std::string Describe(const StatusRecord& r, int64_t now_wall) {
          " " + Seconds(age) + " ago";
 }
 
-std::string RankList(const std::vector<int>& ranks) {
-  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
-  for (size_t i = 0; i < ranks.size(); ++i) {
-    if (i > 0) text += ", ";
-    text += std::to_string(ranks[i]);
-  }
-  return text;
-}
-
 // The report's line on ranks inside calls with different ids (they run different calls), or
 // "" when there are none.
 std::string DifferentCallsLine(const std::vector<StatusRecord>& records,
@@ -199,6 +190,15 @@ int WorldRank() {
 
 }  // namespace
 
+std::string RankList(const std::vector<int>& ranks) {
+  std::string text = ranks.size() == 1 ? "rank " : "ranks ";
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    if (i > 0) text += ", ";
+    text += std::to_string(ranks[i]);
+  }
+  return text;
+}
+
 std::string BuildReport(State& s, uint64_t comm_key, const std::string& headline) {
   // The main thread may hold the lock while freeing channels at exit: do not wait for it.
   std::unique_lock<std::mutex> lock(s.mu, std::defer_lock);
@@ -215,6 +215,26 @@ std::string TimeoutHeadline(const Progress& p, int64_t waited_ns) {
          Seconds(waited_ns) + " (limit " + Seconds(Global().timeout_ns.load()) + ") in " +
          StepName(p.step.load()) + " of call " +
          CallText(p.call_number.load(), p.call_kind.load(), p.call_id.load()) +
+         ". Every rank of the communicator:";
+}
+
+std::string FailureHeadline(const Progress& p, const Channel& c, int failed_rank,
+                            const std::string& reason) {
+  if (failed_rank == c.rank) {
+    return "osmm_jax: rank " + std::to_string(WorldRank()) + " (of MPI_COMM_WORLD; rank " +
+           std::to_string(c.rank) + " of a " + std::to_string(c.size) +
+           "-rank communicator) failed after its call " +
+           CallText(p.call_number.load(), p.call_kind.load(), p.call_id.load()) + ": " + reason +
+           ". Every rank of the communicator:";
+  }
+  const std::string where = p.step.load() != 0
+                                ? std::string("waiting in ") + StepName(p.step.load())
+                                : std::string("before its next step");
+  return "osmm_jax watchdog: rank " + std::to_string(WorldRank()) +
+         " (of MPI_COMM_WORLD) stopped " + where + " of call " +
+         CallText(p.call_number.load(), p.call_kind.load(), p.call_id.load()) + ": rank " +
+         std::to_string(failed_rank) + (failed_rank == c.rank ? " (this rank)" : "") + " of the " +
+         std::to_string(c.size) + "-rank communicator failed: " + reason +
          ". Every rank of the communicator:";
 }
 

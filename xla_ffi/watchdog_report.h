@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "watchdog_state.h"
 
@@ -18,6 +19,14 @@ std::string BuildReport(State& s, uint64_t comm_key, const std::string& headline
 
 // The headline of a timeout: this rank has waited `waited_ns` in the step `p` is in.
 std::string TimeoutHeadline(const Progress& p, int64_t waited_ns);
+
+// The headline of a report after rank `failed_rank` of `c` told this rank (in the step `p` is
+// in) that it failed, for `reason`.
+std::string FailureHeadline(const Progress& p, const Channel& c, int failed_rank,
+                            const std::string& reason);
+
+// "rank 2" or "ranks 1, 3".
+std::string RankList(const std::vector<int>& ranks);
 
 // The headline of Desynchronised: this rank found the ranks out of step (`detail` says how).
 std::string DesynchronisedHeadline(const std::string& detail);

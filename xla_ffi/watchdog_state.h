@@ -35,6 +35,16 @@ enum Field : int {
 constexpr int64_t kRecordMagic = 0x6f736d6d2d776474;  // "osmm-wdt"
 constexpr double kReadSeconds = 2.0;                  // how long to wait for other ranks' records
 
+// A rank that failed (an uncaught exception, a failed product) writes this into every other
+// rank's window, after the status record: who failed (1 + its rank, 0: none) and why, so that
+// a rank waiting for it in a blocking step ends the job (or raises) at once.
+constexpr int kReasonBytes = 248;
+struct FailureNotice {
+  int64_t rank_plus_one;
+  char reason[kReasonBytes];  // NUL-terminated
+};
+constexpr int kChannelBytes = static_cast<int>(sizeof(StatusRecord) + sizeof(FailureNotice));
+
 inline int64_t MonotonicNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
@@ -84,7 +94,8 @@ struct Channel {
   uint64_t private_key = 0;
   MPI_Comm side = MPI_COMM_NULL;
   MPI_Win win = MPI_WIN_NULL;
-  int64_t* record = nullptr;  // this rank's published record (window memory)
+  int64_t* record = nullptr;         // this rank's published record (window memory)
+  FailureNotice* failure = nullptr;  // written by a failed rank (window memory, after record)
   int rank = 0;
   int size = 1;
   bool notice_printed = false;
@@ -98,6 +109,7 @@ struct State {
   std::atomic<int64_t> timeout_ns{300'000'000'000};
   std::atomic<bool> raise{false};
   std::atomic<bool> fired{false};
+  std::atomic<bool> failure_reported{false};  // this rank has told the others it failed
   bool thread_started = false;
   bool threads_ok = false;  // MPI_THREAD_MULTIPLE: the watchdog thread may call MPI
 };

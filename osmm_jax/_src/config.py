@@ -202,6 +202,19 @@ def on_timeout() -> str:
     return check_on_timeout(text, ON_TIMEOUT)
 
 
+REPORT_FAILURES = "OSMM_REPORT_FAILURES"
+"""Whether an uncaught Python exception on a rank tells the other ranks at once (``1``,
+default), so that those waiting for it in a product end the job with its reason instead of
+waiting out ``OSMM_TIMEOUT``; ``0`` leaves ``sys.excepthook`` alone."""
+
+
+def report_failures() -> bool:
+    """``OSMM_REPORT_FAILURES``: True unless set to a no (``0``, ``false``, ``no``, ``off``)."""
+    if not os.environ.get(REPORT_FAILURES, "").strip():
+        return True
+    return _flag(REPORT_FAILURES)
+
+
 PROGRESS = "OSMM_PROGRESS"
 """Who makes MPI progress while a one_sided reduce is in flight. Over a network (MPICH's OFI or
 UCX netmod on TCP) MPI_Accumulate is completed by the target rank inside MPI calls, and a rank

@@ -36,10 +36,19 @@ def unavailable() -> str | None:
 
 
 def launch(
-    hosts, slots, program_args, *, genv=(), hostnames=True, tmp_path=None, timeout=HARD_TIMEOUT_S
+    hosts,
+    slots,
+    program_args,
+    *,
+    genv=(),
+    hostnames=True,
+    tmp_path=None,
+    timeout=HARD_TIMEOUT_S,
+    program=PROGRAM,
 ):
-    """Run program.py under mpiexec on host 0 over ``slots[i]`` ranks of host ``i``; return
-    ``(status, output, result)``, result being rank 0's RESULT record (None if none)."""
+    """Run ``program`` (default program.py) under mpiexec on host 0 over ``slots[i]`` ranks of
+    host ``i``; return ``(status, output, result)``, result being rank 0's RESULT record (None
+    if none)."""
     env = job_environment(
         drop=HOST_VARIABLES,
         OSMM_NETNS_PREFIX=hosts.prefix,
@@ -59,7 +68,7 @@ def launch(
     mpiexec += ["-launcher-exec", str(netns.LAUNCHER), "-iface", "eth0"]
     for name, value in settings.items():
         mpiexec += ["-genv", name, value]
-    mpiexec += ["-n", str(sum(slots)), sys.executable, str(PROGRAM), *program_args]
+    mpiexec += ["-n", str(sum(slots)), sys.executable, str(program), *program_args]
     # mpiexec itself runs on host 0, started the way the launcher starts the other hosts.
     command = [str(netns.LAUNCHER), hosts.addresses[0], shlex.join(mpiexec)]
     started = time.perf_counter()

@@ -180,14 +180,23 @@ def create(count: int, prefix: str | None = None) -> Hosts:
     return Hosts(prefix, names, addresses, bridge)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 @contextlib.contextmanager
 def emulated_hosts(count: int) -> Iterator[Hosts]:
-    """:func:`create` ``count`` hosts for the duration of the block; always removed after."""
+    """:func:`create` ``count`` hosts for the duration of the block; always removed after, even
+    when the run is ended by SIGTERM (as `timeout` ends it) or SIGHUP; after SIGKILL the next
+    run removes them (their maker is gone)."""
     hosts = create(count)
+    previous = {s: signal.signal(s, _interrupt) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         yield hosts
     finally:
         remove(hosts.prefix)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def main(argv: list[str]) -> int:

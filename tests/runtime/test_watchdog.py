@@ -3,6 +3,8 @@ reaches the native watchdog. (How a job that falls out of step ends: test_out_of
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 import osmm_jax as om
@@ -112,3 +114,37 @@ def test_a_rank_alone_describes_itself():
     comm = communicators.private_comm(MPI.COMM_SELF)
     report = native.describe_ranks(comm.handle, "headline")
     assert report.startswith("headline\n  rank 0 (this rank): ")
+
+
+@pytest.mark.parametrize(
+    ("text", "report"), [("", True), ("1", True), ("yes", True), ("0", False), ("off", False)]
+)
+def test_report_failures_variable(monkeypatch, text, report):
+    monkeypatch.setenv(config.REPORT_FAILURES, text)
+    assert config.report_failures() is report
+
+
+def test_garbage_report_failures_variable_is_an_error_naming_it(monkeypatch):
+    monkeypatch.setenv(config.REPORT_FAILURES, "maybe")
+    with pytest.raises(ValueError, match=config.REPORT_FAILURES):
+        config.report_failures()
+
+
+def test_the_failure_hook_wraps_the_previous_one_once(monkeypatch):
+    seen = []
+    previous = lambda *exc_info: seen.append(exc_info[0])  # noqa: E731
+    monkeypatch.setattr("sys.excepthook", previous)
+    watchdog.install_failure_hook()
+    watchdog.install_failure_hook()
+    assert sys.excepthook.osmm_previous is previous
+    # A rank alone: the report reaches nobody, and the job is not ended; the previous hook runs.
+    sys.excepthook(RuntimeError, RuntimeError("boom"), None)
+    assert seen == [RuntimeError]
+
+
+def test_the_failure_hook_can_be_turned_off(monkeypatch):
+    previous = lambda *exc_info: None  # noqa: E731
+    monkeypatch.setattr("sys.excepthook", previous)
+    monkeypatch.setenv(config.REPORT_FAILURES, "0")
+    watchdog.install_failure_hook()
+    assert sys.excepthook is previous

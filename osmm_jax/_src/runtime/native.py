@@ -34,7 +34,7 @@ except ImportError as err:  # pragma: no cover - depends on the build
         "osmm_jax's native extension (osmm_jax._src.runtime._osmm_ffi) is missing or failed to load "
         f"({err}). Build it with `make install` in the repository root (or `pip install "
         "--no-build-isolation -e .` in an environment with jax, nanobind, scikit-build-core, "
-        "mpi4py and an MPI)."
+        "mpi4py and an MPI); `python -m osmm_jax` reports what this environment has."
     ) from err
 
 _log = get_logger(__name__)
@@ -196,6 +196,27 @@ def describe_ranks(handle: int, headline: str) -> str:
     """Where every rank of the communicator ``handle`` is, read through the watchdog's side
     channel (waits at most 2 s for each rank), under ``headline``."""
     return _osmm_ffi.describe_ranks(comm_attribute(handle), headline)
+
+
+def report_failure(reason: str) -> str:
+    """Tell every other rank, through the watchdog's side channels and without a collective,
+    that this rank failed for ``reason``; ranks waiting in a blocking step then end the job (or
+    raise) at once. Waits at most about a second; returns a line naming the ranks that could
+    not be told, or ``""``. Once per process."""
+    return _osmm_ffi.report_failure(str(reason))
+
+
+def end_job_after_failure(grace_seconds: float) -> None:
+    """After :func:`report_failure`, in a multi-rank job: wait ``grace_seconds`` (the others may
+    end the job first), then end the job with this rank's report (``MPI_Abort``) rather than
+    run a collective teardown at exit. Returns at once if there was no failure or one rank."""
+    _osmm_ffi.end_job_after_failure(float(grace_seconds))
+
+
+def failure_report(handle: int) -> str:
+    """The report on the communicator ``handle`` headed by a failed rank's notice found in this
+    rank's own window, or ``""`` when no rank has reported a failure."""
+    return _osmm_ffi.failure_report(comm_attribute(handle))
 
 
 def begin_host_step(handle: int) -> None:

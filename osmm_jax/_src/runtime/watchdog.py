@@ -12,6 +12,7 @@ matmul's own collective checks the same way.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import time
 
@@ -21,6 +22,8 @@ from osmm_jax._src.runtime import native
 _lock = threading.Lock()
 _overrides: list[tuple[float, str]] = []  # innermost last
 _applied: tuple[float, str] | None = None
+_REASON_CHARS = 200  # the native notice holds 247 bytes
+_FAILED_RANK_GRACE_S = 1.5  # how long a failed rank lets the others end the job first
 
 
 class WatchdogTimeout(TimeoutError):
@@ -48,11 +51,48 @@ def settings() -> tuple[float, str]:
 
 
 def apply_settings() -> tuple[float, str]:
-    """Hand :func:`settings` to the native watchdog (cheap when unchanged); returns them."""
+    """Hand :func:`settings` to the native watchdog (cheap when unchanged); returns them. Also
+    installs the hook that reports this rank's uncaught exceptions (see
+    :func:`install_failure_hook`)."""
     current = settings()
     with _lock:
         _apply(current)
+    install_failure_hook()
     return current
+
+
+def report_failure(reason: str) -> None:
+    """Tell the other ranks that this rank failed for ``reason`` (once per process): those
+    waiting for it in a product end the job with that reason, this rank too if it then waits
+    in a step (at exit), instead of waiting out the timeout."""
+    unreached = native.report_failure(reason[:_REASON_CHARS])
+    if unreached:
+        sys.stderr.write(unreached)
+
+
+def _failure_hook(previous):
+    def hook(exc_type, exc, tb):
+        try:
+            report_failure(f"{exc_type.__name__}: {exc}".splitlines()[0])
+        finally:
+            previous(exc_type, exc, tb)
+        # Exiting would free the windows collectively while the others are inside a product.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        native.end_job_after_failure(_FAILED_RANK_GRACE_S)
+
+    hook.osmm_previous = previous
+    return hook
+
+
+def install_failure_hook() -> None:
+    """Wrap ``sys.excepthook`` (once, unless ``OSMM_REPORT_FAILURES=0``) so that an uncaught
+    exception on this rank is reported to the other ranks, then handled by the previous
+    hook."""
+    if getattr(sys.excepthook, "osmm_previous", None) is not None:
+        return
+    if config.report_failures():
+        sys.excepthook = _failure_hook(sys.excepthook)
 
 
 @contextlib.contextmanager
@@ -101,6 +141,11 @@ def _bounded_barrier(comm, handle: int, what: str, seconds: float) -> None:
     pause = 1e-5
     while not request.Test():
         waited = time.monotonic() - start
+        failed = native.failure_report(handle)
+        if failed:
+            raise WatchdogTimeout(
+                failed + "This communicator has a collective pending: end the job."
+            )
         if waited > seconds:
             report = native.describe_ranks(
                 handle,

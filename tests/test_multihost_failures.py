@@ -1,0 +1,107 @@
+"""A rank that fails on one host ends the whole job across hosts, with a report, never a hang.
+
+3 emulated hosts (network namespaces made by tests/multihost/netns.py), one rank each, MPICH
+over libfabric's TCP provider, hydra starting its proxies through tests/multihost/ns-launch in
+place of ssh (see tests/test_multihost.py). Each job runs tests/failure_programs/failing_rank.py
+with OSMM_TIMEOUT=5: its last rank (on host 2) fails between two small K-split products while
+the others wait for it in the next one. Whatever the failure, the job must end with a non-zero
+status and a report naming rank 2 within OSMM_TIMEOUT + 10 s of the failure, and leave no
+process behind on any host.
+
+Across hosts the launcher does not end a job whose rank died (its proxy's news of the death
+does not reach the others' proxies in time, or at all), so osmm_jax's watchdog does: after
+the timeout it reports and ends the job, bounded whatever MPI does on the way (a TCP connect to
+the dead rank retried forever inside an MPI call). A rank that raises tells the others through
+the side channel, and they end the job at once. Needs root; skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+from jobs import REPO
+
+sys.path.insert(0, str(REPO / "tests" / "multihost"))
+
+import netns  # noqa: E402
+from launch import launch, unavailable  # noqa: E402
+
+PROGRAM = REPO / "tests" / "failure_programs" / "failing_rank.py"
+HOSTS = 3
+TIMEOUT_S = 5  # OSMM_TIMEOUT
+LIMIT_S = TIMEOUT_S + 10  # from the failure to the end of the job
+HARD_TIMEOUT_S = 150.0  # the whole job, start-up included (a loaded machine is slow to start)
+FAILING = 2
+HOWS = ["exit7", "sigkill", "segfault", "exception", "xlaerror", "sigstop", "linkdown"]
+
+_REASON = unavailable()
+pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"multi-host tests: {_REASON}")
+
+_FAILURE = re.compile(r"^FAILURE (\d+\.\d+) ", re.MULTILINE)
+_BANNER = "BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES"
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    """The emulated hosts, removed at the end (even on SIGTERM or SIGHUP)."""
+    with netns.emulated_hosts(HOSTS) as made:
+        yield made
+
+
+def _leftovers(hosts) -> dict[str, list[str]]:
+    """The processes still running on each host, after a short grace."""
+    left = {}
+    for _ in range(20):
+        left = {}
+        for name in hosts.names:
+            pids = subprocess.run(
+                ["ip", "netns", "pids", name], capture_output=True, text=True
+            ).stdout.split()
+            if pids:
+                left[name] = pids
+        if not left:
+            break
+        time.sleep(0.25)
+    return left
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_a_failed_rank_ends_the_job_across_hosts(hosts, how):
+    try:
+        status, output, _ = launch(
+            hosts,
+            (1,) * HOSTS,
+            [how],
+            genv={"OSMM_TIMEOUT": str(TIMEOUT_S)},
+            program=PROGRAM,
+            timeout=HARD_TIMEOUT_S,
+        )
+        ended = time.time()
+    finally:
+        if how == "linkdown":  # the failing rank took its host off the network
+            link_up = [*hosts.exec_in(FAILING), "ip", "link", "set", "eth0", "up"]
+            subprocess.run(link_up, check=True)
+    tail = output[-6000:]
+    failure = _FAILURE.search(output)
+    assert failure, f"rank {FAILING} never got to fail (status {status}):\n{tail}"
+    assert status is not None, f"still running {HARD_TIMEOUT_S:.0f} s after it started:\n{tail}"
+    elapsed = ended - float(failure.group(1))
+    print(f"{how} across {HOSTS} hosts: status {status}, ended {elapsed:.1f} s after the failure")
+    assert status != 0, f"status 0:\n{tail}"
+    assert "products went on" not in output, tail
+    assert elapsed < LIMIT_S, f"it ended {elapsed:.1f} s after the failure:\n{tail}"
+    # osmm_jax's report names the failed rank (as failed, silent, or behind the others); or,
+    # when hydra saw the death first and killed the others at once, its banner names the host.
+    named = (
+        f"rank {FAILING} of the 3-rank communicator failed" in output
+        or f"no answer from rank {FAILING}" in output
+        or f"rank {FAILING}: did not answer" in output
+        or re.search(rf"rank {FAILING} at #\d+", output)
+        or (_BANNER in output and f"RUNNING AT {hosts.addresses[FAILING]}" in output)
+    )
+    assert named, f"no report names rank {FAILING}:\n{tail}"
+    assert not _leftovers(hosts), f"processes left behind: {_leftovers(hosts)}"
