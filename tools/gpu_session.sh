@@ -87,22 +87,33 @@ cuda_root() {
 }
 
 make_machine_env() {
-  # The rehearsal's stand-in for the GPU machine's own packages.
+  # The rehearsal's stand-in for the GPU machine's own packages; prints its python.
   local machine=${GPU_MACHINE_ENV:-gpu-rehearsal/machine}
-  python3 -m venv "$machine" &&
-    "$machine/bin/python" $PIP_OFFLINE jax jaxlib numpy scipy ml_dtypes opt_einsum \
-      nanobind scikit-build-core mpi4py cmake ninja &&
-    local site &&
-    site=$("$machine/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))') &&
-    export PATH="$PATH:$(realpath "$machine/bin")" &&
-    echo "$site" >"$("$PY" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/osmm-machine.pth"
+  python3 -m venv "$machine" >&2
+  "$machine/bin/python" $PIP_OFFLINE jax jaxlib numpy scipy ml_dtypes opt_einsum nanobind \
+    scikit-build-core mpi4py cmake ninja >&2
+  echo "$(realpath "$machine")/bin/python"
+}
+
+# The session venv sees the machine's own packages (JAX, its CUDA plugin, nanobind, mpi4py...):
+# through --system-site-packages where they are the system's, else (python3 is itself a venv,
+# or the rehearsal's stand-in) through a .pth file naming their folders.
+see_machine_packages() {
+  local machine_python=$1
+  if "$PY" -c "import jax" 2>/dev/null; then return; fi
+  "$machine_python" -c 'import sysconfig; print(sysconfig.get_path("purelib")); print(sysconfig.get_path("platlib"))' |
+    sort -u >"$("$PY" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/osmm-machine.pth"
+  export PATH="$PATH:$(dirname "$machine_python")"  # its cmake and ninja, if installed there
+  "$PY" -c "import jax" || { echo "the machine's JAX is not importable from $VENV" >&2; return 1; }
 }
 
 install() {
   set -e
   rm -rf "$VENV"
+  local machine_python=python3
+  [[ $MODE == gpu ]] || machine_python=$(make_machine_env)
   python3 -m venv --system-site-packages "$VENV"
-  [[ $MODE == gpu ]] || make_machine_env
+  see_machine_packages "$machine_python"
   "$PY" $PIP_OFFLINE mpich setuptools wheel pytest pytest-timeout hypothesis flax optax \
     prometheus-client
   local root
@@ -135,7 +146,7 @@ EOF
 }
 
 export MODE REPO VENV PY PIP_OFFLINE
-export -f install make_machine_env cuda_root versions
+export -f install make_machine_env see_machine_packages cuda_root versions
 MPIEXEC=$VENV/bin/mpiexec
 MAKE_GPU=(make --no-print-directory VENV="$VENV" GPU_DEPS=)
 
