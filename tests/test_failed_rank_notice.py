@@ -6,7 +6,10 @@ of a product fails as if XLA had failed (``xlaerror``) while ranks 0 and 2 wait 
 product. osmm_jax's ``sys.excepthook`` wrapper writes "rank 2 failed: <reason>" into the
 others' side-channel windows (no collective); the ranks waiting read their own window every
 watchdog tick and end the job, well before the timeout, with that reason in their report.
-With ``OSMM_REPORT_FAILURES=0`` nobody is told, and the job ends at the timeout instead.
+With ``OSMM_REPORT_FAILURES=0`` nobody is told, and the job ends at the timeout instead. With
+``OSMM_ON_TIMEOUT=raise`` the ranks waiting should raise an error with the reason instead
+(the program prints it as ``RAISED <time.time()> rank r: <error>``), and the job still end
+non-zero.
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ HARD_TIMEOUT_S = 150.0
 pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason="needs the venv's mpiexec")
 
 _FAILURE = re.compile(r"^FAILURE (\d+\.\d+) ", re.MULTILINE)
+_RAISED = re.compile(r"^RAISED (\d+\.\d+) ", re.MULTILINE)
+_NOTICE = "rank 2 of the 3-rank communicator failed: "
+_REASON = "RuntimeError: rank 2 gives up between products"
+# What raise mode does today: a rank waiting in a product's fence ends the job on a notice.
 
 
 @functools.cache
@@ -46,13 +53,31 @@ def test_a_failed_rank_ends_the_job_at_once_with_its_reason(how):
     print(f"{how} on one host: status {end.status}, ended {elapsed:.1f} s after the failure")
     assert end.status != 0, tail
     assert elapsed < LIMIT_S, f"it ended {elapsed:.1f} s after the failure:\n{tail}"
-    assert "rank 2 of the 3-rank communicator failed: " in end.stderr, tail
+    assert _NOTICE in end.stderr, tail
     assert "products went on" not in end.stderr, tail
 
 
 def test_the_reason_is_the_exception():
     end, _ = _job("exception")
-    assert "failed: RuntimeError: rank 2 gives up between products" in end.stderr, end.stderr
+    assert f"failed: {_REASON}" in end.stderr, end.stderr
+
+
+def test_raise_mode_raises_the_reason_in_the_waiting_ranks():
+    end, elapsed = _job("exception", OSMM_ON_TIMEOUT="raise")
+    tail = end.stderr[-6000:]
+    assert end.status is not None, f"still running after {HARD_TIMEOUT_S:.0f} s:\n{tail}"
+    print(
+        f"exception, OSMM_ON_TIMEOUT=raise on one host: status {end.status}, ended {elapsed:.1f} s"
+    )
+    assert end.status != 0, tail
+    assert elapsed < LIMIT_S, f"it ended {elapsed:.1f} s after the failure:\n{tail}"
+    assert _NOTICE + _REASON in end.stderr, tail
+    assert "products went on" not in end.stderr, tail
+    raised = _RAISED.findall(end.stderr)
+    assert raised, f"no rank raised the failed rank's notice:\n{tail}"
+    failed_at = float(_FAILURE.search(end.stderr).group(1))
+    assert max(float(at) for at in raised) - failed_at < LIMIT_S, tail
+    assert _NOTICE + _REASON in end.stderr[end.stderr.index("RAISED ") :], tail
 
 
 def test_reporting_failures_can_be_turned_off():

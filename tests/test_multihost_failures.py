@@ -4,9 +4,10 @@
 over libfabric's TCP provider, hydra starting its proxies through tests/multihost/ns-launch in
 place of ssh (see tests/test_multihost.py). Each job runs tests/failure_programs/failing_rank.py
 with OSMM_TIMEOUT=5: its last rank (on host 2) fails between two small K-split products while
-the others wait for it in the next one. Whatever the failure, the job must end with a non-zero
-status and a report naming rank 2 within OSMM_TIMEOUT + 10 s of the failure, and leave no
-process behind on any host.
+the others wait for it in the next one, or (the ``-fence`` cases) dies in the middle of the
+products, the others inside a product's fence. Whatever the failure, the job must end with a
+non-zero status and a report naming rank 2 within OSMM_TIMEOUT + 10 s of the failure, and
+leave no process behind on any host; with OSMM_ON_TIMEOUT=raise too.
 
 Across hosts the launcher does not end a job whose rank died (its proxy's news of the death
 does not reach the others' proxies in time, or at all), so osmm_jax's watchdog does: after
@@ -37,11 +38,22 @@ LIMIT_S = TIMEOUT_S + 10  # from the failure to the end of the job
 HARD_TIMEOUT_S = 150.0  # the whole job, start-up included (a loaded machine is slow to start)
 FAILING = 2
 HOWS = ["exit7", "sigkill", "segfault", "exception", "xlaerror", "sigstop", "linkdown"]
+HOWS += ["exit7-fence", "sigkill-fence", "segfault-fence"]
 
 _REASON = unavailable()
 pytestmark = pytest.mark.skipif(_REASON is not None, reason=f"multi-host tests: {_REASON}")
 
 _FAILURE = re.compile(r"^FAILURE (\d+\.\d+) ", re.MULTILINE)
+_RAISED = re.compile(r"^RAISED (\d+\.\d+) ", re.MULTILINE)
+# What raise mode does today: a rank waiting in a product's fence ends the job on a notice.
+# Seen in about half the exit7-fence jobs: MPICH (libfabric TCP) segfaults inside
+# MPI_Win_fence on a rank that waits in the closing fence when its peer dies; hydra then ends
+# the job at once (status 255, no hang), its banner naming the crashed survivor's host.
+SURVIVOR_CRASH = (
+    "a surviving rank segfaulted inside MPICH's MPI_Win_fence (the closing fence of the "
+    "product its peer died in); the job ended at once, but no report names the dead rank"
+)
+_REASON_TEXT = f"RuntimeError: rank {FAILING} gives up between products"
 _BANNER = "BAD TERMINATION OF ONE OF YOUR APPLICATION PROCESSES"
 
 
@@ -69,14 +81,16 @@ def _leftovers(hosts) -> dict[str, list[str]]:
     return left
 
 
-@pytest.mark.parametrize("how", HOWS)
-def test_a_failed_rank_ends_the_job_across_hosts(hosts, how):
+def _run(hosts, how: str, **settings: str) -> tuple[str, float]:
+    """Run the job with rank 2 failing by ``how``; check that it ended in time, non-zero, with a
+    report naming rank 2 and nothing left behind; return its output and its end time after
+    the failure (s)."""
     try:
         status, output, _ = launch(
             hosts,
             (1,) * HOSTS,
             [how],
-            genv={"OSMM_TIMEOUT": str(TIMEOUT_S)},
+            genv={"OSMM_TIMEOUT": str(TIMEOUT_S), **settings},
             program=PROGRAM,
             timeout=HARD_TIMEOUT_S,
         )
@@ -90,7 +104,8 @@ def test_a_failed_rank_ends_the_job_across_hosts(hosts, how):
     assert failure, f"rank {FAILING} never got to fail (status {status}):\n{tail}"
     assert status is not None, f"still running {HARD_TIMEOUT_S:.0f} s after it started:\n{tail}"
     elapsed = ended - float(failure.group(1))
-    print(f"{how} across {HOSTS} hosts: status {status}, ended {elapsed:.1f} s after the failure")
+    mode = "".join(f", {name}={value}" for name, value in settings.items())
+    print(f"{how}{mode} across {HOSTS} hosts: status {status}, ended {elapsed:.1f} s after")
     assert status != 0, f"status 0:\n{tail}"
     assert "products went on" not in output, tail
     assert elapsed < LIMIT_S, f"it ended {elapsed:.1f} s after the failure:\n{tail}"
@@ -103,5 +118,35 @@ def test_a_failed_rank_ends_the_job_across_hosts(hosts, how):
         or re.search(rf"rank {FAILING} at #\d+", output)
         or (_BANNER in output and f"RUNNING AT {hosts.addresses[FAILING]}" in output)
     )
-    assert named, f"no report names rank {FAILING}:\n{tail}"
     assert not _leftovers(hosts), f"processes left behind: {_leftovers(hosts)}"
+    if not named and how.endswith("-fence") and _survivor_crashed(hosts, output):
+        pytest.xfail(SURVIVOR_CRASH)
+    assert named, f"no report names rank {FAILING}:\n{tail}"
+    if how.endswith("-fence") and "osmm_jax watchdog" in output:
+        assert "in the closing MPI_Win_fence" in output, f"not in the closing fence:\n{tail}"
+    return output, elapsed
+
+
+def _survivor_crashed(hosts, output: str) -> bool:
+    """Whether hydra's banner says a rank other than the failed one died of SIGSEGV."""
+    survivors = [a for i, a in enumerate(hosts.addresses) if i != FAILING]
+    crashed = re.findall(r"RUNNING AT (\S+)\s*=\s*EXIT CODE: (?:11|139)\b", output)
+    return _BANNER in output and any(address in survivors for address in crashed)
+
+
+@pytest.mark.parametrize("how", HOWS)
+def test_a_failed_rank_ends_the_job_across_hosts(hosts, how):
+    _run(hosts, how)
+
+
+def test_raise_mode_ends_the_job_with_the_reason_across_hosts(hosts):
+    """OSMM_ON_TIMEOUT=raise: the ranks waiting when rank 2's notice arrives should raise an
+    error naming it and its reason (and the job then end non-zero, as checked by _run)."""
+    output, _ = _run(hosts, "exception", OSMM_ON_TIMEOUT="raise")
+    notice = f"rank {FAILING} of the 3-rank communicator failed: {_REASON_TEXT}"
+    assert notice in output, output[-6000:]
+    raised = _RAISED.findall(output)
+    assert raised, f"no rank raised the failed rank's notice:\n{output[-6000:]}"
+    failed_at = float(_FAILURE.search(output).group(1))
+    assert max(float(at) for at in raised) - failed_at < LIMIT_S, output[-6000:]
+    assert notice in output[output.index("RAISED ") :], output[-6000:]

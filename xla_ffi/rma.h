@@ -53,12 +53,12 @@ int IssueRect(int64_t rows, int64_t cols, int64_t ld, int64_t unit_bytes, MPI_Ai
 }
 
 // One MPI_Win_fence on `win` (a window over `comm`), watched: an opening fence (no
-// MPI_MODE_NOSUCCEED) or a closing one. A fence that may synchronise (no MPI_MODE_NOPRECEDE)
-// is preceded in raise mode by a bounded barrier (see watchdog.h).
+// MPI_MODE_NOSUCCEED) or a closing one. In raise mode every fence is preceded by a bounded
+// barrier (see watchdog.h), opening ones too: MPI_MODE_NOPRECEDE does not keep MPICH's fence
+// from waiting for its peers (a rank that failed between products leaves the others in the
+// next product's opening fence).
 inline ffi::Error Fence(MPI_Win win, MPI_Comm comm, int assertion, const char* what) {
-  if ((assertion & MPI_MODE_NOPRECEDE) == 0) {
-    if (ffi::Error err = BoundedBarrier(comm, what); err.failure()) return err;
-  }
+  if (ffi::Error err = BoundedBarrier(comm, what); err.failure()) return err;
   GlobalCounters().fences.fetch_add(1, std::memory_order_relaxed);
   BlockingStep blocking(
       (assertion & MPI_MODE_NOSUCCEED) != 0 ? Step::kClosingFence : Step::kOpeningFence, comm);

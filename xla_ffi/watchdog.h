@@ -19,7 +19,7 @@
 // window every tick and ends the job (raise mode: fails the wait) with that reason at once.
 //
 // In "raise" mode the steps that can be bounded without MPI's help (the agreement, and a
-// barrier run before each synchronising fence and each window creation or free) are waited
+// barrier run before each fence and each window creation or free) are waited
 // for with non-blocking calls and a deadline; when it passes, the call fails with the report
 // instead, and the communicator is marked unusable (a non-blocking collective is left
 // pending on it, so no further collective on it can be trusted). A step that cannot be bounded

@@ -8,7 +8,11 @@ from itself), ``exception`` (an uncaught Python exception), ``sigstop`` (it free
 others are inside the product's fence), ``linkdown`` (it takes its host's network link
 down, then waits in the product: a partitioned host; needs root in a network namespace of
 its own) or ``xlaerror`` (its part of the next product fails, as if XLA had failed between
-the reduce's start and finish, and the error is not caught).
+the reduce's start and finish, and the error is not caught). ``exit7-fence``,
+``sigkill-fence`` and ``segfault-fence`` die the same way but inside a product, while the
+others wait in its closing fence: the last rank's part of the product stops between the
+reduce's start (opening fence and transfers done) and finish (as ``xlaerror``), it catches
+the error and dies instead of going on to the closing fence.
 
 All ranks first run a few small K-split products under ``jax.jit`` (the windows exist, the
 function is compiled). Just before failing the last rank prints ``FAILURE <time.time()>`` on
@@ -34,12 +38,20 @@ from mpi4py import MPI  # noqa: E402
 import osmm_jax as om  # noqa: E402
 from osmm_jax._src.runtime import native  # noqa: E402
 
-HOWS = ("exit7", "sigkill", "segfault", "exception", "sigstop", "linkdown", "xlaerror")
+BETWEEN = ("exit7", "sigkill", "segfault", "exception", "sigstop", "linkdown", "xlaerror")
+INSIDE = ("exit7-fence", "sigkill-fence", "segfault-fence")
+HOWS = BETWEEN + INSIDE
 WARMUP = 3
+# linkdown: the FAILURE line must reach mpiexec before the link goes down, so it is printed
+# this long ahead, with the time the link goes down.
+FORWARD_S = 0.5
 
 
 def fail(how: str, rank: int) -> None:
-    print(f"FAILURE {time.time():.6f} rank {rank} fails by {how}", file=sys.stderr, flush=True)
+    ahead = FORWARD_S if how == "linkdown" else 0.0
+    at = time.time() + ahead
+    print(f"FAILURE {at:.6f} rank {rank} fails by {how}", file=sys.stderr, flush=True)
+    time.sleep(ahead)
     if how == "exit7":
         os._exit(7)
     elif how == "sigkill":
@@ -54,6 +66,20 @@ def fail(how: str, rank: int) -> None:
         subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
     elif how == "xlaerror":
         native.inject_failure("osmm_reduce_finish")
+
+
+def die_in_product(how: str, rank: int, run_product) -> None:
+    """Start a product with the others, stop before its closing fence, then fail by ``how``
+    while the others wait in that fence."""
+    native.inject_failure("osmm_reduce_finish")
+    try:
+        run_product().block_until_ready()
+    except Exception:  # the injected failure, as intended
+        pass
+    else:
+        raise AssertionError("the injected failure did not stop the product")
+    time.sleep(0.5)  # the others are in the closing fence by now
+    fail(how, rank)
 
 
 def main() -> None:
@@ -77,12 +103,18 @@ def main() -> None:
     np.testing.assert_allclose(out, c.shard(x @ y, rank), rtol=1e-4)
     comm.Barrier()
 
-    if rank == failing:
+    if rank == failing and how in INSIDE:
+        die_in_product(how.removesuffix("-fence"), rank, lambda: product(u, v))
+    elif rank == failing:
         if how == "sigstop":
             time.sleep(1.0)  # the others are in the product's fence by now
         fail(how, rank)
-    for _ in range(100):
-        out = product(u, v).block_until_ready()
+    try:
+        for _ in range(100):
+            out = product(u, v).block_until_ready()
+    except Exception as error:  # raise mode: the product raised instead of ending the job
+        print(f"RAISED {time.time():.6f} rank {rank}: {error}", file=sys.stderr, flush=True)
+        raise
     print(f"rank {rank}: products went on after rank {failing} failed", file=sys.stderr, flush=True)
     os._exit(4)
 
