@@ -11,7 +11,7 @@ completes it with active messages that the *target* processes inside MPI calls, 
 busy in XLA's GEMMs makes none. Each job is one ``benchmarks.compare_methods`` (or
 ``benchmarks.train_step``) run under hydra's mpiexec across the namespaces, over libfabric's
 TCP provider (``MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=eth0``, as
-tests/test_multihost.py runs), with ``--peers`` (the mpi4jax all-reduce and JAX's
+tests/system/test_multihost.py runs), with ``--peers`` (the mpi4jax all-reduce and JAX's
 NamedSharding / shard_map over gloo are always timed in the same run) and with
 ``--progress off,thread``: one_sided with osmm_jax's own progress thread and without it,
 overlap on and off, interleaved in the same rounds (plain ``one_sided`` runs under the

@@ -1,7 +1,7 @@
 """Launching tests/multihost/program.py across emulated hosts (network namespaces made by
 netns.py): hydra's mpiexec runs on host 0 and starts its proxies on the others through the
 ns-launch script in place of ssh, over libfabric's TCP provider. Shared by
-tests/test_multihost.py and the stress run (stress.py)."""
+tests/system/test_multihost.py and the stress run (stress.py)."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ back). Rank 0 prints one JSON line, ``RESULT {...}``: where each rank ran (hostn
 namespace inode), how many products were checked, the failures of every rank, the speed
 profile's sources (the keys are in the cache file). The exit status is 0 only if every rank passed.
 
-Launched across emulated hosts by tests/test_multihost.py; by hand, e.g. on a cluster::
+Launched across emulated hosts by tests/system/test_multihost.py; by hand, e.g. on a cluster::
 
     mpiexec -hosts node1:2,node2:2 -genv MPIR_CVAR_CH4_NETMOD ofi -genv FI_PROVIDER tcp \\
         -genv FI_TCP_IFACE eth0 \\

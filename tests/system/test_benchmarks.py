@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason="needs the venv's mpiexec")
 

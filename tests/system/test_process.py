@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(args, timeout=240, env=None):

@@ -1,5 +1,5 @@
 """benchmarks/network.py's report, from a made-up record (the jobs themselves need root and
-network namespaces: tests/test_multihost.py covers launching across emulated hosts)."""
+network namespaces: tests/system/test_multihost.py covers launching across emulated hosts)."""
 
 from __future__ import annotations
 

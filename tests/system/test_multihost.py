@@ -31,7 +31,7 @@ backward, with both methods, on layouts of every kind with uneven and empty bloc
 Each job has a hard timeout (and osmm_jax's watchdog a shorter one); the namespaces, and
 anything left running in them, are removed at the end, and before the start any set left by
 a run that died. Needs root and iproute2's ``ip``; skipped otherwise. Run alone with
-``sudo .venv/bin/python -m pytest tests/test_multihost.py -v``. On a real cluster, run
+``sudo .venv/bin/python -m pytest tests/system/test_multihost.py -v``. On a real cluster, run
 ``tests/multihost/program.py`` with the same mpiexec line, the cluster's hosts and plain ssh.
 """
 

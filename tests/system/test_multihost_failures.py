@@ -2,7 +2,7 @@
 
 3 emulated hosts (network namespaces made by tests/multihost/netns.py), one rank each, MPICH
 over libfabric's TCP provider, hydra starting its proxies through tests/multihost/ns-launch in
-place of ssh (see tests/test_multihost.py). Each job runs tests/failure_programs/failing_rank.py
+place of ssh (see tests/system/test_multihost.py). Each job runs tests/failure_programs/failing_rank.py
 with OSMM_TIMEOUT=5: its last rank (on host 2) fails between two small K-split products while
 the others wait for it in the next one, or (the ``-fence`` cases) dies in the middle of the
 products, the others inside a product's fence. Whatever the failure, the job must end with a

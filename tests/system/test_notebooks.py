@@ -25,7 +25,7 @@ nbclient = pytest.importorskip("nbclient")
 for _module in ("ipykernel", "ipyparallel", "matplotlib"):
     pytest.importorskip(_module)
 
-NOTEBOOKS_DIR = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 NOTEBOOKS = (
     "01_quickstart.ipynb",
     "02_planning.ipynb",
