@@ -134,6 +134,7 @@ def test_the_failure_hook_wraps_the_previous_one_once(monkeypatch):
     seen = []
     previous = lambda *exc_info: seen.append(exc_info[0])  # noqa: E731
     monkeypatch.setattr("sys.excepthook", previous)
+    monkeypatch.setattr(watchdog, "_hook_decided", False)
     watchdog.install_failure_hook()
     watchdog.install_failure_hook()
     assert sys.excepthook.osmm_previous is previous
@@ -146,5 +147,6 @@ def test_the_failure_hook_can_be_turned_off(monkeypatch):
     previous = lambda *exc_info: None  # noqa: E731
     monkeypatch.setattr("sys.excepthook", previous)
     monkeypatch.setenv(config.REPORT_FAILURES, "0")
+    monkeypatch.setattr(watchdog, "_hook_decided", False)
     watchdog.install_failure_hook()
     assert sys.excepthook is previous

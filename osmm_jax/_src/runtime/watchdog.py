@@ -22,6 +22,7 @@ from osmm_jax._src.runtime import native
 _lock = threading.Lock()
 _overrides: list[tuple[float, str]] = []  # innermost last
 _applied: tuple[float, str] | None = None
+_hook_decided = False  # install_failure_hook ran (the setting is read once)
 _REASON_CHARS = 200  # the native notice holds 247 bytes
 _FAILED_RANK_GRACE_S = 1.5  # how long a failed rank lets the others end the job first
 
@@ -86,12 +87,15 @@ def _failure_hook(previous):
 
 
 def install_failure_hook() -> None:
-    """Wrap ``sys.excepthook`` (once, unless ``OSMM_REPORT_FAILURES=0``) so that an uncaught
-    exception on this rank is reported to the other ranks, then handled by the previous
-    hook."""
-    if getattr(sys.excepthook, "osmm_previous", None) is not None:
+    """Wrap ``sys.excepthook`` (once per process, unless ``OSMM_REPORT_FAILURES=0``) so that an
+    uncaught exception on this rank is reported to the other ranks, then handled by the
+    previous hook. Called on every product: after the first call it only reads a flag."""
+    global _hook_decided
+    if _hook_decided:
         return
-    if config.report_failures():
+    report = config.report_failures()  # a bad value raises here, on every product until fixed
+    _hook_decided = True
+    if report and getattr(sys.excepthook, "osmm_previous", None) is None:
         sys.excepthook = _failure_hook(sys.excepthook)
 
 
