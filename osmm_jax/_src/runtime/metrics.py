@@ -6,6 +6,16 @@ rank writes the text exposition format there at exit; ``{rank}`` in the path is
 replaced by the rank), or call :func:`start_metrics` / :func:`write_metrics`.
 They start with the first :func:`osmm_jax.plan`.
 
+``OSMM_METRICS_ADDR`` is the address the HTTP server listens on: ``127.0.0.1``
+by default (only processes on the same host can scrape it), ``0.0.0.0`` (or
+``::``) for every interface so that a Prometheus server on another host can
+scrape each rank, or one interface's address or host name. Anyone who can reach
+that port can read the metrics; there is no authentication. A value that is
+not an IPv4 or IPv6 address or a host name is a ``ValueError`` naming the
+variable, raised before any server starts; an address this host cannot listen on
+(another host's, a name that does not resolve, a port in use) is the ``OSError``
+of starting the server, raised by every :func:`osmm_jax.plan` until it starts.
+
 Every metric carries the labels ``rank`` and ``world_size`` (and ``op`` for RMA
 operations):
 
@@ -31,12 +41,20 @@ product's path waits for a scrape or for I/O.
 from __future__ import annotations
 
 import atexit
+import ipaddress
 import math
 import os
+import re
 import threading
 
 PORT = "OSMM_METRICS_PORT"
 TEXTFILE = "OSMM_METRICS_TEXTFILE"
+ADDR = "OSMM_METRICS_ADDR"
+
+DEFAULT_ADDR = "127.0.0.1"
+"""Loopback: without ``OSMM_METRICS_ADDR`` the metrics are readable from this host only."""
+
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 STEP_BUCKETS = (1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0)
 """Upper bounds (seconds) of the step-time histogram's buckets (+Inf is implied)."""
@@ -45,7 +63,48 @@ _lock = threading.Lock()
 _counts = {"matmul_calls": 0, "rebalances": 0, "fallbacks": 0, "checksum_failures": 0}
 _steps = {"buckets": [0] * (len(STEP_BUCKETS) + 1), "sum": 0.0}
 _share = {"ratio": math.nan}
-_state = {"enabled": False, "registry": None, "rank": 0, "size": 1, "port": None, "textfile": None}
+_state = {
+    "enabled": False,
+    "registry": None,
+    "rank": 0,
+    "size": 1,
+    "port": None,
+    "server": None,
+    "textfile": None,
+}
+
+
+# -- settings ---------------------------------------------------------------------------------
+
+
+def check_addr(value: str, source: str = "addr") -> str:
+    """``value`` stripped, if it is an IPv4 or IPv6 address or a host name (RFC 1123).
+
+    Raises ``ValueError`` naming ``source`` (the variable or argument it came
+    from) otherwise: a URL, a port (``host:9000``), brackets or spaces.
+    """
+    text = str(value).strip()
+    try:
+        return str(ipaddress.ip_address(text))
+    except ValueError:
+        pass
+    labels = text[:-1].split(".") if text.endswith(".") else text.split(".")
+    if (
+        0 < len(text) <= 253
+        and all(_HOST_LABEL.fullmatch(label) for label in labels)
+        and not labels[-1].isdigit()  # all-numeric: a mistyped IPv4 address, not a name
+    ):
+        return text
+    raise ValueError(
+        f"{source} must be an IPv4 or IPv6 address (127.0.0.1, 0.0.0.0, ::) or a host name "
+        f"to serve the metrics on, got {value!r}"
+    )
+
+
+def metrics_addr() -> str:
+    """The address the HTTP server listens on: ``OSMM_METRICS_ADDR``, or loopback when unset."""
+    value = os.environ.get(ADDR, "")
+    return check_addr(value, ADDR) if value.strip() else DEFAULT_ADDR
 
 
 # -- recording (cheap, never blocks on I/O) ------------------------------------------------
@@ -218,31 +277,49 @@ def _registry():
 
 
 def start_metrics(
-    *, port: int | None = None, textfile: str | None = None, rank=None, world_size=None
+    *,
+    port: int | None = None,
+    textfile: str | None = None,
+    addr: str | None = None,
+    rank=None,
+    world_size=None,
 ) -> None:
-    """Enable metrics; serve them on ``port + rank`` and/or write them to ``textfile`` at exit.
+    """Enable metrics; serve them on ``addr:(port + rank)`` and/or write them to ``textfile``
+    at exit.
 
-    ``rank``/``world_size`` default to COMM_WORLD's. Idempotent for the same settings.
+    ``addr`` defaults to ``OSMM_METRICS_ADDR``, else ``127.0.0.1``; ``rank``/``world_size``
+    default to COMM_WORLD's. Idempotent for the same settings.
     """
+    addr = metrics_addr() if addr is None else check_addr(addr)
     if rank is None or world_size is None:
         from mpi4py import MPI
 
         rank, world_size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
     with _lock:
-        _state.update(enabled=True, rank=int(rank), size=int(world_size))
+        _state.update(rank=int(rank), size=int(world_size))
     registry = _registry()
     if port is not None and _state["port"] is None:
         from prometheus_client import start_http_server
 
-        start_http_server(int(port) + int(rank), addr="127.0.0.1", registry=registry)
-        _state["port"] = int(port) + int(rank)
+        # OSError (address in use, not this host's, a name that does not resolve) leaves
+        # metrics off, so the next plan raises it again rather than run without them.
+        started = start_http_server(int(port) + int(rank), addr=addr, registry=registry)
+        server = started[0] if isinstance(started, tuple) else None  # older versions: None
+        bound = server.server_port if server is not None else int(port) + int(rank)
+        _state.update(port=bound, server=server)
+    with _lock:
+        _state["enabled"] = True
     if textfile is not None and _state["textfile"] is None:
         _state["textfile"] = textfile
         atexit.register(write_metrics)
 
 
 def start_from_environment() -> None:
-    """Start metrics if ``OSMM_METRICS_PORT`` or ``OSMM_METRICS_TEXTFILE`` is set (once)."""
+    """Start metrics if ``OSMM_METRICS_PORT`` or ``OSMM_METRICS_TEXTFILE`` is set (once).
+
+    Every setting is checked first (``OSMM_METRICS_ADDR`` too), so a bad one raises
+    before any server starts.
+    """
     if _state["enabled"]:
         return
     port, textfile = os.environ.get(PORT), os.environ.get(TEXTFILE)
@@ -250,7 +327,8 @@ def start_from_environment() -> None:
         return
     if port and not port.strip().isdigit():
         raise ValueError(f"{PORT} must be a port number, got {port!r}")
-    start_metrics(port=int(port) if port else None, textfile=textfile or None)
+    addr = metrics_addr()
+    start_metrics(port=int(port) if port else None, textfile=textfile or None, addr=addr)
 
 
 def write_metrics(path: str | None = None) -> str:
