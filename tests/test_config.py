@@ -85,3 +85,34 @@ def test_garbage_speeds_name_the_variable_and_the_value(monkeypatch, text):
     monkeypatch.setenv(config.SPEEDS, text)
     with pytest.raises(ValueError, match=rf"{config.SPEEDS}='{re.escape(text)}'"):
         speeds.declared_speeds(2)
+
+
+def test_sync_defaults_to_notify_and_reads_the_environment(monkeypatch):
+    monkeypatch.delenv(config.SYNC, raising=False)
+    assert config.resolve_sync(None) == "notify"
+    monkeypatch.setenv(config.SYNC, " Fence ")
+    assert config.resolve_sync(None) == "fence"
+    assert config.resolve_sync("notify") == "notify"  # the argument wins
+
+
+@pytest.mark.parametrize("source", ["argument", "environment"])
+def test_a_bad_sync_names_its_source(monkeypatch, source):
+    if source == "argument":
+        with pytest.raises(ValueError, match="^sync must be one of"):
+            config.resolve_sync("barrier")
+    else:
+        monkeypatch.setenv(config.SYNC, "barrier")
+        with pytest.raises(ValueError, match="^OSMM_SYNC must be one of"):
+            config.resolve_sync(None)
+
+
+def test_slot_budget_default_units_and_no_limit(monkeypatch):
+    monkeypatch.delenv(config.SLOT_BUDGET, raising=False)
+    assert config.slot_budget() == 512 * 2**20
+    monkeypatch.setenv(config.SLOT_BUDGET, "64 MiB")
+    assert config.slot_budget() == 64 * 2**20
+    monkeypatch.setenv(config.SLOT_BUDGET, "none")
+    assert config.slot_budget() == float("inf")
+    monkeypatch.setenv(config.SLOT_BUDGET, "lots")
+    with pytest.raises(ValueError, match="OSMM_SLOT_BUDGET"):
+        config.slot_budget()

@@ -21,6 +21,12 @@ struct Counters {
   std::atomic<int64_t> staged_bytes{0};  // bytes copied between device buffers and host memory
   std::atomic<int64_t> staging_ns{0};    // wall time of those copies, synchronisation included
   std::atomic<int64_t> closing_fence_ns{0};  // wall time in reduce epochs' closing fences
+  // The notified mode (notify.h).
+  std::atomic<int64_t> notifications{0};        // stamps sent to targets
+  std::atomic<int64_t> notify_wait_ns{0};       // wall time in notified finishes
+  std::atomic<int64_t> deferred_deliveries{0};  // targets whose slot was busy at issue time
+  std::atomic<int64_t> credit_reads{0};         // targets' progress read remotely
+  std::atomic<int64_t> slot_window_bytes{0};    // size of the last slots window used
 
   // Histogram of RMA epoch latencies (opening fence to closing fence, seconds): counts per
   // bucket, not cumulative; the last bucket is +Inf. Lock-free, so recording never blocks.

@@ -38,10 +38,10 @@ ffi::Error ReduceStartCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer c
                            int64_t comm, int64_t call_id, int64_t window_bytes,
                            int64_t local_elements, int64_t overlap,
                            ffi::Span<const int64_t> transfers, ffi::Span<const int64_t> chunk_ends,
-                           ffi::Span<const int64_t> chunk_sizes) {
+                           ffi::Span<const int64_t> chunk_sizes, ffi::Span<const int64_t> notify) {
   CudaBufferOps ops(stream, device, nullptr);
   return ReduceStart(ops, chunk, ticket, comm, call_id, window_bytes, local_elements, overlap,
-                     transfers, chunk_ends, chunk_sizes);
+                     transfers, chunk_ends, chunk_sizes, notify);
 }
 
 ffi::Error ReduceIssueCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer chunk, ffi::Token,

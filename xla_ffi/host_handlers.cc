@@ -73,10 +73,10 @@ ffi::Error ReduceStartHost(ffi::AnyBuffer chunk, ffi::Token, ffi::Result<ffi::An
                            ffi::Result<ffi::Token>, int64_t comm, int64_t call_id,
                            int64_t window_bytes, int64_t local_elements, int64_t overlap,
                            ffi::Span<const int64_t> transfers, ffi::Span<const int64_t> chunk_ends,
-                           ffi::Span<const int64_t> chunk_sizes) {
+                           ffi::Span<const int64_t> chunk_sizes, ffi::Span<const int64_t> notify) {
   HostBufferOps ops;
   return ReduceStart(ops, chunk, ticket, comm, call_id, window_bytes, local_elements, overlap,
-                     transfers, chunk_ends, chunk_sizes);
+                     transfers, chunk_ends, chunk_sizes, notify);
 }
 
 ffi::Error ReduceIssueHost(ffi::AnyBuffer chunk, ffi::Token, ffi::Result<ffi::AnyBuffer> ticket,

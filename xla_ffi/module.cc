@@ -42,6 +42,11 @@ nb::dict Stats() {
   d["staged_bytes"] = c.staged_bytes.load();
   d["staging_seconds"] = static_cast<double>(c.staging_ns.load()) * 1e-9;
   d["closing_fence_seconds"] = static_cast<double>(c.closing_fence_ns.load()) * 1e-9;
+  d["notifications"] = c.notifications.load();
+  d["notify_wait_seconds"] = static_cast<double>(c.notify_wait_ns.load()) * 1e-9;
+  d["deferred_deliveries"] = c.deferred_deliveries.load();
+  d["credit_reads"] = c.credit_reads.load();
+  d["slot_window_bytes"] = c.slot_window_bytes.load();
   d["progress_polls"] = osmm::ProgressPolls();
   d["windows"] = osmm::LiveWindowCount();
   d["window_bytes"] = osmm::LiveWindowBytes();
@@ -148,7 +153,8 @@ NB_MODULE(_osmm_ffi, m) {
   m.def("stats", &Stats,
         "This process's counters since start: rma_ops, rma_bytes, sent_bytes, accumulates, "
         "puts, gets, fences, calls (RMA epochs), agreements; closing_fence_seconds (time in reduce "
-        "epochs' closing fences), progress_polls "
+        "epochs' closing fences); notifications, notify_wait_seconds, deferred_deliveries, "
+        "credit_reads and slot_window_bytes (the notified mode); progress_polls "
         "(MPI polls of the progress thread); staged_bytes and staging_seconds "
         "(device <-> host copies of the GPU handlers); the live windows and their window_bytes.");
   m.def("latency_histogram", &LatencyHistogram,

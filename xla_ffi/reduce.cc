@@ -12,6 +12,7 @@
 #include "agreement.h"
 #include "counters.h"
 #include "issuer.h"
+#include "notify.h"
 #include "records.h"
 #include "rma.h"
 #include "watchdog.h"
@@ -51,6 +52,11 @@ struct ReduceEpoch {
   MPI_Aint header_disp = 0;           // and its byte displacement there
   int64_t peer[2] = {0, 0};           // the next rank's header: its call id and number
   int peer_rc = MPI_SUCCESS;          // MPI_Get of `peer`; not issued: peer[0] stays call_id
+  // The notified mode (notify.h), or null for the fence mode. Deliveries whose slot was not
+  // free when their chunk was issued wait in `deferred` (chunk, record) for the finish.
+  std::unique_ptr<NotifiedReduce> notified;
+  std::vector<std::pair<int64_t, int64_t>> deferred;
+  std::vector<const std::byte*> chunk_data;  // each issued chunk's RMA memory
 };
 
 struct EpochTable {
@@ -73,6 +79,14 @@ ReduceEpoch* FindEpoch(uint64_t key) {
   return nullptr;
 }
 
+// Removes the epoch open on the communicator with key `key` from the table (destroying it).
+void ForgetEpoch(uint64_t key) {
+  EpochTable& t = Epochs();
+  std::lock_guard<std::mutex> lock(t.mu);
+  t.open.erase(std::find_if(t.open.begin(), t.open.end(),
+                            [key](const auto& entry) { return entry.first == key; }));
+}
+
 // The prologue of the calls that continue an epoch: the epoch open on `comm_handle`'s
 // communicator and a one-element ticket.
 ffi::Error OpenEpochCall(const char* op, int64_t comm_handle, const ffi::AnyBuffer* ticket,
@@ -87,44 +101,72 @@ ffi::Error OpenEpochCall(const char* op, int64_t comm_handle, const ffi::AnyBuff
   return ffi::Error::Success();
 }
 
-// Issues one chunk's accumulates and puts from `chunk` (RMA memory holding its contents).
-// Returns an empty string, or which MPI call failed.
-std::string IssueChunk(const ReduceEpoch& epoch, int64_t index, const std::byte* chunk) {
-  const int64_t first = index == 0 ? 0 : epoch.chunk_ends[index - 1];
-  const int64_t last = epoch.chunk_ends[index];
+// Issues record `i` (of a chunk whose contents are in RMA memory at `chunk`). Returns an empty
+// string, or which MPI call failed.
+std::string IssueRecord(const ReduceEpoch& epoch, int64_t i, const std::byte* chunk) {
+  const Record& r = epoch.records[i];
+  if (r.rows == 0 || r.cols == 0) return std::string();
   Counters& counters = GlobalCounters();
   const int64_t itemsize = epoch.itemsize;
+  const bool accumulate = r.kind == kOpAccumulate;
+  const std::byte* origin = chunk + r.offset * itemsize;
+  MPI_Aint disp = static_cast<MPI_Aint>((r.row0 * r.ld + r.col0) * itemsize);
+  if (epoch.notified != nullptr) disp += SlotDisplacement(*epoch.notified, r.target);
+  const int rc = IssueRect(
+      r.rows, r.cols, r.ld, itemsize, disp, epoch.mpi_type,
+      [&](int64_t origin_units, int64_t count, MPI_Aint target_disp, MPI_Datatype target_type,
+          int64_t target_count) {
+        const void* src = origin + origin_units * itemsize;
+        if (accumulate) {
+          return MPI_Accumulate(src, static_cast<int>(count), epoch.mpi_type,
+                                static_cast<int>(r.target), target_disp,
+                                static_cast<int>(target_count), target_type, MPI_SUM, epoch.win);
+        }
+        return MPI_Put(src, static_cast<int>(count), epoch.mpi_type, static_cast<int>(r.target),
+                       target_disp, static_cast<int>(target_count), target_type, epoch.win);
+      });
+  if (rc != MPI_SUCCESS) {
+    return MpiError(rc, std::string("osmm_reduce: ") + (accumulate ? "MPI_Accumulate" : "MPI_Put"))
+        .message();
+  }
+  const int64_t bytes = r.rows * r.cols * itemsize;
+  counters.rma_ops.fetch_add(1, std::memory_order_relaxed);
+  counters.rma_bytes.fetch_add(bytes, std::memory_order_relaxed);
+  counters.sent_bytes.fetch_add(bytes, std::memory_order_relaxed);
+  (accumulate ? counters.accumulates : counters.puts).fetch_add(1, std::memory_order_relaxed);
+  return std::string();
+}
+
+// Issues one chunk's accumulates and puts from `chunk` (RMA memory holding its contents); in
+// the notified mode, those to a target whose slot is not free yet are deferred to the finish.
+// Returns an empty string, or which MPI call failed.
+std::string IssueChunk(ReduceEpoch& epoch, int64_t index, const std::byte* chunk) {
+  const int64_t first = index == 0 ? 0 : epoch.chunk_ends[index - 1];
+  const int64_t last = epoch.chunk_ends[index];
+  if (epoch.notified != nullptr) epoch.chunk_data[index] = chunk;
   for (int64_t i = first; i < last; ++i) {
-    const Record& r = epoch.records[i];
-    if (r.rows == 0 || r.cols == 0) continue;
-    const bool accumulate = r.kind == kOpAccumulate;
-    const std::byte* origin = chunk + r.offset * itemsize;
-    const MPI_Aint disp = static_cast<MPI_Aint>((r.row0 * r.ld + r.col0) * itemsize);
-    const int rc = IssueRect(
-        r.rows, r.cols, r.ld, itemsize, disp, epoch.mpi_type,
-        [&](int64_t origin_units, int64_t count, MPI_Aint target_disp, MPI_Datatype target_type,
-            int64_t target_count) {
-          const void* src = origin + origin_units * itemsize;
-          if (accumulate) {
-            return MPI_Accumulate(src, static_cast<int>(count), epoch.mpi_type,
-                                  static_cast<int>(r.target), target_disp,
-                                  static_cast<int>(target_count), target_type, MPI_SUM, epoch.win);
-          }
-          return MPI_Put(src, static_cast<int>(count), epoch.mpi_type, static_cast<int>(r.target),
-                         target_disp, static_cast<int>(target_count), target_type, epoch.win);
-        });
-    if (rc != MPI_SUCCESS) {
-      return MpiError(rc,
-                      std::string("osmm_reduce: ") + (accumulate ? "MPI_Accumulate" : "MPI_Put"))
-          .message();
+    if (epoch.notified != nullptr && !MayDeliverNow(*epoch.notified, epoch.records[i].target)) {
+      epoch.deferred.emplace_back(index, i);
+      continue;
     }
-    const int64_t bytes = r.rows * r.cols * itemsize;
-    counters.rma_ops.fetch_add(1, std::memory_order_relaxed);
-    counters.rma_bytes.fetch_add(bytes, std::memory_order_relaxed);
-    counters.sent_bytes.fetch_add(bytes, std::memory_order_relaxed);
-    (accumulate ? counters.accumulates : counters.puts).fetch_add(1, std::memory_order_relaxed);
+    if (std::string problem = IssueRecord(epoch, i, chunk); !problem.empty()) return problem;
   }
   return std::string();
+}
+
+// The finish of a notified reduce (or the close of an abandoned one: `out` null).
+ffi::Error FinishNotifiedEpoch(BufferOps& ops, ReduceEpoch* epoch, const std::string& problem,
+                               bool abandoned, const void* local, void* out, std::string* failure) {
+  auto deliver = [epoch](int64_t target) {
+    for (const auto& [chunk, record] : epoch->deferred) {
+      if (epoch->records[record].target != target) continue;
+      std::string problem = IssueRecord(*epoch, record, epoch->chunk_data[chunk]);
+      if (!problem.empty()) return problem;
+    }
+    return std::string();
+  };
+  return FinishNotified(ops, *epoch->notified, deliver, problem, abandoned, epoch->dtype, local,
+                        out, epoch->local_elements, failure);
 }
 
 // Hands chunk `index` to the issuer thread (async epochs) or issues it now. Returns an empty
@@ -151,12 +193,40 @@ bool SameDims(const ffi::AnyBuffer& x, const ffi::AnyBuffer& y) {
   return dx.size() == dy.size() && std::equal(dx.begin(), dx.end(), dy.begin());
 }
 
+// Opens the fence epoch of a reduce on the reduce window of `private_comm` (collective):
+// fills in the epoch's window and header; a local problem with the window goes to *local.
+ffi::Error OpenFenceEpoch(BufferOps& ops, MPI_Comm private_comm, int64_t window_bytes,
+                          ReduceEpoch* epoch, ffi::Error* local) {
+  {
+    WindowLease lease;
+    if (ffi::Error err = AcquireWindow(private_comm, WindowSlot::kReduce, window_bytes, &lease,
+                                       ops.window_memory());
+        err.failure()) {
+      return err;
+    }
+    *local = ops.UseWindow(lease);
+    epoch->win = lease.win();
+    epoch->window_base = lease.base();
+    epoch->window_bytes = lease.bytes();
+    epoch->header = lease.header();
+    epoch->header_win = lease.header_win();
+    epoch->header_disp = lease.header_disp();
+  }
+  epoch->header[WindowHeader::kCallId] = epoch->call_id;
+  epoch->header[WindowHeader::kCallNumber] = epoch->number;
+  // NOPRECEDE: the previous epoch on this window ended with a NOSUCCEED fence, and the
+  // agreement has just synchronised the ranks, so MPI may skip another barrier.
+  return FenceWithHeader(epoch->win, epoch->header_win, private_comm, MPI_MODE_NOPRECEDE,
+                         "osmm_reduce_start: opening MPI_Win_fence");
+}
+
 }  // namespace
 
 ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::AnyBuffer> ticket,
                        int64_t comm_handle, int64_t call_id, int64_t window_bytes,
                        int64_t local_elements, int64_t overlap, ffi::Span<const int64_t> transfers,
-                       ffi::Span<const int64_t> chunk_ends, ffi::Span<const int64_t> chunk_sizes) {
+                       ffi::Span<const int64_t> chunk_ends, ffi::Span<const int64_t> chunk_sizes,
+                       ffi::Span<const int64_t> notify) {
   CallComm call;
   if (ffi::Error err = OpenCall("osmm_reduce_start", comm_handle, &call); err.failure()) {
     return err;
@@ -189,6 +259,20 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
               chunk_sizes[0] != static_cast<int64_t>(chunk.element_count()))) {
     problem = "chunk_ends and chunk_sizes must describe the chunks, the first being this one";
   }
+  NotifySpec spec;
+  if (problem.empty()) {
+    int rank = 0;
+    MPI_Comm_rank(call.comm, &rank);
+    problem =
+        ParseNotifySpec(notify, rank, call.size, window_bytes, local_elements * itemsize, &spec);
+    if (problem.empty() && spec.enabled() && ops.WindowMemoryKind() != 0) {
+      problem =
+          "the notified mode needs host windows, not device memory (CUDA-aware MPI): use "
+          "OSMM_SYNC=fence";
+    }
+  }
+  // A notified record must fit its slot, and go to a target the spec names.
+  const int64_t record_window = spec.enabled() ? spec.slot_bytes : window_bytes;
   int64_t previous_end = 0;
   int64_t staging_bytes = 0;
   for (size_t c = 0; c < chunk_ends.size() && problem.empty(); ++c) {
@@ -202,7 +286,14 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
     ffi::Span<const int64_t> part(transfers.begin() + previous_end * kRecordLength,
                                   static_cast<size_t>((end - previous_end) * kRecordLength));
     problem = ValidateRecords(part, "transfers", kOpCount, call.size, chunk_sizes[c], itemsize,
-                              window_bytes, [](int64_t) { return int64_t{0}; });
+                              record_window, [](int64_t) { return int64_t{0}; });
+    for (size_t i = 0; i < RecordCount(part) && problem.empty() && spec.enabled(); ++i) {
+      const int64_t target = RecordAt(part, i).target;
+      if (!std::binary_search(spec.targets.begin(), spec.targets.end(), target)) {
+        problem = "notify: a record goes to rank " + std::to_string(target) +
+                  ", which is not among the targets";
+      }
+    }
     previous_end = end;
     epoch.chunk_starts.push_back(staging_bytes);
     int64_t chunk_bytes = 0;
@@ -228,6 +319,7 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
                                  .Add(chunk_ends)
                                  .Add(chunk_sizes)
                                  .Add(memory_kind)
+                                 .Add(notify)
                                  .value();
   if (ffi::Error err = Agree(call.comm, "osmm_reduce_start", call_id, problem,
                              {{"window_bytes", window_bytes}, {"window memory kind", memory_kind}},
@@ -236,30 +328,12 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
     return err;
   }
 
-  // Every rank accepted its records: open one fence epoch on the reduce window.
-  ffi::Error local = ffi::Error::Success();
-  {
-    WindowLease lease;
-    if (ffi::Error err = AcquireWindow(private_comm, WindowSlot::kReduce, window_bytes, &lease,
-                                       ops.window_memory());
-        err.failure()) {
-      return err;
-    }
-    local = ops.UseWindow(lease);
-    epoch.win = lease.win();
-    epoch.window_base = lease.base();
-    epoch.window_bytes = lease.bytes();
-    epoch.header = lease.header();
-    epoch.header_win = lease.header_win();
-    epoch.header_disp = lease.header_disp();
-  }
+  // Every rank accepted its records.
   MPI_Comm_rank(private_comm, &epoch.rank);
   epoch.size = call.size;
   epoch.call_id = call_id;
   epoch.number = number;
   epoch.peer[0] = call_id;
-  epoch.header[WindowHeader::kCallId] = call_id;
-  epoch.header[WindowHeader::kCallNumber] = number;
   epoch.key = key;
   epoch.private_comm = private_comm;
   epoch.dtype = dtype;
@@ -270,12 +344,31 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
     epoch.records.push_back(RecordAt(transfers, i));
   epoch.chunk_ends.assign(chunk_ends.begin(), chunk_ends.end());
   epoch.chunk_sizes.assign(chunk_sizes.begin(), chunk_sizes.end());
-  // NOPRECEDE: the previous epoch on this window ended with a NOSUCCEED fence, and the
-  // agreement above has just synchronised the ranks, so MPI may skip another barrier.
-  if (ffi::Error err =
-          FenceWithHeader(epoch.win, epoch.header_win, private_comm, MPI_MODE_NOPRECEDE,
-                          "osmm_reduce_start: opening MPI_Win_fence");
-      err.failure()) {
+  ffi::Error local = ffi::Error::Success();
+  if (spec.enabled()) {
+    // No epoch to open: the slots window stays locked (notify.h).
+    std::string inconsistent;
+    if (ffi::Error err = ResolvePositions(private_comm, signature, &spec, &inconsistent);
+        err.failure()) {
+      return err;
+    }
+    if (!inconsistent.empty()) {
+      // Deliver nothing (every target is told of the failure): the positions are unknown.
+      spec.positions.assign(spec.targets.size(), 0);
+      local = ffi::Error::Internal(inconsistent);
+    }
+    epoch.notified = std::make_unique<NotifiedReduce>();
+    if (ffi::Error err = OpenNotified(ops, private_comm, spec, call_id, window_bytes,
+                                      epoch.notified.get(), &local);
+        err.failure()) {
+      return err;
+    }
+    epoch.win = epoch.notified->slot_win;
+    epoch.window_base = epoch.notified->slot_base;
+    epoch.window_bytes = window_bytes;
+    epoch.chunk_data.assign(chunk_sizes.size(), nullptr);
+  } else if (ffi::Error err = OpenFenceEpoch(ops, private_comm, window_bytes, &epoch, &local);
+             err.failure()) {
     return err;
   }
   epoch.start_time = MPI_Wtime();
@@ -290,7 +383,7 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
   }
   if (open->progress) BeginProgress(open->private_comm);
   call_scope.Release();
-  if (open->size > 1) {
+  if (open->size > 1 && open->notified == nullptr) {
     // The next rank's header, to check at the finish that it runs this call too.
     open->peer_rc = MPI_Get(open->peer, 2, MPI_INT64_T, (open->rank + 1) % open->size,
                             open->header_disp, 2, MPI_INT64_T, open->header_win);
@@ -355,6 +448,18 @@ ffi::Error ReduceFinish(BufferOps& ops, ffi::AnyBuffer local, ffi::Result<ffi::A
        n != epoch->local_elements || !SameDims(local, *out))) {
     problem = "osmm_reduce_finish: local and out must match the epoch's dtype and C block";
   }
+  if (epoch->notified != nullptr) {
+    if (epoch->progress) EndProgress();  // the finish drives progress itself while it waits
+    std::string failure;
+    ffi::Error err = FinishNotifiedEpoch(ops, epoch, problem, false, local.untyped_data(),
+                                         problem.empty() ? out->untyped_data() : nullptr, &failure);
+    RecordEpochLatency(MPI_Wtime() - epoch->start_time);
+    ForgetEpoch(epoch->key);
+    if (err.failure()) return err;
+    if (!problem.empty()) return ffi::Error::Internal(problem);
+    if (!failure.empty()) return ffi::Error::Internal(failure);
+    return ffi::Error::Success();
+  }
   // The closing fence makes progress itself.
   if (epoch->progress) EndProgress();
   const double closing_start = MPI_Wtime();
@@ -387,13 +492,7 @@ ffi::Error ReduceFinish(BufferOps& ops, ffi::AnyBuffer local, ffi::Result<ffi::A
   if (problem.empty() && epoch->peer_rc != MPI_SUCCESS) {
     problem = MpiError(epoch->peer_rc, "osmm_reduce_start: MPI_Get (peer header)").message();
   }
-  {
-    EpochTable& t = Epochs();
-    std::lock_guard<std::mutex> lock(t.mu);
-    const uint64_t key = epoch->key;
-    t.open.erase(std::find_if(t.open.begin(), t.open.end(),
-                              [key](const auto& entry) { return entry.first == key; }));
-  }
+  ForgetEpoch(epoch->key);
   if (!problem.empty() || !out_of_step.empty()) {
     // Restore the all-zero invariant whatever arrived.
     if (ffi::Error err = ops.ZeroWindow(received, window_bytes); err.failure()) {
@@ -410,6 +509,15 @@ ffi::Error CloseAbandonedReduce(BufferOps& ops, uint64_t comm_key) {
   ReduceEpoch* epoch = FindEpoch(comm_key);
   if (epoch == nullptr) return ffi::Error::Success();
   if (epoch->async) GlobalIssuer().Drain();
+  if (epoch->notified != nullptr) {
+    // Notified: the targets hear of it through the failed bit of this rank's stamps.
+    if (epoch->progress) EndProgress();
+    std::string failure;
+    ffi::Error err = FinishNotifiedEpoch(ops, epoch, "abandoned", true, nullptr, nullptr, &failure);
+    ForgetEpoch(comm_key);
+    EndCall();
+    return err;
+  }
   // The marker must stay valid until the closing fence below has completed.
   const int64_t marker = epoch->rank + 1;
   int rc = MPI_SUCCESS;
@@ -425,12 +533,7 @@ ffi::Error CloseAbandonedReduce(BufferOps& ops, uint64_t comm_key) {
                       "closing an abandoned reduce epoch: MPI_Win_fence");
   ffi::Error cleared = ops.ZeroWindow(epoch->window_base, epoch->window_bytes);
   epoch->header[WindowHeader::kAbandoned] = 0;
-  {
-    EpochTable& t = Epochs();
-    std::lock_guard<std::mutex> lock(t.mu);
-    t.open.erase(std::find_if(t.open.begin(), t.open.end(),
-                              [comm_key](const auto& entry) { return entry.first == comm_key; }));
-  }
+  ForgetEpoch(comm_key);
   EndCall();
   if (rc != MPI_SUCCESS) return MpiError(rc, "closing an abandoned reduce epoch: MPI_Accumulate");
   if (closing.failure()) return closing;

@@ -24,7 +24,8 @@ namespace osmm {
 ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::AnyBuffer> ticket,
                        int64_t comm_handle, int64_t call_id, int64_t window_bytes,
                        int64_t local_elements, int64_t overlap, ffi::Span<const int64_t> transfers,
-                       ffi::Span<const int64_t> chunk_ends, ffi::Span<const int64_t> chunk_sizes);
+                       ffi::Span<const int64_t> chunk_ends, ffi::Span<const int64_t> chunk_sizes,
+                       ffi::Span<const int64_t> notify);
 
 ffi::Error ReduceIssue(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::AnyBuffer> ticket,
                        int64_t comm_handle, int64_t index);

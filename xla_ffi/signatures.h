@@ -53,7 +53,8 @@ auto ReduceStartSignature(Binding&& binding) {
       .template Attr<int64_t>("overlap")
       .template Attr<ffi::Span<const int64_t>>("transfers")
       .template Attr<ffi::Span<const int64_t>>("chunk_ends")
-      .template Attr<ffi::Span<const int64_t>>("chunk_sizes");
+      .template Attr<ffi::Span<const int64_t>>("chunk_sizes")
+      .template Attr<ffi::Span<const int64_t>>("notify");  // empty: fence mode (notify.h)
 }
 
 template <typename Binding>

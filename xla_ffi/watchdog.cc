@@ -181,6 +181,47 @@ WatchdogSettings GetWatchdogSettings() {
   return WatchdogSettings{static_cast<double>(s.timeout_ns.load()) * 1e-9, s.raise.load()};
 }
 
+PollWait::PollWait(Step step, MPI_Comm comm, const char* what)
+    : comm_(comm), what_(what), bounded_(Global().raise.load() && Global().timeout_ns.load() > 0) {
+  EnterStep(step, comm, bounded_);
+  start_ns_ = MonotonicNs();
+  next_look_ns_ = start_ns_ + kFailureLookNs;
+}
+
+PollWait::~PollWait() { LeaveStep(); }
+
+ffi::Error PollWait::Idle() {
+  ++spins_;
+  if (bounded_) {
+    State& s = Global();
+    const int64_t now = MonotonicNs();
+    if (now >= next_look_ns_) {
+      next_look_ns_ = now + kFailureLookNs;
+      if (ffi::Error err = FailedRankError(s, comm_, what_); err.failure()) return err;
+    }
+    const int64_t waited = now - start_ns_;
+    if (waited > s.timeout_ns.load()) {
+      // Whatever this rank waited for may still arrive: nothing more may run on `comm`.
+      const std::string report =
+          BuildReport(s, CommKey(comm_), TimeoutHeadline(GlobalProgress(), waited));
+      MarkUnusable(s, CommKey(comm_), std::string(what_) + " timed out");
+      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                        report +
+                            "osmm_jax will not use this communicator again in this "
+                            "process: end the job and start it again (see README, "
+                            "\"Failure behaviour\").");
+    }
+  }
+  // Yield first (a rank waited for may need this core), then sleep: a waiting rank must not
+  // starve the ranks it waits for when ranks outnumber cores.
+  if (spins_ > kYieldSpins) {
+    std::this_thread::sleep_for(std::chrono::microseconds(kSleepMicros));
+  } else {
+    std::this_thread::yield();
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error WaitBounded(MPI_Request* request, MPI_Comm comm, Step step, const char* what) {
   State& s = Global();
   const int64_t timeout = s.timeout_ns.load();
@@ -190,31 +231,14 @@ ffi::Error WaitBounded(MPI_Request* request, MPI_Comm comm, Step step, const cha
     if (rc != MPI_SUCCESS) return MpiError(rc, what);
     return ffi::Error::Success();
   }
-  BlockingStep blocking(step, comm, /*bounded=*/true);
-  const int64_t start = MonotonicNs();
-  int64_t next_look = start;
-  for (int64_t spins = 0;; ++spins) {
+  PollWait wait(step, comm, what);
+  for (;;) {
     int done = 0;
     int rc = MPI_Test(request, &done, MPI_STATUS_IGNORE);
     if (rc != MPI_SUCCESS) return MpiError(rc, what);
     if (done) return ffi::Error::Success();
-    const int64_t waited = MonotonicNs() - start;
-    if (waited + start >= next_look) {
-      next_look = waited + start + kFailureLookNs;
-      if (ffi::Error err = FailedRankError(s, comm, what); err.failure()) return err;
-    }
-    if (waited > timeout) {
-      // The request stays pending forever: nothing more may run on this communicator.
-      const std::string report =
-          BuildReport(s, CommKey(comm), TimeoutHeadline(GlobalProgress(), waited));
-      MarkUnusable(s, CommKey(comm), std::string(what) + " timed out");
-      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                        report +
-                            "osmm_jax will not use this communicator again in this "
-                            "process: end the job and start it again (see README, "
-                            "\"Failure behaviour\").");
-    }
-    if (spins > 1000) std::this_thread::sleep_for(std::chrono::microseconds(50));
+    // A timed-out request stays pending forever: Idle marks the communicator unusable.
+    if (ffi::Error err = wait.Idle(); err.failure()) return err;
   }
 }
 

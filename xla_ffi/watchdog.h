@@ -48,6 +48,7 @@ enum class Step : int64_t {
   kHostAgreement = 7,  // osmm_jax's Python-side agreement on a product's options (collective)
   kBarrier = 8,        // the bounded barrier of raise mode
   kInGraph = 9,        // a collective inside the XLA program that osmm_jax brackets (Watch)
+  kNotifyWait = 10,    // a notified reduce: waiting for deliveries, or for a target's slots
 };
 
 // What kind of call a rank is in. Published in the status record: values are stable.
@@ -107,6 +108,30 @@ class BlockingStep {
   ~BlockingStep() { LeaveStep(); }
   BlockingStep(const BlockingStep&) = delete;
   BlockingStep& operator=(const BlockingStep&) = delete;
+};
+
+// A polling wait for something other ranks do (a flag in a window), as a watched blocking
+// step: construct it before the loop, call Idle() after every poll that found the wait not
+// over. Idle yields the core (and sleeps after a while), and in raise mode fails at the
+// timeout (marking `comm` unusable, with the report) or on a failed rank's notice; in abort
+// mode the watchdog thread bounds the step.
+class PollWait {
+ public:
+  PollWait(Step step, MPI_Comm comm, const char* what);
+  ~PollWait();
+  PollWait(const PollWait&) = delete;
+  PollWait& operator=(const PollWait&) = delete;
+  ffi::Error Idle();
+
+ private:
+  static constexpr int64_t kYieldSpins = 2000;  // polls that yield before the wait sleeps
+  static constexpr int kSleepMicros = 20;
+  MPI_Comm comm_;
+  const char* what_;
+  bool bounded_;
+  int64_t spins_ = 0;
+  int64_t start_ns_ = 0;
+  int64_t next_look_ns_ = 0;
 };
 
 // Waits for `request`, a collective on `comm` started for `step`. Abort mode: MPI_Wait (the

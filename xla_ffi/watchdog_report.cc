@@ -43,6 +43,8 @@ const char* StepName(int64_t step) {
       return "the barrier before a collective step (MPI_Ibarrier)";
     case Step::kInGraph:
       return "an mpi4jax all-reduce (MPI_Allreduce)";
+    case Step::kNotifyWait:
+      return "a notified reduce (waiting for another rank's deliveries or slots)";
   }
   return "an unknown step";
 }

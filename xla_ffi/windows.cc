@@ -67,7 +67,10 @@ ffi::Error FreeEntryLocked(Cache& cache, WindowEntry* entry) {
   int rc = MPI_SUCCESS;
   {
     BlockingStep blocking(Step::kWindowFree, entry->comm);
-    rc = MPI_Win_free(&entry->win);
+    // Completes this rank's operations on the window; MPI_Win_free then waits for the others'.
+    if (IsPassive(entry->slot)) rc = MPI_Win_unlock_all(entry->win);
+    const int free_rc = MPI_Win_free(&entry->win);
+    if (rc == MPI_SUCCESS) rc = free_rc;
     if (entry->header_win != MPI_WIN_NULL) {
       const int header_rc = MPI_Win_free(&entry->header_win);
       if (rc == MPI_SUCCESS) rc = header_rc;
@@ -108,11 +111,16 @@ ffi::Error AllocateHeaderLocked(WindowEntry* entry, MPI_Comm comm, MPI_Info info
 // and cache.mu.
 ffi::Error AllocateEntryLocked(Cache& cache, WindowEntry* entry, MPI_Comm comm, int64_t bytes) {
   MPI_Info info = MPI_INFO_NULL;
+  const bool passive = IsPassive(entry->slot);
   if (MPI_Info_create(&info) == MPI_SUCCESS) {
-    // Only fences synchronise these windows, and accumulates are element-wise sums whose order
-    // does not matter: let MPI skip lock bookkeeping and accumulate ordering.
-    MPI_Info_set(info, "no_locks", "true");
-    MPI_Info_set(info, "accumulate_ordering", "none");
+    // Only fences synchronise the other windows, and accumulates are element-wise sums whose
+    // order does not matter: let MPI skip lock bookkeeping and accumulate ordering there.
+    // Passive windows keep both: they are locked, and one origin's accumulates into the same
+    // slot must land in the order issued (the notified sum is reproducible).
+    if (!passive) {
+      MPI_Info_set(info, "no_locks", "true");
+      MPI_Info_set(info, "accumulate_ordering", "none");
+    }
     MPI_Info_set(info, "same_size", "true");
     MPI_Info_set(info, "same_disp_unit", "true");
   }
@@ -168,6 +176,12 @@ ffi::Error AllocateEntryLocked(Cache& cache, WindowEntry* entry, MPI_Comm comm, 
   rc = MPI_Win_set_errhandler(win, MPI_ERRORS_RETURN);
   if (entry->memory == nullptr) {
     std::memset(base, 0, static_cast<size_t>(bytes + WindowHeader::kBytes));
+  }
+  if (rc == MPI_SUCCESS && passive) {
+    // The zeroed memory is this rank's before any other rank may write into it.
+    rc = MPI_Win_lock_all(MPI_MODE_NOCHECK, win);
+    if (rc == MPI_SUCCESS) rc = MPI_Win_sync(win);
+    if (rc == MPI_SUCCESS) rc = MPI_Barrier(comm);
   }
   entry->comm = comm;
   entry->win = win;

@@ -35,7 +35,16 @@ namespace osmm {
 enum class WindowSlot : int {
   kReduce = 0,  // receives partial C blocks (accumulate / put targets)
   kExpose = 1,  // holds this rank's A and B blocks for remote gets
+  kSlots = 2,   // a notified reduce's accumulator and slots (notify.h)
+  kSync = 3,    // a notified reduce's stamps and credits (notify.h)
 };
+
+// Whether windows of `slot` are used under a passive-target epoch for their whole lifetime
+// (MPI_Win_lock_all right after creation, MPI_Win_unlock_all right before freeing) rather
+// than fence epochs.
+inline bool IsPassive(WindowSlot slot) {
+  return slot == WindowSlot::kSlots || slot == WindowSlot::kSync;
+}
 
 // Memory for windows that MPI_Win_allocate does not provide: device memory for CUDA-aware MPI.
 // Windows over such memory are made with MPI_Win_create and cached apart from host windows.

@@ -147,6 +147,48 @@ def resolve_chunk_bytes(chunk_bytes: int | None) -> int:
     return int(chunk_bytes)
 
 
+SYNC = "OSMM_SYNC"
+"""Default ``sync`` of :func:`osmm_jax.matmul`: how the one_sided method synchronises the
+partials it delivers. ``notify``: each partial goes into a slot of its owner's window reserved
+for its origin, and the owner waits for exactly the notifications the plan says it will get,
+then sums in ascending rank order (no collective per product; bit-identical results run to
+run). ``fence``: every product is bracketed by collective ``MPI_Win_fence`` epochs and partials
+are accumulated in arrival order. Any other value is a ValueError. Default: ``notify``."""
+
+SYNC_MODES = ("notify", "fence")
+
+DEFAULT_SYNC = "notify"
+
+
+def resolve_sync(sync: str | None) -> str:
+    """The synchronisation to use: the argument if given, else ``OSMM_SYNC``, else notify."""
+    source = "sync"
+    if sync is None:
+        sync = os.environ.get(SYNC, "").strip().lower() or DEFAULT_SYNC
+        source = SYNC
+    if sync not in SYNC_MODES:
+        raise ValueError(f"{source} must be one of {SYNC_MODES}, got {sync!r}")
+    return sync
+
+
+SLOT_BUDGET = "OSMM_SLOT_BUDGET"
+"""Bytes of slots one rank's window may hold in the notified mode (``OSMM_SYNC=notify``): a
+number of bytes with an optional binary unit, as for ``OSMM_MEMORY_BUDGET`` (``0``, ``none`` or
+``inf``: as many slots as a rank has origins). A rank that more origins deliver to than fit
+sums them in rounds, in the same fixed order, through the slots it has (at least one). Must be
+the same on every rank. Default: 512 MiB."""
+
+DEFAULT_SLOT_BUDGET = float(512 << 20)
+
+
+def slot_budget() -> float:
+    """``OSMM_SLOT_BUDGET`` in bytes (``math.inf``: no limit), or the default when unset."""
+    text = os.environ.get(SLOT_BUDGET, "").strip()
+    if not text:
+        return DEFAULT_SLOT_BUDGET
+    return parse_bytes(text, SLOT_BUDGET)
+
+
 TIMEOUT = "OSMM_TIMEOUT"
 """Seconds that one blocking MPI step of osmm_jax (an agreement, a fence, creating or freeing a
 window, matmul's own checks across ranks) may take before the watchdog acts (README, "Failure

@@ -268,7 +268,7 @@ Outcome RunReduce(const Side& side, const ReduceCase& c, int64_t call_id) {
   const Buffer& result = c.out_is_local ? local : out;
   ffi::Error err = WithOps(side, false, [&](BufferOps& ops) {
     return ReduceStart(ops, chunks[0].any(), ticket.any(), Comm(), call_id, window_bytes,
-                       local_elements, c.overlap ? 1 : 0, transfers, ends, sizes);
+                       local_elements, c.overlap ? 1 : 0, transfers, ends, sizes, {});
   });
   for (int k = 1; k < kChunks && err.success(); ++k) {
     err = WithOps(side, false, [&](BufferOps& ops) {

@@ -137,7 +137,13 @@ class RankPlan:
                 block_area(target.a, self.rank) if expose_a else 0,
                 block_area(target.b, self.rank) if expose_b else 0,
             ),
+            len(self.origins),
         )
+
+    @functools.cached_property
+    def origins(self) -> tuple[int, ...]:
+        """The ranks that deliver partials into this rank's C block, ascending."""
+        return tuple(sorted({t.origin for t in self.received}))
 
 
 class Plan:

@@ -107,12 +107,15 @@ class PlanFacts(NamedTuple):
     ``has_gets``: some rank gets an A or B piece (everyone then opens the fetch window);
     ``has_deliveries``: some rank delivers a C partial (everyone opens the reduce window);
     ``expose_elements``: the largest A block and the largest B block any rank exposes to gets
-    (sizes every rank's fetch window, so that B starts at the same offset everywhere).
+    (sizes every rank's fetch window, so that B starts at the same offset everywhere);
+    ``max_origins``: the most ranks that deliver into one rank's C block (sizes every rank's
+    slots window in the notified reduce).
     """
 
     has_gets: bool
     has_deliveries: bool
     expose_elements: tuple[int, int]
+    max_origins: int = 0
 
 
 def combine_facts(facts: Iterable[PlanFacts]) -> PlanFacts:
@@ -125,4 +128,5 @@ def combine_facts(facts: Iterable[PlanFacts]) -> PlanFacts:
             max((f.expose_elements[0] for f in facts), default=0),
             max((f.expose_elements[1] for f in facts), default=0),
         ),
+        max((f.max_origins for f in facts), default=0),
     )

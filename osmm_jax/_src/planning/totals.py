@@ -82,10 +82,15 @@ def transfers_facts(transfers: Sequence[Transfer], a: Layout, b: Layout) -> Plan
         served = per_rank_totals(gets, nranks, "target", lambda t: 1)
         exposed = [block_area(layout, r) for r in range(nranks) if served[r]]
         largest.append(max(exposed, default=0))
+    origins: dict[int, set[int]] = {}
+    for t in transfers:
+        if t.op != "get":
+            origins.setdefault(t.target, set()).add(t.origin)
     return PlanFacts(
         any(t.op == "get" and t.matrix != "C" for t in transfers),
         any(t.op != "get" for t in transfers),
         (largest[0], largest[1]),
+        max((len(o) for o in origins.values()), default=0),
     )
 
 

@@ -48,6 +48,7 @@ class _Options(NamedTuple):
     method: str
     verify: bool
     chunk_bytes: int  # one_sided: overlap sends with GEMMs in chunks of this size; 0 = off
+    sync: one_sided.Sync  # one_sided: how the partials are synchronised
 
 
 def matmul(
@@ -58,6 +59,7 @@ def matmul(
     method: str | None = None,
     verify: bool | None = None,
     chunk_bytes: int | None = None,
+    sync: str | None = None,
 ):
     """This rank's block of ``C = A @ B`` in ``plan``'s C layout.
 
@@ -80,6 +82,14 @@ def matmul(
             first, then all sends. ``None`` reads ``OSMM_CHUNK_BYTES``
             (default 4 MiB). The sums are the same either way; a GEMM split by
             rows may round differently in the last bits.
+        sync: ``one_sided`` only: ``"notify"`` (default) delivers each partial
+            into a slot of its owner reserved for its origin and notifies the
+            owner, who waits for exactly the partials it gets and sums them in
+            ascending rank order: no collective per product, and the same bits
+            on every run and on every rank that holds a copy. ``"fence"``
+            brackets every product by collective ``MPI_Win_fence`` epochs and
+            sums in arrival order. ``None`` reads ``OSMM_SYNC``; the slots'
+            memory is capped by ``OSMM_SLOT_BUDGET``.
 
     Returns:
         A JAX array of shape ``plan.c.local_shape(rank)`` and the input dtype.
@@ -102,7 +112,7 @@ def matmul(
     # A bad option (an argument, or an OSMM_* variable set on some ranks only) is agreed on
     # like a bad block, so that every rank raises it instead of the others waiting.
     try:
-        options, error = _resolve_options(method, verify, chunk_bytes), None
+        options, error = _resolve_options(method, verify, chunk_bytes, sync), None
     except (TypeError, ValueError) as exc:
         options, error = None, exc
     if error is None:
@@ -153,12 +163,13 @@ def _adopt_facts(plan: Plan, shared: list[tuple[PlanFacts, ...]]) -> None:
 # -- input checks -----------------------------------------------------------------------
 
 
-def _resolve_options(method, verify, chunk_bytes) -> _Options:
+def _resolve_options(method, verify, chunk_bytes, sync) -> _Options:
     """The options of one product: the arguments, or the ``OSMM_*`` defaults (config.py)."""
     return _Options(
         config.resolve_method(method),
         config.resolve_verify(verify),
         config.resolve_chunk_bytes(chunk_bytes),
+        one_sided.Sync(config.resolve_sync(sync), config.slot_budget()),
     )
 
 
@@ -224,7 +235,9 @@ def _batchable_forward(plan: Plan, options: _Options):
     if options.method == "allreduce":
         execute = allreduce.forward
     else:
-        execute = functools.partial(one_sided.forward, chunk_bytes=options.chunk_bytes)
+        execute = functools.partial(
+            one_sided.forward, chunk_bytes=options.chunk_bytes, sync=options.sync
+        )
 
     @jax.custom_batching.custom_vmap
     def forward(a, b):

@@ -47,7 +47,7 @@ import numpy as np
 
 from osmm_jax._src import dtypes
 from osmm_jax._src.planning.plan import Plan
-from osmm_jax._src.runtime import native, primitives
+from osmm_jax._src.runtime import native, primitives, slots
 
 _ALIGN = 64  # bytes; the B region of the expose window starts on this boundary
 
@@ -55,10 +55,22 @@ _OPS = {"accumulate": native.OP_ACCUMULATE, "put": native.OP_PUT}
 _REGIONS = {"A": native.REGION_A, "B": native.REGION_B}  # which region of the window a get reads
 
 
-def forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0):
+class Sync(NamedTuple):
+    """How the partials are synchronised: ``mode`` ``"fence"`` (collective fence epochs,
+    arrival-order sums) or ``"notify"`` (per-origin slots and notifications, sums in ascending
+    rank order: see :mod:`osmm_jax._src.runtime.slots`), and the slot budget in bytes."""
+
+    mode: str = "fence"
+    slot_budget: float = float("inf")
+
+
+FENCE = Sync("fence")
+
+
+def forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0, sync: Sync = FENCE):
     """This rank's C block by one-sided transfers (see the module docstring)."""
     if plan.gather_stage is not None:
-        block = forward(plan.gather_stage, rank, a, b, chunk_bytes)
+        block = forward(plan.gather_stage, rank, a, b, chunk_bytes, sync)
         return _gather_blocks(plan, rank, block)
     operands = _operands(plan, rank, a, b)
     local = jnp.zeros(plan.c.local_shape(rank), operands.acc)
@@ -66,7 +78,7 @@ def forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0):
     own = [(cell, cell.rows) for cell in cells if cell.local and not cell.deliveries]
     ticket, buffers = None, []
     if plan.has_deliveries:
-        local, buffers, ticket, own = _deliver(operands, cells, local, chunk_bytes, own)
+        local, buffers, ticket, own = _deliver(operands, cells, local, chunk_bytes, own, sync)
     else:
         whole = _whole_block(operands, own)
         if whole is not None:
@@ -392,7 +404,7 @@ def _chunks(cells: list[_Cell], itemsize: int, chunk_bytes: int) -> list[list]:
 # -- data movement ---------------------------------------------------------------------------
 
 
-def _deliver(operands: _Operands, cells: list[_Cell], local, chunk_bytes: int, own: list):
+def _deliver(operands: _Operands, cells: list[_Cell], local, chunk_bytes: int, own: list, sync):
     """Compute the delivered partials chunk by chunk and start sending each chunk.
 
     ``own``: the ``(cell, rows)`` pieces this rank keeps and sends nowhere. They are computed
@@ -418,6 +430,10 @@ def _deliver(operands: _Operands, cells: list[_Cell], local, chunk_bytes: int, o
         _gemm_count(operands, chunks[0]) + _gemm_count(operands, own)
     )
     kept = own if merge else []  # merge implies a single chunk
+    notify, window_bytes = (), plan.receive_elements * acc.itemsize
+    if sync.mode == "notify" and plan.nranks > 1:
+        notify = slots.notify_attribute(plan, operands.rank, acc.itemsize, sync.slot_budget)
+        window_bytes = slots.window_bytes(plan, acc.itemsize, sync.slot_budget)
     for index, pieces in enumerate(chunks):
         local, buffer = _chunk_partials(operands, pieces, local, ticket, kept)
         buffers.append(buffer)
@@ -425,12 +441,15 @@ def _deliver(operands: _Operands, cells: list[_Cell], local, chunk_bytes: int, o
             ticket = primitives.reduce_start(
                 buffer,
                 comm=plan.comm_key,
-                call_id=primitives.call_id(plan.fingerprint, "reduce", str(acc), chunk_bytes),
-                window_bytes=plan.receive_elements * acc.itemsize,
+                call_id=primitives.call_id(
+                    plan.fingerprint, "reduce", str(acc), chunk_bytes, sync.mode, notify[:2]
+                ),
+                window_bytes=window_bytes,
                 local_elements=int(np.prod(plan.c.local_shape(operands.rank))),
                 overlap=overlap,
                 transfers=transfers,
                 chunk_sizes=sizes,
+                notify=notify,
             )
         else:
             ticket = primitives.reduce_issue(buffer, comm=plan.comm_key, index=index)

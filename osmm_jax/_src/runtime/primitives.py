@@ -100,7 +100,16 @@ def fetch(
 
 
 def reduce_start(
-    chunk, *, comm, call_id, window_bytes, local_elements, overlap, transfers, chunk_sizes
+    chunk,
+    *,
+    comm,
+    call_id,
+    window_bytes,
+    local_elements,
+    overlap,
+    transfers,
+    chunk_sizes,
+    notify=(),
 ):
     """Bind ``osmm_reduce_start``: open the reduce epoch, send chunk 0; returns a ticket.
 
@@ -109,7 +118,8 @@ def reduce_start(
     :data:`native.OP_PUT`), ``offset`` relative to that chunk;
     ``chunk_sizes`` the element count of every chunk's buffer. ``window_bytes``
     is identical on every rank. ``overlap``: send from the background thread.
-    ``call_id``: as for :func:`fetch`.
+    ``call_id``: as for :func:`fetch`. ``notify``: empty for the fence mode, else this rank's
+    part of the notified reduce (:func:`osmm_jax._src.runtime.slots.notify_attribute`).
     """
     chunk_ends = tuple(
         int(x) for x in np.cumsum([len(r) // native.RECORD_LENGTH for r in transfers])
@@ -124,6 +134,7 @@ def reduce_start(
         transfers=tuple(int(x) for records in transfers for x in records),
         chunk_ends=chunk_ends,
         chunk_sizes=tuple(int(x) for x in chunk_sizes),
+        notify=tuple(int(x) for x in notify),
     )
 
 

@@ -1,0 +1,54 @@
+"""The slots of the notified reduce (``OSMM_SYNC=notify``, see xla_ffi/notify.h).
+
+Every rank's slots window holds an accumulator and ``S`` slots, each the size of the largest C
+block of the plan (so the window is the same size on every rank). The origins that deliver
+into one rank's block are numbered in ascending rank order; origin number ``i`` writes into
+slot ``i % S`` in round ``i // S``. ``S`` is the most origins any rank has
+(:attr:`~osmm_jax._src.planning.records.PlanFacts.max_origins`), capped by the slot budget
+(``OSMM_SLOT_BUDGET``) but at least one: above the budget a rank sums its origins in rounds,
+still in ascending rank order, so the result does not depend on the budget.
+"""
+
+from __future__ import annotations
+
+import math
+
+from osmm_jax._src.planning.plan import Plan
+
+_ALIGN = 64  # bytes; every slot starts on this boundary
+
+
+def slot_bytes(plan: Plan, itemsize: int) -> int:
+    """Bytes of one slot: the largest C block of ``plan`` in ``itemsize``-byte elements, aligned."""
+    nbytes = plan.receive_elements * itemsize
+    return max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+
+
+def slot_count(plan: Plan, itemsize: int, budget: float) -> int:
+    """``S``: the slots per rank, the same on every rank (``budget``: bytes, may be inf)."""
+    wanted = max(1, plan.facts.max_origins)
+    if math.isinf(budget):
+        return wanted
+    return max(1, min(wanted, int(budget // slot_bytes(plan, itemsize))))
+
+
+def window_bytes(plan: Plan, itemsize: int, budget: float) -> int:
+    """Bytes of every rank's slots window: the accumulator and ``S`` slots."""
+    return (1 + slot_count(plan, itemsize, budget)) * slot_bytes(plan, itemsize)
+
+
+def notify_attribute(plan: Plan, rank: int, itemsize: int, budget: float) -> tuple[int, ...]:
+    """The ``notify`` attribute of ``osmm_reduce_start`` for ``rank``: ``(S, slot_bytes,
+    n_origins, *origins, n_targets, *targets)``, from ``rank``'s own part of the plan only.
+    (Its number among each target's origins, which picks its slot there, the native layer
+    learns from the targets the first time the product runs.)"""
+    origins = plan.for_rank(rank).origins
+    targets = sorted({t.target for t in plan.deliveries_from(rank)})
+    return (
+        slot_count(plan, itemsize, budget),
+        slot_bytes(plan, itemsize),
+        len(origins),
+        *origins,
+        len(targets),
+        *targets,
+    )

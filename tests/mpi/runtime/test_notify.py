@@ -1,0 +1,153 @@
+"""The notified reduce (``sync="notify"``, xla_ffi/notify.h): bit-identical results run to run
+and on every rank holding a copy, the same bits whatever the slot budget, slots reused safely
+by products back to back with one rank late, and the same values as the fence mode.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import osmm_jax as om
+from osmm_jax._src import config
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+REPEATS = 20
+
+
+def _cases():
+    """Products whose blocks receive partials from several ranks: (layouts, work or None)."""
+    M, K, N = 45, 96, 38
+    cases = {
+        "k_split": (om.Layout.cols((M, K)), om.Layout.rows((K, N)), om.Layout.rows((M, N)), None),
+        "grid": (
+            om.Layout.cols((M, K)),
+            om.Layout.rows((K, N)),
+            om.Layout.grid((M, N), (SIZE // 2, 2) if SIZE % 2 == 0 else (1, SIZE)),
+            None,
+        ),
+        "data_parallel": (
+            om.Layout.cols((M, K)),
+            om.Layout.rows((K, N)),
+            om.Layout.replicated((M, N)),
+            None,
+        ),
+    }
+    if SIZE == 4:  # boxes of a 1 x 2 x 2 grid: each C slice summed over two ranks
+        cases["three_d"] = om.three_d_layouts((M, K, N), (1, 2, 2))
+    return cases
+
+
+def _blocks(layouts, seed=3):
+    rng = np.random.default_rng(seed)
+    la, lb = layouts[0], layouts[1]
+    a = rng.standard_normal(la.shape).astype(np.float32)
+    b = rng.standard_normal(lb.shape).astype(np.float32)
+    return a, b, la.shard(a, RANK), lb.shard(b, RANK)
+
+
+def _plan(case):
+    a, b, c, work = case
+    return om.plan(a, b, c, work=work) if work is not None else om.plan(a, b, c)
+
+
+@pytest.mark.ranks(min=2, reason="partials from several ranks")
+@pytest.mark.parametrize("name", ["k_split", "grid", "data_parallel", "three_d"])
+def test_repeated_products_and_gradients_are_bit_identical(name):
+    cases = _cases()
+    if name not in cases:
+        pytest.skip("the 3-D case runs on 4 ranks")
+    plan = _plan(cases[name])
+    a, b, a_loc, b_loc = _blocks(cases[name])
+
+    def loss(x, y):
+        return jnp.sum(jnp.sin(om.matmul(x, y, plan, sync="notify")))
+
+    step = jax.jit(
+        lambda x, y: (om.matmul(x, y, plan, sync="notify"), jax.grad(loss, (0, 1))(x, y))
+    )
+    runs = [jax.tree.map(np.asarray, step(a_loc, b_loc)) for _ in range(REPEATS)]
+    first = jax.tree.leaves(runs[0])
+    for run in runs[1:]:
+        for x, y in zip(first, jax.tree.leaves(run)):
+            assert x.tobytes() == y.tobytes()
+    np.testing.assert_allclose(first[0], plan.c.shard(a @ b, RANK), rtol=2e-5, atol=2e-4)
+    if plan.c.is_replicated:  # every rank holds the same bits
+        assert len(set(COMM.allgather(first[0].tobytes()))) == 1
+
+
+@pytest.mark.ranks(min=3, reason="several origins per target")
+def test_a_slot_budget_of_one_slot_sums_in_rounds_with_the_same_bits(monkeypatch):
+    case = _cases()["k_split"]
+    plan = _plan(case)
+    _, _, a_loc, b_loc = _blocks(case)
+    product = jax.jit(lambda x, y: om.matmul(x, y, plan, sync="notify"))
+    unlimited = np.asarray(product(a_loc, b_loc))
+    monkeypatch.setenv(config.SLOT_BUDGET, "1")  # one byte: a single slot, one round per origin
+    rounds = np.asarray(jax.jit(lambda x, y: om.matmul(x, y, plan, sync="notify"))(a_loc, b_loc))
+    assert unlimited.tobytes() == rounds.tobytes()
+    assert om.stats()["slot_window_bytes"] == 2 * _slot_bytes(plan)  # accumulator + one slot
+
+
+def _slot_bytes(plan) -> int:
+    largest = max(int(np.prod(plan.c.local_shape(r))) for r in range(SIZE))
+    return -(-largest * 4 // 64) * 64
+
+
+@pytest.mark.ranks(min=3, reason="origins that run ahead of a late target")
+def test_products_back_to_back_with_a_late_target_reuse_the_slots_safely():
+    """Ranks 1.. only deliver (rank 0 owns C, then rank 1 does, alternately), so they run
+    ahead of rank 0, which sleeps before every product: their next deliveries must wait for
+    its slots (deferred), and the rank whose target changes reads the target's progress."""
+    M, K, N = 24, 10 * SIZE, 16
+    on = [[M if r == owner else 0 for r in range(SIZE)] for owner in (0, 1)]
+    plans = [
+        om.plan(om.Layout.cols((M, K)), om.Layout.rows((K, N)), om.Layout.rows((M, N), sizes=s))
+        for s in on
+    ]
+    products = [jax.jit(lambda x, y, p=p: om.matmul(x, y, p, sync="notify")) for p in plans]
+    before = om.stats()
+    rng = np.random.default_rng(11)
+    for i in range(8):
+        plan = plans[i % 2]
+        a = rng.standard_normal((M, K)).astype(np.float32)
+        b = rng.standard_normal((K, N)).astype(np.float32)
+        if RANK == 0:
+            time.sleep(0.2)
+        c = np.asarray(products[i % 2](plan.a.shard(a, RANK), plan.b.shard(b, RANK)))
+        np.testing.assert_allclose(c, plan.c.shard(a @ b, RANK), rtol=1e-4, atol=1e-4)
+    after = om.stats()
+    deferred = after["deferred_deliveries"] - before["deferred_deliveries"]
+    reads = after["credit_reads"] - before["credit_reads"]
+    assert COMM.allreduce(deferred) > 0
+    assert COMM.allreduce(reads) > 0
+
+
+@pytest.mark.ranks(min=2, reason="partials from several ranks")
+@pytest.mark.parametrize("chunk_bytes", [0, 256])
+def test_notify_and_fence_agree(chunk_bytes):
+    case = _cases()["k_split"]
+    plan = _plan(case)
+    _, _, a_loc, b_loc = _blocks(case)
+    results = {
+        sync: np.asarray(
+            jax.jit(lambda x, y, s=sync: om.matmul(x, y, plan, sync=s, chunk_bytes=chunk_bytes))(
+                a_loc, b_loc
+            )
+        )
+        for sync in config.SYNC_MODES
+    }
+    np.testing.assert_allclose(results["notify"], results["fence"], rtol=1e-5, atol=1e-5)
+
+
+def test_sync_is_checked_on_every_rank():
+    plan = om.plan(om.Layout.rows((4, 4)), om.Layout.replicated((4, 4)), om.Layout.rows((4, 4)))
+    a = plan.a.shard(np.ones((4, 4), np.float32), RANK)
+    with pytest.raises(ValueError, match="sync must be one of"):
+        om.matmul(a, jnp.ones((4, 4), jnp.float32), plan, sync="sometimes")

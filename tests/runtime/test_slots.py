@@ -1,0 +1,48 @@
+"""The notified reduce's slots (osmm_jax._src.runtime.slots), without MPI."""
+
+from __future__ import annotations
+
+import math
+
+from osmm_jax._src.planning.layout import Layout
+from osmm_jax._src.planning.plan import Plan
+from osmm_jax._src.planning.records import combine_facts
+from osmm_jax._src.runtime import slots
+
+
+def _k_split(nranks=4, m=10, k=16, n=6):
+    return Plan(
+        Layout.cols((m, k), nranks=nranks),
+        Layout.rows((k, n), nranks=nranks),
+        Layout.rows((m, n), nranks=nranks),
+    )
+
+
+def test_every_other_rank_is_an_origin_of_a_k_split():
+    plan = _k_split()
+    assert [plan.for_rank(r).origins for r in range(4)] == [
+        (1, 2, 3),
+        (0, 2, 3),
+        (0, 1, 3),
+        (0, 1, 2),
+    ]
+    facts = combine_facts(plan.for_rank(r).facts for r in range(4))
+    assert facts.max_origins == 3 == plan._schedule_facts.max_origins
+
+
+def test_slots_are_capped_by_the_budget_but_never_below_one():
+    plan = _k_split()
+    block = 3 * 6 * 4  # the largest C block (3 rows x 6), float32, is 72 bytes
+    assert slots.slot_bytes(plan, 4) == 128  # aligned to 64 bytes
+    assert block <= slots.slot_bytes(plan, 4)
+    assert slots.slot_count(plan, 4, math.inf) == 3
+    assert slots.slot_count(plan, 4, 256) == 2
+    assert slots.slot_count(plan, 4, 1) == 1
+    assert slots.window_bytes(plan, 4, 256) == 3 * 128
+
+
+def test_the_attribute_lists_this_ranks_origins_and_targets():
+    plan = _k_split()
+    attribute = slots.notify_attribute(plan, 1, 4, math.inf)
+    assert attribute == (3, 128, 3, 0, 2, 3, 3, 0, 2, 3)
+    assert set(plan._rank_plans) == {1}  # only this rank's part of the plan was built
