@@ -93,6 +93,9 @@ def test_sync_defaults_to_notify_and_reads_the_environment(monkeypatch):
     monkeypatch.setenv(config.SYNC, " Fence ")
     assert config.resolve_sync(None) == "fence"
     assert config.resolve_sync("notify") == "notify"  # the argument wins
+    monkeypatch.delenv(config.SYNC)
+    monkeypatch.setenv(config.CUDA_AWARE, "1")  # windows in device memory: fence by default
+    assert config.resolve_sync(None) == "fence"
 
 
 @pytest.mark.parametrize("source", ["argument", "environment"])

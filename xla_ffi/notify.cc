@@ -25,6 +25,7 @@ constexpr double kRemoteReadSeconds = 1e-3;  // how often a missing credit is re
 // unchanged until the operation completes: each is completed locally before its reuse).
 struct SyncState {
   uint64_t key = 0;
+  uint64_t window = 0;  // the sync window's generation (windows.h) the state belongs to
   int64_t products = 0;
   std::vector<int64_t> stamps;   // per target rank
   std::vector<int64_t> credits;  // per origin rank
@@ -306,8 +307,19 @@ ffi::Error OpenNotified(BufferOps& ops, MPI_Comm comm, const NotifySpec& spec, i
         err.failure()) {
       return err;
     }
+    // Only MPI and this host touch it, but every window of a call goes through the platform.
+    if (ffi::Error used = ops.UseWindow(lease); used.failure() && local->success()) {
+      *local = std::move(used);
+    }
     out->sync_win = lease.win();
     out->sync_base = reinterpret_cast<int64_t*>(lease.base());
+    SyncState& state = StateOf(comm, out->size);
+    if (state.window != lease.generation()) {
+      // A new, zeroed sync window (the first, or after FreeWindows, on every rank alike):
+      // numbering starts again.
+      state.window = lease.generation();
+      state.products = 0;
+    }
   }
   SyncState& state = StateOf(comm, out->size);
   out->product = ++state.products;

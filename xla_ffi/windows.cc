@@ -21,6 +21,7 @@ struct WindowEntry {
   MPI_Win win = MPI_WIN_NULL;
   std::byte* base = nullptr;
   int64_t bytes = 0;
+  uint64_t generation = 0;        // windows this entry has had
   MPI_Comm comm = MPI_COMM_NULL;  // the window's communicator
   // A device-memory window's header (WindowHeader::kBytes of MPI_Win_allocate host memory).
   MPI_Win header_win = MPI_WIN_NULL;
@@ -187,6 +188,7 @@ ffi::Error AllocateEntryLocked(Cache& cache, WindowEntry* entry, MPI_Comm comm, 
   entry->win = win;
   entry->base = base;
   entry->bytes = bytes;
+  entry->generation += 1;
   cache.live_count += 1;
   cache.live_bytes += bytes;
   if (rc != MPI_SUCCESS) return MpiError(rc, "MPI_Win_set_errhandler");
@@ -198,6 +200,7 @@ ffi::Error AllocateEntryLocked(Cache& cache, WindowEntry* entry, MPI_Comm comm, 
 MPI_Win WindowLease::win() const { return entry_->win; }
 std::byte* WindowLease::base() const { return entry_->base; }
 int64_t WindowLease::bytes() const { return entry_->bytes; }
+uint64_t WindowLease::generation() const { return entry_->generation; }
 int64_t* WindowLease::header() const {
   if (entry_->header_win != MPI_WIN_NULL) return reinterpret_cast<int64_t*>(entry_->header_base);
   return reinterpret_cast<int64_t*>(entry_->base + entry_->bytes);

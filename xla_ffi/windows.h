@@ -85,6 +85,9 @@ class WindowLease {
   MPI_Win win() const;
   std::byte* base() const;
   int64_t bytes() const;
+  // Which window of its (communicator, slot) this is: 1 for the first, then one more each
+  // time it is created again (grown, or after FreeWindows). The same on every rank.
+  uint64_t generation() const;
   // The window's header (WindowHeader), in host memory.
   int64_t* header() const;
   // The window that holds the header, and the header's byte displacement in it: win() and

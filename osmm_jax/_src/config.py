@@ -153,18 +153,26 @@ partials it delivers. ``notify``: each partial goes into a slot of its owner's w
 for its origin, and the owner waits for exactly the notifications the plan says it will get,
 then sums in ascending rank order (no collective per product; bit-identical results run to
 run). ``fence``: every product is bracketed by collective ``MPI_Win_fence`` epochs and partials
-are accumulated in arrival order. Any other value is a ValueError. Default: ``notify``."""
+are accumulated in arrival order. Any other value is a ValueError. Default: ``notify``, or
+``fence`` when ``OSMM_CUDA_AWARE=1`` puts the GPU handlers' windows in device memory, which the
+notified mode does not use."""
 
 SYNC_MODES = ("notify", "fence")
 
 DEFAULT_SYNC = "notify"
 
+CUDA_AWARE = "OSMM_CUDA_AWARE"
+"""``1``: the CUDA handlers use CUDA-aware MPI, windows in device memory (read by the native
+layer; see BUILD.md, "GPUs"). Anything else: host-staged through pinned memory."""
+
 
 def resolve_sync(sync: str | None) -> str:
-    """The synchronisation to use: the argument if given, else ``OSMM_SYNC``, else notify."""
+    """The synchronisation to use: the argument if given, else ``OSMM_SYNC``, else notify
+    (fence under ``OSMM_CUDA_AWARE=1``)."""
     source = "sync"
     if sync is None:
-        sync = os.environ.get(SYNC, "").strip().lower() or DEFAULT_SYNC
+        default = "fence" if os.environ.get(CUDA_AWARE) == "1" else DEFAULT_SYNC
+        sync = os.environ.get(SYNC, "").strip().lower() or default
         source = SYNC
     if sync not in SYNC_MODES:
         raise ValueError(f"{source} must be one of {SYNC_MODES}, got {sync!r}")

@@ -6,7 +6,8 @@
 //   reduce: float32, float64 overlapped (the issuer thread; growing the window), float32 with
 //           `out` aliasing `local`; chunks of accumulates (strided, whole rows, one element,
 //           empty) and puts at their offsets, an empty chunk, then the add of the received sum;
-//           bfloat16, which both platforms must refuse alike.
+//           bfloat16, which both platforms must refuse alike; and the same notified (a slot
+//           per origin, the sum in rank order).
 #ifndef OSMM_JAX_TESTS_NATIVE_CUDA_OPS_CASES_H_
 #define OSMM_JAX_TESTS_NATIVE_CUDA_OPS_CASES_H_
 
@@ -124,8 +125,9 @@ struct ReduceCase {
   const char* name;
   ffi::DataType dtype;
   bool overlap;
-  bool out_is_local;  // `out` aliases `local`
-  int64_t slack;      // window bytes beyond the C block
+  bool out_is_local;    // `out` aliases `local`
+  int64_t slack;        // window bytes beyond the C block
+  bool notify = false;  // the notified reduce (notify.h): a slot per origin, no fences
 };
 
 inline const ReduceCase kReduceCases[] = {
@@ -133,6 +135,9 @@ inline const ReduceCase kReduceCases[] = {
     {"reduce float64 overlapped, a larger window", ffi::DataType::F64, true, false, 0},
     {"reduce float32 overlapped, out aliasing local", ffi::DataType::F32, true, true, 64},
     {"reduce bfloat16, refused", ffi::DataType::BF16, false, false, 0},
+    {"reduce float32 notified", ffi::DataType::F32, false, false, 0, true},
+    {"reduce float64 notified, overlapped, out aliasing local", ffi::DataType::F64, true, true, 0,
+     true},
 };
 
 // Chunk `chunk` of rank `origin`, to every other rank: accumulates into rows 0..3 of the target's

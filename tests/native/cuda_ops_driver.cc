@@ -246,8 +246,20 @@ Outcome RunFetch(const Side& side, const FetchCase& c, int64_t call_id) {
 Outcome RunReduce(const Side& side, const ReduceCase& c, int64_t call_id) {
   const int me = Rank();
   const int64_t local_elements = kCRows * kCCols;
-  const int64_t window_bytes =
-      local_elements * static_cast<int64_t>(ffi::ByteWidth(c.dtype)) + c.slack;
+  int64_t window_bytes = local_elements * static_cast<int64_t>(ffi::ByteWidth(c.dtype)) + c.slack;
+  // Notified: every other rank is an origin and a target (ReduceChunk), each with a slot.
+  std::vector<int64_t> notify;
+  if (c.notify) {
+    const int64_t slot_bytes = (window_bytes + 63) / 64 * 64;
+    notify = {Size() - 1, slot_bytes, Size() - 1};
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int r = 0; r < Size(); ++r) {
+        if (r != me) notify.push_back(r);
+      }
+      if (pass == 0) notify.push_back(Size() - 1);
+    }
+    window_bytes = Size() * slot_bytes;
+  }
   std::deque<Buffer> chunks;
   std::vector<int64_t> transfers, ends, sizes;
   for (int k = 0; k < kChunks; ++k) {
@@ -268,7 +280,7 @@ Outcome RunReduce(const Side& side, const ReduceCase& c, int64_t call_id) {
   const Buffer& result = c.out_is_local ? local : out;
   ffi::Error err = WithOps(side, false, [&](BufferOps& ops) {
     return ReduceStart(ops, chunks[0].any(), ticket.any(), Comm(), call_id, window_bytes,
-                       local_elements, c.overlap ? 1 : 0, transfers, ends, sizes, {});
+                       local_elements, c.overlap ? 1 : 0, transfers, ends, sizes, notify);
   });
   for (int k = 1; k < kChunks && err.success(); ++k) {
     err = WithOps(side, false, [&](BufferOps& ops) {
@@ -313,7 +325,9 @@ void RunAbandoned(const Side& side, int64_t call_id) {
   ExpectOutcome(name + ", the next product", ExpectedReduce(c, Rank(), Size()), next);
 }
 
-void RunCases(const Side& cpu, const Side& gpu) {
+// `aware`: the CUDA side's windows are device memory, which the notified mode refuses (its
+// cases expect that refusal there).
+void RunCases(const Side& cpu, const Side& gpu, bool aware) {
   const int me = Rank();
   int64_t call_id = 100;
   for (const FetchCase& c : kFetchCases) {
@@ -325,7 +339,14 @@ void RunCases(const Side& cpu, const Side& gpu) {
   for (const ReduceCase& c : kReduceCases) {
     const Outcome expected = ExpectedReduce(c, me, Size());
     const Outcome on_cpu = RunReduce(cpu, c, call_id);
-    Compare(c.name, expected, on_cpu, RunReduce(gpu, c, call_id));
+    if (aware && c.notify) {
+      ExpectOutcome(std::string(c.name) + ", CPU path", expected, on_cpu);
+      ExpectOutcome(std::string(c.name) + ", refused over device windows",
+                    Outcome{"the notified mode needs host windows", Bytes()},
+                    RunReduce(gpu, c, call_id));
+    } else {
+      Compare(c.name, expected, on_cpu, RunReduce(gpu, c, call_id));
+    }
     call_id += 1;
   }
   RunAbandoned(cpu, call_id);
@@ -335,7 +356,7 @@ void RunCases(const Side& cpu, const Side& gpu) {
 // Two rounds, the second on windows and staging made anew.
 void RunRounds(const Side& cpu, const Side& gpu, bool aware) {
   for (int round = 0; round < 2; ++round) {
-    RunCases(cpu, gpu);
+    RunCases(cpu, gpu, aware);
     const cuda_standin::Stats s = cuda_standin::GetStats();
     // Host-staged: every live window pinned once (grown ones unpinned); CUDA-aware: none.
     const int64_t pinned = aware ? 0 : LiveWindowCount();

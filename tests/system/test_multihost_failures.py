@@ -84,7 +84,9 @@ def _leftovers(hosts) -> dict[str, list[str]]:
 def _run(hosts, how: str, **settings: str) -> tuple[str, float]:
     """Run the job with rank 2 failing by ``how``; check that it ended in time, non-zero, with a
     report naming rank 2 and nothing left behind; return its output and its end time after
-    the failure (s)."""
+    the failure (s). The ``-fence`` cases run the fence mode unless told otherwise."""
+    if how.endswith("-fence"):
+        settings.setdefault("OSMM_SYNC", "fence")
     try:
         status, output, _ = launch(
             hosts,
@@ -123,7 +125,8 @@ def _run(hosts, how: str, **settings: str) -> tuple[str, float]:
         pytest.xfail(SURVIVOR_CRASH)
     assert named, f"no report names rank {FAILING}:\n{tail}"
     if how.endswith("-fence") and "osmm_jax watchdog" in output:
-        assert "in the closing MPI_Win_fence" in output, f"not in the closing fence:\n{tail}"
+        where = {"fence": "in the closing MPI_Win_fence", "notify": "in a notified reduce"}
+        assert where[settings["OSMM_SYNC"]] in output, f"not waiting in the product:\n{tail}"
     return output, elapsed
 
 
@@ -137,6 +140,12 @@ def _survivor_crashed(hosts, output: str) -> bool:
 @pytest.mark.parametrize("how", HOWS)
 def test_a_failed_rank_ends_the_job_across_hosts(hosts, how):
     _run(hosts, how)
+
+
+@pytest.mark.parametrize("how", ["exit7-fence", "sigkill-fence"])
+def test_a_rank_dying_inside_a_notified_product_ends_the_job_across_hosts(hosts, how):
+    """The others wait in the notified finish for its stamp, not in a fence."""
+    _run(hosts, how, OSMM_SYNC="notify")
 
 
 def test_raise_mode_ends_the_job_with_the_reason_across_hosts(hosts):

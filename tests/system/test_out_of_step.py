@@ -38,13 +38,15 @@ class Job:
 
 
 @functools.cache
-def _job(scenario: str) -> Job:
-    env = job_environment(JAX_PLATFORMS="cpu", OSMM_TIMEOUT=str(TIMEOUT_S), OSMM_ON_TIMEOUT="abort")
+def _job(scenario: str, sync: str = "fence") -> Job:
+    env = job_environment(
+        JAX_PLATFORMS="cpu", OSMM_TIMEOUT=str(TIMEOUT_S), OSMM_ON_TIMEOUT="abort", OSMM_SYNC=sync
+    )
     command = [str(MPIEXEC), "-n", "3", sys.executable, str(PROGRAM), scenario]
     end = run_job(command, env, HARD_TIMEOUT_S)
     ready = [float(t) for t in _READY.findall(end.stderr)]
     elapsed = end.ended - min(ready) if ready and end.ended is not None else None
-    print(f"{scenario}: status {end.status}, ended {elapsed} s after the divergence")
+    print(f"{scenario} ({sync}): status {end.status}, ended {elapsed} s after the divergence")
     return Job(end.status, end.stderr, elapsed)
 
 
@@ -55,11 +57,16 @@ def _ended_by_watchdog(job: Job) -> None:
     assert "Ending the job: MPI_Abort(MPI_COMM_WORLD, 75)" in job.stderr, str(job)
 
 
-def test_one_rank_running_one_more_product_is_reported_with_every_ranks_position():
-    job = _job("extra")
+@pytest.mark.parametrize("sync", ["fence", "notify"])
+def test_one_rank_running_one_more_product_is_reported_with_every_ranks_position(sync):
+    job = _job("extra", sync)
     _ended_by_watchdog(job)
     report = job.stderr[job.stderr.index("osmm_jax watchdog: rank 0") :]
-    assert re.search(r"has waited \d+\.\d s \(limit 5\.0 s\) in the closing MPI_Win_fence", report)
+    where = {
+        "fence": r"in the closing MPI_Win_fence",
+        "notify": r"in a notified reduce \(waiting for another rank's deliveries or slots\)",
+    }[sync]
+    assert re.search(r"has waited \d+\.\d s \(limit 5\.0 s\) " + where, report), report
     assert re.search(
         r"rank 0 \(this rank\): in call #(\d+) \(osmm_reduce, id [0-9a-f]{16}\)", report
     )
@@ -94,6 +101,18 @@ def test_swapped_plans_whose_fences_match_are_caught_by_their_call_ids():
     assert re.search(
         r"found the ranks out of step: osmm_reduce: rank \d runs its call #(\d+) "
         r"\(id [0-9a-f]{16}\) but rank \d runs its call #\1 \(id [0-9a-f]{16}\)",
+        job.stderr,
+    ), str(job)
+
+
+def test_swapped_notified_products_are_caught_by_the_call_id_in_their_stamps():
+    """Notified: each delivery's stamp carries bits of the call id; found at once."""
+    job = _job("swapped_same", "notify")
+    _ended_by_watchdog(job)
+    assert job.elapsed < TIMEOUT_S + 10, str(job)
+    assert re.search(
+        r"found the ranks out of step: osmm_reduce \(notified\): rank \d runs its notified "
+        r"product #(\d+) \(id bits \d+\) but rank \d delivered for product #\1 \(id bits \d+\)",
         job.stderr,
     ), str(job)
 

@@ -171,6 +171,8 @@ class Plan:
             this plan runs; None otherwise.
         compute_at_inputs: whether cells are computed where both inputs are
             (set on gather stages).
+        staged: False for a plan that never has a ``gather_stage`` (see
+            :func:`direct_plan`).
         work: a :class:`~osmm_jax._src.planning.work.Work` saying which rank computes each cell
             that a C owner does not compute for itself (e.g. the 3-D split of
             :func:`~osmm_jax._src.planning.work.three_d_layouts`), or None: the owners of its
@@ -189,12 +191,14 @@ class Plan:
         *,
         compute_at_inputs=False,
         work: Work | None = None,
+        staged: bool = True,
     ):
         check_layouts(a, b, c)
         check_work(work, a, b)
         self.a, self.b, self.c = a, b, c
         self.comm_key = int(comm_key)
         self.compute_at_inputs = bool(compute_at_inputs)
+        self.staged = bool(staged)
         self.work = work
         self._rank_plans: dict[int, RankPlan] = {}
         self._agreed: list[PlanFacts] = []
@@ -202,7 +206,8 @@ class Plan:
     # -- identity -----------------------------------------------------------
 
     def _key(self):
-        return (self.a, self.b, self.c, self.comm_key, self.compute_at_inputs, self.work)
+        key = (self.a, self.b, self.c, self.comm_key, self.compute_at_inputs, self.work)
+        return (*key, self.staged)
 
     def __eq__(self, other):
         return isinstance(other, Plan) and self._key() == other._key()
@@ -226,6 +231,8 @@ class Plan:
         same plan."""
         fields = [f for x in (self.a, self.b, self.c) for f in (x.shape, x.blocks, x.is_replicated)]
         fields += [self.compute_at_inputs, None if self.work is None else astuple(self.work)]
+        if not self.staged:
+            fields.append("direct")
         return hashlib.sha256(repr(tuple(fields)).encode()).hexdigest()[:16]
 
     # -- sizes --------------------------------------------------------------
@@ -252,7 +259,7 @@ class Plan:
         """For a replicated C, the plan into an even split of C when summing that way is
         cheaper (see :func:`_gather_stage`); else None (always with a :attr:`work` split: the
         boxes say who computes what)."""
-        return None if self.work is not None else _gather_stage(self)
+        return None if self.work is not None or not self.staged else _gather_stage(self)
 
     @functools.cached_property
     def _totals(self) -> Totals:
@@ -512,6 +519,23 @@ def make_plan(a: Layout, b: Layout, c: Layout, comm_key: int = 0, work: Work | N
 @functools.lru_cache(maxsize=256)
 def _cached_plan(a: Layout, b: Layout, c: Layout, comm_key: int, work, _reasons) -> Plan:
     return Plan(a, b, c, comm_key, work=work)
+
+
+@functools.lru_cache(maxsize=256)
+def direct_plan(plan: Plan) -> Plan:
+    """``plan`` summing a replicated C directly, never staged (see :func:`_gather_stage`):
+    every contributing rank delivers its partial to every other rank."""
+    if not plan.staged:
+        return plan
+    return Plan(
+        plan.a,
+        plan.b,
+        plan.c,
+        plan.comm_key,
+        compute_at_inputs=plan.compute_at_inputs,
+        work=plan.work,
+        staged=False,
+    )
 
 
 @functools.lru_cache(maxsize=256)

@@ -122,37 +122,35 @@ def matmul(
     except (TypeError, ValueError) as exc:
         error = error or exc
     # Both executors read the plan facts (whether anyone gets or delivers).
-    share = _facts_to_share(plan, rank) if error is None else None
+    share = _facts_to_share(plan, options, rank) if error is None else None
     with watchdog.host_step(comm, "osmm_jax.matmul's checks"):
         shared = communicators.agree(
             comm, "osmm_jax.matmul", f"plan {plan.fingerprint} {options}", error, share=share
         )
     if share is not None:
-        _adopt_facts(plan, shared)
+        _adopt_facts(plan, options, shared)
     return _matmul(plan, options, a_local, b_local)
 
 
-def _executed_plans(plan: Plan) -> tuple[Plan, ...]:
+def _executed_plans(plan: Plan, options: _Options) -> tuple[Plan, ...]:
     """The plans a product of ``plan`` and its gradient run: the product and its two backward
-    products, each as executed (its gather stage where it has one)."""
-    return tuple(
-        p.gather_stage if p.gather_stage is not None else p for p in (plan, *backward_plans(plan))
-    )
+    products, each as executed (:func:`one_sided.executed_plan`)."""
+    return tuple(one_sided.executed_plan(p, options.sync) for p in (plan, *backward_plans(plan)))
 
 
-def _facts_to_share(plan: Plan, rank: int) -> tuple[PlanFacts, ...]:
+def _facts_to_share(plan: Plan, options: _Options, rank: int) -> tuple[PlanFacts, ...]:
     """This rank's :class:`~osmm_jax._src.planning.records.PlanFacts` of every executed plan (cached in
     the plans after the first product: later calls only look them up).
 
     Sent on every call, not only until the plans have adopted the combined facts: another rank
     may hold a new, equal plan object that has not."""
-    return tuple(p.for_rank(rank).facts for p in _executed_plans(plan))
+    return tuple(p.for_rank(rank).facts for p in _executed_plans(plan, options))
 
 
-def _adopt_facts(plan: Plan, shared: list[tuple[PlanFacts, ...]]) -> None:
+def _adopt_facts(plan: Plan, options: _Options, shared: list[tuple[PlanFacts, ...]]) -> None:
     """Give each executed plan the facts combined over ranks, so that running it (and its
     gradient) builds only this rank's part of the plan, never the whole schedule."""
-    executed = _executed_plans(plan)
+    executed = _executed_plans(plan, options)
     for i, target in enumerate(executed):
         if not target._agreed:
             target.adopt_facts(combine_facts(rank_facts[i] for rank_facts in shared))

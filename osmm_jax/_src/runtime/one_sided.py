@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from osmm_jax._src import dtypes
-from osmm_jax._src.planning.plan import Plan
+from osmm_jax._src.planning.plan import Plan, direct_plan
 from osmm_jax._src.runtime import native, primitives, slots
 
 _ALIGN = 64  # bytes; the B region of the expose window starts on this boundary
@@ -66,9 +66,26 @@ class Sync(NamedTuple):
 
 FENCE = Sync("fence")
 
+DIRECT_ELEMENTS = 1 << 18
+"""A replicated C of at most this many elements is summed directly in the notified mode, not
+staged: its gather stage's gets cost a fence epoch, which over TCP is milliseconds whatever the
+size (benchmarks/results/sync.md), while the direct sum's extra bytes are few."""
+
+
+def executed_plan(plan: Plan, sync: Sync) -> Plan:
+    """The plan :func:`forward` runs for ``plan``: its gather stage, the direct plan (a small
+    replicated C in the notified mode), or ``plan`` itself."""
+    if plan.gather_stage is None:
+        return plan
+    if sync.mode == "notify" and plan.c.shape[0] * plan.c.shape[1] <= DIRECT_ELEMENTS:
+        return direct_plan(plan)
+    return plan.gather_stage
+
 
 def forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0, sync: Sync = FENCE):
     """This rank's C block by one-sided transfers (see the module docstring)."""
+    if plan.gather_stage is not None and executed_plan(plan, sync) is not plan.gather_stage:
+        return forward(direct_plan(plan), rank, a, b, chunk_bytes, sync)
     if plan.gather_stage is not None:
         block = forward(plan.gather_stage, rank, a, b, chunk_bytes, sync)
         return _gather_blocks(plan, rank, block)

@@ -151,3 +151,24 @@ def test_sync_is_checked_on_every_rank():
     a = plan.a.shard(np.ones((4, 4), np.float32), RANK)
     with pytest.raises(ValueError, match="sync must be one of"):
         om.matmul(a, jnp.ones((4, 4), jnp.float32), plan, sync="sometimes")
+
+
+@pytest.mark.ranks(min=3, reason="a replicated C is staged from 3 ranks on")
+@pytest.mark.parametrize("side", [64, 520])
+def test_a_small_replicated_result_is_summed_directly_a_large_one_staged(side):
+    """Small: one notified round, no fence, no get. Large: the gather stage's fence and gets."""
+    from osmm_jax._src.runtime import one_sided
+
+    layouts = (om.Layout.cols((side, 3 * SIZE)), om.Layout.rows((3 * SIZE, side)))
+    plan = om.plan(*layouts, om.Layout.replicated((side, side)))
+    assert plan.gather_stage is not None
+    direct = side * side <= one_sided.DIRECT_ELEMENTS
+    a, b, a_loc, b_loc = _blocks((*layouts, None))
+    before = om.stats()
+    c = np.asarray(jax.jit(lambda x, y: om.matmul(x, y, plan, sync="notify"))(a_loc, b_loc))
+    after = om.stats()
+    np.testing.assert_allclose(c, a @ b, rtol=1e-4, atol=1e-4)
+    assert len(set(COMM.allgather(c.tobytes()))) == 1
+    fenced = after["fences"] - before["fences"] > 0
+    assert fenced != direct
+    assert (after["gets"] - before["gets"] > 0) != direct
