@@ -116,8 +116,9 @@ def load_average() -> tuple[str, list[float]]:
     return line, [round(x, 2) for x in os.getloadavg()]
 
 
-def job_command(config: Config, binary: Path, reps: int, hosts) -> tuple[list[str], dict]:
-    """The command line and environment of one job (``hosts``: the emulated hosts, for TCP)."""
+def job_command(config: Config, program: list[str], hosts) -> tuple[list[str], dict]:
+    """The command line and environment of one job running ``program`` (its command line) on
+    every rank (``hosts``: the emulated hosts, for TCP)."""
     settings = dict(config.env)
     mpiexec = [str(MPIEXEC)]
     if config.tcp:
@@ -126,7 +127,7 @@ def job_command(config: Config, binary: Path, reps: int, hosts) -> tuple[list[st
         mpiexec += ["-launcher", "ssh", "-launcher-exec", str(netns.LAUNCHER), "-iface", "eth0"]
     for name, value in settings.items():
         mpiexec += ["-genv", name, value]
-    mpiexec += ["-n", str(config.ranks), str(binary), str(reps)]
+    mpiexec += ["-n", str(config.ranks), *program]
     if not config.tcp:
         return mpiexec, job_environment(drop=_DROP)
     env = job_environment(drop=_DROP, OSMM_NETNS_PREFIX=hosts.prefix, OSMM_NETNS_HOSTNAMES="1")
@@ -137,7 +138,7 @@ def job_command(config: Config, binary: Path, reps: int, hosts) -> tuple[list[st
 def run_config(name: str, binary: Path, reps: int, hosts, timeout: float) -> tuple[dict, list]:
     """Run configuration ``name``; return its summary and its records (each with ``config``)."""
     config = CONFIGS[name]
-    command, env = job_command(config, binary, reps, hosts)
+    command, env = job_command(config, [str(binary), str(reps)], hosts)
     uptime, load = load_average()
     started = time.perf_counter()
     end = run_job(command, env, timeout, merge_stderr=True)

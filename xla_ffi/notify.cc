@@ -377,11 +377,12 @@ struct Deliveries {
       }
       if (phase[i] == 1) ready.push_back(i);
     }
-    for (size_t i : ready) {  // every delivery complete at its target before any stamp
-      if (int rc = MPI_Win_flush(static_cast<int>(n.spec.targets[i]), n.slot_win);
-          rc != MPI_SUCCESS) {
-        return MpiError(rc, "osmm_reduce (notified): MPI_Win_flush");
-      }
+    // Every delivery complete at its target before any stamp: one flush waits for them all.
+    if (!ready.empty()) {
+      const int rc = ready.size() == 1
+                         ? MPI_Win_flush(static_cast<int>(n.spec.targets[ready[0]]), n.slot_win)
+                         : MPI_Win_flush_all(n.slot_win);
+      if (rc != MPI_SUCCESS) return MpiError(rc, "osmm_reduce (notified): MPI_Win_flush");
     }
     for (size_t i : ready) {
       const int64_t target = n.spec.targets[i];

@@ -36,6 +36,7 @@ struct ReduceEpoch {
   int64_t local_elements = 0;
   bool async = false;
   bool progress = false;              // the progress poller runs for this epoch (issuer.h)
+  bool slot_puts = false;             // notified: accumulates into slots sent as puts
   std::vector<Record> records;        // every chunk's records, chunk by chunk
   std::vector<int64_t> chunk_ends;    // records of chunk i: [chunk_ends[i-1], chunk_ends[i])
   std::vector<int64_t> chunk_sizes;   // elements of each chunk's buffer
@@ -79,6 +80,29 @@ ReduceEpoch* FindEpoch(uint64_t key) {
   return nullptr;
 }
 
+// Whether no two of `records` write the same element of one target (then each slot of the
+// notified mode, written by one origin only, needs no MPI_SUM: a put leaves the same bytes).
+// Over shared memory a put is a copy and MPI_Accumulate a read-add-write, several times
+// slower (benchmarks/results/sync_latency.md); over a network MPICH's accumulates are faster.
+// Checks at most kMaxPairs pairs; more records than that count as overlapping.
+bool DisjointPerTarget(const std::vector<Record>& records) {
+  constexpr size_t kMaxPairs = 1 << 16;
+  if (records.size() * records.size() > 2 * kMaxPairs) return false;
+  for (size_t i = 0; i < records.size(); ++i) {
+    const Record& a = records[i];
+    for (size_t j = i + 1; j < records.size(); ++j) {
+      const Record& b = records[j];
+      if (a.target != b.target || a.rows == 0 || a.cols == 0 || b.rows == 0 || b.cols == 0) {
+        continue;
+      }
+      const bool rows = a.row0 < b.row0 + b.rows && b.row0 < a.row0 + a.rows;
+      const bool cols = a.col0 < b.col0 + b.cols && b.col0 < a.col0 + a.cols;
+      if (rows && cols) return false;
+    }
+  }
+  return true;
+}
+
 // Removes the epoch open on the communicator with key `key` from the table (destroying it).
 void ForgetEpoch(uint64_t key) {
   EpochTable& t = Epochs();
@@ -108,7 +132,7 @@ std::string IssueRecord(const ReduceEpoch& epoch, int64_t i, const std::byte* ch
   if (r.rows == 0 || r.cols == 0) return std::string();
   Counters& counters = GlobalCounters();
   const int64_t itemsize = epoch.itemsize;
-  const bool accumulate = r.kind == kOpAccumulate;
+  const bool accumulate = r.kind == kOpAccumulate && !epoch.slot_puts;
   const std::byte* origin = chunk + r.offset * itemsize;
   MPI_Aint disp = static_cast<MPI_Aint>((r.row0 * r.ld + r.col0) * itemsize);
   if (epoch.notified != nullptr) disp += SlotDisplacement(*epoch.notified, r.target);
@@ -367,6 +391,7 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
     epoch.window_base = epoch.notified->slot_base;
     epoch.window_bytes = window_bytes;
     epoch.chunk_data.assign(chunk_sizes.size(), nullptr);
+    epoch.slot_puts = !CommUsesNetwork(private_comm) && DisjointPerTarget(epoch.records);
   } else if (ffi::Error err = OpenFenceEpoch(ops, private_comm, window_bytes, &epoch, &local);
              err.failure()) {
     return err;

@@ -1,0 +1,188 @@
+"""Time one_sided's two synchronisations against the all-reduce method, in one run per case.
+
+Run under mpiexec (every rank runs it), e.g. on this host or across emulated hosts
+(``benchmarks.network --cases sync``)::
+
+    mpiexec -n 3 .venv/bin/python -m benchmarks.sync --cases k_split:64,dp_grad:256,mlp
+
+Entries, interleaved in shuffled rounds (medians of the slowest rank's time, after warm-up):
+``notify`` (``sync="notify"``: per-origin slots and notifications, no collective per product),
+``fence`` (``sync="fence"``: collective MPI_Win_fence epochs) and ``allreduce`` (the mpi4jax
+baseline). Cases (``name:size``):
+
+``k_split:n``   C[n x n] = A[n x n] @ B[n x n], A by columns, B and C by rows: every rank's
+                partials of every C block reduced onto its owner;
+``dp_grad:d``   the weight gradient of a data-parallel layer, dW[d x d] = X.T @ dY over 512
+                rows split evenly: summed onto every rank (a replicated C);
+``mlp``         one jitted SGD step of a 4-layer MLP of :class:`osmm_jax.flax.Dense` (width
+                256, 512 rows split evenly), gradients summed by the layers themselves.
+
+Rank 0 prints one JSON line per case (``--json`` appends the records to a file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import osmm_jax as om
+from benchmarks import common
+from benchmarks.common import COMM, RANK, SIZE
+
+ROWS = 512
+WIDTH = 256
+SYNCS = ("notify", "fence")
+
+
+def product_case(kind: str, size: int):
+    """(plan, a, b, flops) of a ``k_split`` or ``dp_grad`` case."""
+    if kind == "k_split":
+        n = size
+        layouts = (om.Layout.cols((n, n)), om.Layout.rows((n, n)), om.Layout.rows((n, n)))
+        flops = 2 * n**3
+    elif kind == "dp_grad":
+        d = size
+        layouts = (
+            om.Layout.cols((d, ROWS)),
+            om.Layout.rows((ROWS, d)),
+            om.Layout.replicated((d, d)),
+        )
+        flops = 2 * d * ROWS * d
+    else:
+        raise ValueError(f"unknown case {kind!r}")
+    plan = om.plan(*layouts)
+    rng = np.random.default_rng(RANK)
+    a = jnp.asarray(rng.standard_normal(plan.a.local_shape(RANK)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal(plan.b.local_shape(RANK)), jnp.float32)
+    return plan, a, b, flops
+
+
+def product_entries(kind: str, size: int) -> tuple[dict, float]:
+    plan, a, b, flops = product_case(kind, size)
+    fns = {
+        sync: (jax.jit(lambda x, y, s=sync: om.matmul(x, y, plan, sync=s)), (a, b))
+        for sync in SYNCS
+    }
+    fns["allreduce"] = (jax.jit(lambda x, y: om.matmul(x, y, plan, method="allreduce")), (a, b))
+    fns["floor (local GEMMs only)"] = common.local_floor(plan, jnp.float32)
+    return fns, flops
+
+
+def mlp_step(method: str):
+    """A jitted SGD step of the 4-layer MLP and its arguments (traced under the current
+    ``OSMM_SYNC``, which the layers' products read)."""
+    from osmm_jax.flax import Dense, value_and_grad
+
+    rows = om.split_sizes(ROWS, SIZE)
+    import flax.linen as nn
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(3):
+                x = jnp.tanh(Dense(WIDTH, row_sizes=rows, method=method)(x))
+            return Dense(WIDTH, row_sizes=rows, method=method)(x)
+
+    model = MLP()
+    rng = np.random.default_rng(RANK)
+    x = jnp.asarray(rng.standard_normal((rows[RANK], WIDTH)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((rows[RANK], WIDTH)), jnp.float32)
+    params = model.init(jax.random.key(0), jnp.zeros((rows[RANK], WIDTH), jnp.float32))
+
+    def loss(p, x, y):
+        return jnp.sum((model.apply(p, x) - y) ** 2) / ROWS
+
+    @jax.jit
+    def step(p, x, y):
+        value, grads = value_and_grad(loss)(p, x, y)
+        return value, jax.tree.map(lambda w, g: w - 1e-3 * g, p, grads)
+
+    return step, (params, x, y)
+
+
+def mlp_entries() -> tuple[dict, float]:
+    fns = {}
+    for sync in SYNCS:
+        os.environ["OSMM_SYNC"] = sync
+        step, args = mlp_step("one_sided")
+        jax.block_until_ready(step(*args))  # traced now, under this synchronisation
+        fns[sync] = (step, args)
+    fns["allreduce"] = mlp_step("allreduce")
+    os.environ.pop("OSMM_SYNC")
+    return fns, 3 * 4 * 2 * ROWS * WIDTH * WIDTH
+
+
+BREAKDOWN_CALLS = 5
+COUNTERS = ("fences", "closing_fence_seconds", "notifications", "notify_wait_seconds")
+
+
+def breakdown(fns: dict) -> dict:
+    """Per call of each one_sided entry, on this rank: fences, seconds in closing fences,
+    notifications sent and seconds in notified finishes (waiting included), and the wall
+    time, from ``BREAKDOWN_CALLS`` more calls after the timed rounds."""
+    out = {}
+    for sync in SYNCS:
+        fn, args = fns[sync]
+        before = om.stats()
+        COMM.Barrier()
+        start = time.perf_counter()
+        for _ in range(BREAKDOWN_CALLS):
+            jax.block_until_ready(fn(*args))
+        wall = (time.perf_counter() - start) / BREAKDOWN_CALLS
+        after = om.stats()
+        out[sync] = {k: (after[k] - before[k]) / BREAKDOWN_CALLS for k in COUNTERS}
+        out[sync]["wall_seconds"] = wall
+    return out
+
+
+def run(case: str, repeats: int) -> dict:
+    kind, _, size = case.partition(":")
+    fns, flops = mlp_entries() if kind == "mlp" else product_entries(kind, int(size))
+    before = om.stats()
+    times = common.interleaved_times(fns, repeats)
+    after = om.stats()
+    per_call = COMM.gather(breakdown(fns))
+    entries = common.summarise(times, flops)
+    seconds = {e["name"]: e["seconds"] for e in entries}
+    return {
+        "case": case,
+        "ranks": SIZE,
+        "binding": common.binding(),
+        "entries": entries,
+        "notify_vs_allreduce": seconds["allreduce"] / seconds["notify"],
+        "fence_vs_allreduce": seconds["allreduce"] / seconds["fence"],
+        "notify_vs_fence": seconds["fence"] / seconds["notify"],
+        "counters": {
+            k: after[k] - before[k]
+            for k in ("notifications", "deferred_deliveries", "credit_reads", "fences")
+        },
+        "per_call_by_rank": per_call,
+        "environment": {
+            k: os.environ[k]
+            for k in ("MPIR_CVAR_CH4_NETMOD", "FI_PROVIDER", "MPIR_CVAR_ENABLE_HEAVY_YIELD")
+            if k in os.environ
+        },
+    }
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="notify vs fence vs all-reduce")
+    parser.add_argument("--cases", default="k_split:64,k_split:256,dp_grad:64,dp_grad:256,mlp")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--json", default=None, help="append the records to this JSON list")
+    args = parser.parse_args(argv)
+    for case in args.cases.split(","):
+        record = run(case, args.repeats)
+        if RANK == 0:
+            print(json.dumps(record), flush=True)
+            common.save(record, args.json)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""benchmarks/sync.py end to end on 2 ranks over shared memory: every case times the notified
+mode, the fence mode and the all-reduce method, and says what each mode spent waiting. The
+timings themselves are not checked (this machine is shared and noisy); the TCP configurations
+of benchmarks/sync_report.py need root and network namespaces."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+from jobs import MPIEXEC, job_environment, run_job
+
+pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason="needs the venv's mpiexec")
+
+
+def test_every_case_times_both_modes_and_the_all_reduce():
+    command = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "benchmarks.sync"]
+    command += ["--cases", "k_split:16,dp_grad:16,mlp", "--repeats", "2"]
+    end = run_job(command, job_environment(drop=("OSMM_",), JAX_PLATFORMS="cpu"), 300)
+    assert end.status == 0, end.stdout + end.stderr
+    records = [json.loads(line) for line in end.stdout.splitlines() if line.startswith("{")]
+    assert [r["case"] for r in records] == ["k_split:16", "dp_grad:16", "mlp"]
+    for r in records:
+        names = {e["name"] for e in r["entries"]}
+        assert {"notify", "fence", "allreduce"} <= names
+        assert all(e["seconds"] > 0 for e in r["entries"])
+        assert r["counters"]["notifications"] > 0
+        for rank in r["per_call_by_rank"]:
+            assert rank["notify"]["fences"] == 0  # no collective fence in the notified mode
+            assert rank["fence"]["notifications"] == 0
