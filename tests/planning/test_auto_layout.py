@@ -178,18 +178,25 @@ def test_replicated_operands_are_priced_by_default():
     assert by_name["rows"].memory_bytes >= K * N * 4
 
 
-def test_the_memory_budget_leaves_out_layouts_that_do_not_fit():
+def test_the_memory_budget_leaves_out_layouts_that_do_not_fit(monkeypatch):
+    from osmm_jax._src import config
+
+    for name in (config.SYNC, config.SLOT_BUDGET):  # the notified mode, 512 MiB of slots
+        monkeypatch.delenv(name, raising=False)
     M, K, N, speeds = 8192, 12288, 49152, [100.0] * 8
     free = auto_layouts(M, K, N, speeds, replication="free", memory_budget=math.inf)
     assert free.name == "rows"
     # Per rank: rows holds B whole (2.25 GiB); a K-split holds little of each matrix but
-    # computes a partial of all of C, 7/8 of which it keeps until delivered; cols holds A
-    # whole (384 MiB) and its shares of B and C (480 MiB), with nothing to fetch or deliver.
+    # computes a partial of all of C, 7/8 of which it keeps until delivered, and its window
+    # holds an accumulator and the two 192 MiB slots (C blocks) the 512 MiB slot budget allows;
+    # cols holds A whole (384 MiB) and its shares of B and C (480 MiB), with nothing to fetch
+    # or deliver (no slots either).
     budget = 900 * 2**20
     tight = auto_layouts(M, K, N, speeds, replication="free", memory_budget=budget)
     by_name = {c.name: c for c in tight.candidates}
     owned = (M * K // 8 + K * N // 8 + M * N // 8) * 4
-    assert by_name["k_split"].memory_bytes == owned + 7 * M * N // 8 * 4
+    slots = (1 + 2) * (M * N // 8 * 4)
+    assert by_name["k_split"].memory_bytes == owned + 7 * M * N // 8 * 4 + slots
     assert by_name["cols"].memory_bytes == (M * K + (K * N + M * N) // 8) * 4
     assert not by_name["rows"].fits and not by_name["k_split"].fits and by_name["cols"].fits
     assert tight.name not in ("rows", "k_split") and by_name[tight.name].fits
@@ -198,6 +205,25 @@ def test_the_memory_budget_leaves_out_layouts_that_do_not_fit():
     assert "rows" in tight.reason.split("Over the memory budget")[1]
     with pytest.raises(ValueError, match=r"fits the memory budget of 1 MiB per rank: the smallest"):
         auto_layouts(M, K, N, speeds, memory_budget=2**20)
+
+
+def test_the_slots_count_only_in_the_notified_mode_and_within_their_budget(monkeypatch):
+    from osmm_jax._src import config
+
+    M, K, N, speeds = 4096, 4096, 4096, [1.0] * 4
+    block = M * N // 4 * 4  # the largest C block of the K-split, float32
+
+    def k_split_memory():
+        choice = auto_layouts(M, K, N, speeds, replication="free", memory_budget=math.inf)
+        return {c.name: c for c in choice.candidates}["k_split"].memory_bytes
+
+    monkeypatch.setenv(config.SYNC, "fence")
+    fence = k_split_memory()
+    monkeypatch.setenv(config.SYNC, "notify")
+    monkeypatch.setenv(config.SLOT_BUDGET, "none")
+    assert k_split_memory() == fence + (1 + 3) * block  # a slot for each of 3 origins
+    monkeypatch.setenv(config.SLOT_BUDGET, "1")
+    assert k_split_memory() == fence + (1 + 1) * block  # never fewer than one slot
 
 
 def test_the_memory_budget_defaults_to_the_environment_or_a_share_of_the_host(monkeypatch):

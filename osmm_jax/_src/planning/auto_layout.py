@@ -71,6 +71,7 @@ from osmm_jax._src.planning import comm_bound
 from osmm_jax._src.planning.layout import Layout
 from osmm_jax._src.planning.plan import Plan
 from osmm_jax._src.planning.plan_totals import PlanTotals
+from osmm_jax._src.planning.totals import block_area
 from osmm_jax._src.planning.work import Work, three_d_layouts
 
 DEFAULT_BANDWIDTH = 5e9
@@ -131,7 +132,8 @@ class Candidate(NamedTuple):
     :func:`osmm_jax._src.planning.comm_bound.moved_elements`).
     ``memory_bytes``: the most bytes one rank holds during a product (its own A, B
     and C blocks, the input pieces it fetches and the partials it computes for other
-    ranks; not the MPI windows); ``fits``: whether that is within the memory budget
+    ranks, and in the notified mode the slots its window holds for them; not the other MPI
+    windows); ``fits``: whether that is within the memory budget
     (a candidate that does not fit is never chosen).
     """
 
@@ -408,7 +410,9 @@ def _price(
     compute = _compute_seconds(totals.flops, speeds)
     link = max(totals.link_bytes(itemsize, accum))
     comm = (link + sync) / bandwidth
-    memory = _memory_bytes(layouts, totals, itemsize, accum)
+    memory = _memory_bytes(layouts, totals, itemsize, accum) + _slots_bytes(
+        layouts[2], totals, accum
+    )
     return Candidate(
         strategy.name,
         compute + comm,
@@ -508,6 +512,19 @@ def _memory_bytes(layouts, totals: PlanTotals, itemsize: int, accum: int) -> int
         transient = t.received_inputs[rank] * itemsize + t.partials[rank] * accum
         most = max(most, owned + transient)
     return most
+
+
+def _slots_bytes(c: Layout, totals: PlanTotals, accum: int) -> int:
+    """The notified reduce's slots window, the same on every rank (``OSMM_SYNC=notify``, the
+    default): an accumulator and a slot per origin, each the size of the largest C block, at
+    most ``P - 1`` slots and no more than ``OSMM_SLOT_BUDGET`` holds (at least one). 0 in the
+    fence mode, or when no rank delivers anything."""
+    if config.resolve_sync(None) != "notify" or not any(totals.totals.received_partials):
+        return 0
+    block = max(block_area(c, r) for r in range(c.nranks)) * accum
+    budget = config.slot_budget()
+    slots = c.nranks - 1 if math.isinf(budget) else min(c.nranks - 1, int(budget // block))
+    return (1 + max(1, slots)) * block
 
 
 def _bound_ratio(M, K, N, speeds, best: Candidate, itemsize, accum, replication) -> float:
