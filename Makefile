@@ -153,15 +153,16 @@ clean:
 #   OSMM_SOAK_PRODUCTS=n   jitted products of the soak (default 5000)
 # e.g. `OSMM_TEST_SEED=1234 OSMM_TEST_PRODUCTS=2000 make test-mpi TEST_RANKS=3 TEST_TIMEOUT=3600`.
 
-# The MPI suite runs in the default notified mode (OSMM_SYNC=notify); FENCE_TESTS run once more
-# in the fence mode on FENCE_RANKS ranks (random products over every layout, abandoned products,
-# the product tests), with OSMM_TEST_PRODUCTS=FENCE_PRODUCTS.
+# The MPI suite runs in the default synchronisation of its communicator (the fence mode: these
+# ranks share one node); NOTIFY_TESTS run once more in the notified mode (OSMM_SYNC=notify, the
+# default across nodes) on NOTIFY_RANKS ranks (random products over every layout, abandoned
+# products, the Flax layers), with OSMM_TEST_PRODUCTS=NOTIFY_PRODUCTS.
 MPIEXEC := $(strip $(VENV)/bin/mpiexec $(MPIEXEC_FLAGS))
 TEST_RANKS ?= 1 2 3 4
-FENCE_TESTS ?= tests/mpi/runtime/test_random_products.py tests/mpi/runtime/test_recovery.py \
+NOTIFY_TESTS ?= tests/mpi/runtime/test_random_products.py tests/mpi/runtime/test_recovery.py \
 	tests/mpi/nn/test_flax.py
-FENCE_RANKS ?= 3
-FENCE_PRODUCTS ?= 60
+NOTIFY_RANKS ?= 3
+NOTIFY_PRODUCTS ?= 60
 TEST_TIMEOUT ?= 300
 MPI_RUN_TIMEOUT ?= 1800
 DEMO_RANKS ?= 3
@@ -189,8 +190,8 @@ test-mpi: install $(HETERO_RANKFILE)
 	    --timeout=$(TEST_TIMEOUT) --timeout-method=thread \
 	    || { echo "MPI tests FAILED on $$n rank(s)"; exit 1; }; \
 	done
-	OSMM_SYNC=fence OSMM_TEST_PRODUCTS=$(FENCE_PRODUCTS) timeout --kill-after=30 $(MPI_RUN_TIMEOUT) \
-	  $(MPIEXEC) -n $(FENCE_RANKS) $(PY) tests/mpi/run.py $(FENCE_TESTS) -q \
+	OSMM_SYNC=notify OSMM_TEST_PRODUCTS=$(NOTIFY_PRODUCTS) timeout --kill-after=30 $(MPI_RUN_TIMEOUT) \
+	  $(MPIEXEC) -n $(NOTIFY_RANKS) $(PY) tests/mpi/run.py $(NOTIFY_TESTS) -q \
 	  --timeout=$(TEST_TIMEOUT) --timeout-method=thread
 	@# Heterogeneous ranks for real: ranks 0 and 1 share core 0, rank 2 has core 1.
 ifeq ($(HETERO_BIND),)

@@ -153,25 +153,27 @@ partials it delivers. ``notify``: each partial goes into a slot of its owner's w
 for its origin, and the owner waits for exactly the notifications the plan says it will get,
 then sums in ascending rank order (no collective per product; bit-identical results run to
 run). ``fence``: every product is bracketed by collective ``MPI_Win_fence`` epochs and partials
-are accumulated in arrival order. Any other value is a ValueError. Default: ``notify``, or
-``fence`` when ``OSMM_CUDA_AWARE=1`` puts the GPU handlers' windows in device memory, which the
-notified mode does not use."""
+are accumulated in arrival order. Any other value is a ValueError. Default, per communicator:
+``notify`` when it has ranks on other nodes (1.6-4.9x faster than fences over TCP between 3-4
+hosts, benchmarks/results/sync.md), ``fence`` within one node (the two tie there) and whenever
+``OSMM_CUDA_AWARE=1`` puts the GPU handlers' windows in device memory, which the notified mode
+does not use."""
 
 SYNC_MODES = ("notify", "fence")
-
-DEFAULT_SYNC = "notify"
 
 CUDA_AWARE = "OSMM_CUDA_AWARE"
 """``1``: the CUDA handlers use CUDA-aware MPI, windows in device memory (read by the native
 layer; see BUILD.md, "GPUs"). Anything else: host-staged through pinned memory."""
 
 
-def resolve_sync(sync: str | None) -> str:
-    """The synchronisation to use: the argument if given, else ``OSMM_SYNC``, else notify
-    (fence under ``OSMM_CUDA_AWARE=1``)."""
+def resolve_sync(sync: str | None, network: bool = True) -> str:
+    """The synchronisation to use: the argument if given, else ``OSMM_SYNC``, else notify on a
+    communicator with ranks on other nodes (``network``), fence otherwise and under
+    ``OSMM_CUDA_AWARE=1``."""
     source = "sync"
     if sync is None:
-        default = "fence" if os.environ.get(CUDA_AWARE) == "1" else DEFAULT_SYNC
+        aware = os.environ.get(CUDA_AWARE) == "1"
+        default = "notify" if network and not aware else "fence"
         sync = os.environ.get(SYNC, "").strip().lower() or default
         source = SYNC
     if sync not in SYNC_MODES:

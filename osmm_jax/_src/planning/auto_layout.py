@@ -516,9 +516,10 @@ def _memory_bytes(layouts, totals: PlanTotals, itemsize: int, accum: int) -> int
 
 def _slots_bytes(c: Layout, totals: PlanTotals, accum: int) -> int:
     """The notified reduce's slots window, the same on every rank (``OSMM_SYNC=notify``, the
-    default): an accumulator and a slot per origin, each the size of the largest C block, at
-    most ``P - 1`` slots and no more than ``OSMM_SLOT_BUDGET`` holds (at least one). 0 in the
-    fence mode, or when no rank delivers anything."""
+    default across nodes, counted unless ``OSMM_SYNC=fence``: the layouts do not know where
+    their ranks run): an accumulator and a slot per origin, each the size of the largest C
+    block, at most ``P - 1`` slots and no more than ``OSMM_SLOT_BUDGET`` holds (at least one).
+    0 in the fence mode, or when no rank delivers anything."""
     if config.resolve_sync(None) != "notify" or not any(totals.totals.received_partials):
         return 0
     block = max(block_area(c, r) for r in range(c.nranks)) * accum

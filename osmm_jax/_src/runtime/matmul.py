@@ -82,14 +82,16 @@ def matmul(
             first, then all sends. ``None`` reads ``OSMM_CHUNK_BYTES``
             (default 4 MiB). The sums are the same either way; a GEMM split by
             rows may round differently in the last bits.
-        sync: ``one_sided`` only: ``"notify"`` (default) delivers each partial
+        sync: ``one_sided`` only: ``"notify"`` delivers each partial
             into a slot of its owner reserved for its origin and notifies the
             owner, who waits for exactly the partials it gets and sums them in
             ascending rank order: no collective per product, and the same bits
             on every run and on every rank that holds a copy. ``"fence"``
             brackets every product by collective ``MPI_Win_fence`` epochs and
-            sums in arrival order. ``None`` reads ``OSMM_SYNC``; the slots'
-            memory is capped by ``OSMM_SLOT_BUDGET``.
+            sums in arrival order. ``None`` reads ``OSMM_SYNC``, else takes
+            ``"notify"`` on a communicator with ranks on other nodes and
+            ``"fence"`` within one node; the slots' memory is capped by
+            ``OSMM_SLOT_BUDGET``.
 
     Returns:
         A JAX array of shape ``plan.c.local_shape(rank)`` and the input dtype.
@@ -112,7 +114,8 @@ def matmul(
     # A bad option (an argument, or an OSMM_* variable set on some ranks only) is agreed on
     # like a bad block, so that every rank raises it instead of the others waiting.
     try:
-        options, error = _resolve_options(method, verify, chunk_bytes, sync), None
+        network = communicators.uses_network(plan.comm_key)
+        options, error = _resolve_options(method, verify, chunk_bytes, sync, network), None
     except (TypeError, ValueError) as exc:
         options, error = None, exc
     if error is None:
@@ -161,13 +164,13 @@ def _adopt_facts(plan: Plan, options: _Options, shared: list[tuple[PlanFacts, ..
 # -- input checks -----------------------------------------------------------------------
 
 
-def _resolve_options(method, verify, chunk_bytes, sync) -> _Options:
+def _resolve_options(method, verify, chunk_bytes, sync, network: bool) -> _Options:
     """The options of one product: the arguments, or the ``OSMM_*`` defaults (config.py)."""
     return _Options(
         config.resolve_method(method),
         config.resolve_verify(verify),
         config.resolve_chunk_bytes(chunk_bytes),
-        one_sided.Sync(config.resolve_sync(sync), config.slot_budget()),
+        one_sided.Sync(config.resolve_sync(sync, network), config.slot_budget()),
     )
 
 

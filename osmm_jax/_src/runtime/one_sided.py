@@ -48,38 +48,12 @@ import numpy as np
 from osmm_jax._src import dtypes
 from osmm_jax._src.planning.plan import Plan, direct_plan
 from osmm_jax._src.runtime import native, primitives, slots
+from osmm_jax._src.runtime.slots import FENCE, Sync, executed_plan
 
 _ALIGN = 64  # bytes; the B region of the expose window starts on this boundary
 
 _OPS = {"accumulate": native.OP_ACCUMULATE, "put": native.OP_PUT}
 _REGIONS = {"A": native.REGION_A, "B": native.REGION_B}  # which region of the window a get reads
-
-
-class Sync(NamedTuple):
-    """How the partials are synchronised: ``mode`` ``"fence"`` (collective fence epochs,
-    arrival-order sums) or ``"notify"`` (per-origin slots and notifications, sums in ascending
-    rank order: see :mod:`osmm_jax._src.runtime.slots`), and the slot budget in bytes."""
-
-    mode: str = "fence"
-    slot_budget: float = float("inf")
-
-
-FENCE = Sync("fence")
-
-DIRECT_ELEMENTS = 1 << 18
-"""A replicated C of at most this many elements is summed directly in the notified mode, not
-staged: its gather stage's gets cost a fence epoch, which over TCP is milliseconds whatever the
-size (benchmarks/results/sync.md), while the direct sum's extra bytes are few."""
-
-
-def executed_plan(plan: Plan, sync: Sync) -> Plan:
-    """The plan :func:`forward` runs for ``plan``: its gather stage, the direct plan (a small
-    replicated C in the notified mode), or ``plan`` itself."""
-    if plan.gather_stage is None:
-        return plan
-    if sync.mode == "notify" and plan.c.shape[0] * plan.c.shape[1] <= DIRECT_ELEMENTS:
-        return direct_plan(plan)
-    return plan.gather_stage
 
 
 def forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0, sync: Sync = FENCE):

@@ -7,13 +7,17 @@ slot ``i % S`` in round ``i // S``. ``S`` is the most origins any rank has
 (:attr:`~osmm_jax._src.planning.records.PlanFacts.max_origins`), capped by the slot budget
 (``OSMM_SLOT_BUDGET``) but at least one: above the budget a rank sums its origins in rounds,
 still in ascending rank order, so the result does not depend on the budget.
+
+:class:`Sync` is the synchronisation a product runs with, and :func:`executed_plan` the plan
+it then runs (a small replicated C is summed directly in the notified mode).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
-from osmm_jax._src.planning.plan import Plan
+from osmm_jax._src.planning.plan import Plan, direct_plan
 
 _ALIGN = 64  # bytes; every slot starts on this boundary
 
@@ -52,3 +56,30 @@ def notify_attribute(plan: Plan, rank: int, itemsize: int, budget: float) -> tup
         len(targets),
         *targets,
     )
+
+
+class Sync(NamedTuple):
+    """How the partials are synchronised: ``mode`` ``"fence"`` (collective fence epochs,
+    arrival-order sums) or ``"notify"`` (per-origin slots and notifications, sums in ascending
+    rank order: see :mod:`osmm_jax._src.runtime.slots`), and the slot budget in bytes."""
+
+    mode: str = "fence"
+    slot_budget: float = float("inf")
+
+
+FENCE = Sync("fence")
+
+DIRECT_ELEMENTS = 1 << 18
+"""A replicated C of at most this many elements is summed directly in the notified mode, not
+staged: its gather stage's gets cost a fence epoch, which over TCP is milliseconds whatever the
+size (benchmarks/results/sync.md), while the direct sum's extra bytes are few."""
+
+
+def executed_plan(plan: Plan, sync: Sync) -> Plan:
+    """The plan :func:`forward` runs for ``plan``: its gather stage, the direct plan (a small
+    replicated C in the notified mode), or ``plan`` itself."""
+    if plan.gather_stage is None:
+        return plan
+    if sync.mode == "notify" and plan.c.shape[0] * plan.c.shape[1] <= DIRECT_ELEMENTS:
+        return direct_plan(plan)
+    return plan.gather_stage

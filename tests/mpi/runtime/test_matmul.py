@@ -34,8 +34,8 @@ from product_cases import (
 
 import osmm_jax as om
 from osmm_jax._src import config
+from osmm_jax._src.runtime import communicators, one_sided
 from osmm_jax._src.runtime import matmul as matmul_module
-from osmm_jax._src.runtime import one_sided
 
 jax.config.update("jax_enable_x64", True)
 
@@ -71,7 +71,8 @@ def test_overlapped_chunks_give_the_same_products_and_bytes(kinds, chunk_bytes):
 def _issued_as_run(plan) -> int:
     """Bytes this rank's RMA operations move for ``plan`` as the default synchronisation runs
     it: staged (``plan`` counts its gathers too), or a small replicated C summed directly."""
-    sync = one_sided.Sync(config.resolve_sync(None), config.slot_budget())
+    network = communicators.uses_network(plan.comm_key)
+    sync = one_sided.Sync(config.resolve_sync(None, network), config.slot_budget())
     executed = one_sided.executed_plan(plan, sync)
     return (plan if executed is plan.gather_stage else executed).bytes_issued(8, 8)[RANK]
 

@@ -157,12 +157,12 @@ def test_sync_is_checked_on_every_rank():
 @pytest.mark.parametrize("side", [64, 520])
 def test_a_small_replicated_result_is_summed_directly_a_large_one_staged(side):
     """Small: one notified round, no fence, no get. Large: the gather stage's fence and gets."""
-    from osmm_jax._src.runtime import one_sided
+    from osmm_jax._src.runtime import slots
 
     layouts = (om.Layout.cols((side, 3 * SIZE)), om.Layout.rows((3 * SIZE, side)))
     plan = om.plan(*layouts, om.Layout.replicated((side, side)))
     assert plan.gather_stage is not None
-    direct = side * side <= one_sided.DIRECT_ELEMENTS
+    direct = side * side <= slots.DIRECT_ELEMENTS
     a, b, a_loc, b_loc = _blocks((*layouts, None))
     before = om.stats()
     c = np.asarray(jax.jit(lambda x, y: om.matmul(x, y, plan, sync="notify"))(a_loc, b_loc))
