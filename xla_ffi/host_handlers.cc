@@ -2,6 +2,7 @@
 // and every copy is a memcpy.
 #include <cstring>
 
+#include "allreduce.h"
 #include "buffer_ops.h"
 #include "fetch.h"
 #include "handlers.h"
@@ -103,6 +104,11 @@ ffi::Error WatchHost(ffi::AnyBuffer marker, ffi::Token, ffi::Result<ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+ffi::Error AllreduceHost(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Result<ffi::Token>, int64_t comm) {
+  return AllreduceSum(x, out, comm);
+}
+
 }  // namespace
 }  // namespace osmm
 
@@ -116,3 +122,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OsmmReduceIssue, osmm::ReduceIssueHost,
                               osmm::ReduceIssueSignature(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsmmReduceFinish, osmm::ReduceFinishHost,
                               osmm::ReduceFinishSignature(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsmmAllreduce, osmm::AllreduceHost,
+                              osmm::AllreduceSignature(xla::ffi::Ffi::Bind()));

@@ -23,8 +23,10 @@ namespace nb = nanobind;
 namespace {
 
 nb::dict Registrations() {
-  return osmm::HandlerRegistrations(OsmmFetch, OsmmReduceStart, OsmmReduceIssue, OsmmReduceFinish,
-                                    OsmmWatch);
+  nb::dict d = osmm::HandlerRegistrations(OsmmFetch, OsmmReduceStart, OsmmReduceIssue,
+                                          OsmmReduceFinish, OsmmWatch);
+  d["osmm_allreduce"] = osmm::EncapsulateHandler(OsmmAllreduce);
+  return d;
 }
 
 nb::dict Stats() {

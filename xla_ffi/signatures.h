@@ -7,6 +7,7 @@
 //   osmm_reduce_issue   (chunk i, token) -> (ticket, token)
 //   osmm_reduce_finish  (local, token, every chunk...) -> (out, token)
 //   osmm_watch          (marker, token) -> (marker, token)
+//   osmm_allreduce      (x, token) -> (sum of x over the ranks, token)   (CPU only)
 //
 // The token is the ordered-effect token that XLA threads through them, so they run in program
 // order on every rank.
@@ -93,6 +94,18 @@ auto WatchSignature(Binding&& binding) {
       .template Ret<ffi::Token>()      // ordering token out
       .template Attr<int64_t>("comm")
       .template Attr<int64_t>("begin");
+}
+
+// The native all-reduce (allreduce.h). The output is written over x (aliased by the lowering).
+template <typename Binding>
+auto AllreduceSignature(Binding&& binding) {
+  namespace ffi = xla::ffi;
+  return std::forward<Binding>(binding)
+      .template Arg<ffi::AnyBuffer>()  // x
+      .template Arg<ffi::Token>()      // ordering token in
+      .template Ret<ffi::AnyBuffer>()  // the sum
+      .template Ret<ffi::Token>()      // ordering token out
+      .template Attr<int64_t>("comm");
 }
 
 }  // namespace osmm

@@ -49,6 +49,7 @@ enum class Step : int64_t {
   kBarrier = 8,        // the bounded barrier of raise mode
   kInGraph = 9,        // a collective inside the XLA program that osmm_jax brackets (Watch)
   kNotifyWait = 10,    // a notified reduce: waiting for deliveries, or for a target's slots
+  kAllreduce = 11,     // osmm_allreduce: the native all-reduce (MPI_Iallreduce)
 };
 
 // What kind of call a rank is in. Published in the status record: values are stable.
@@ -58,7 +59,7 @@ enum class CallKind : int64_t {
   kReduce = 2,    // osmm_reduce_start ... osmm_reduce_finish
   kTeardown = 3,  // free_windows
   kHost = 4,      // a product's Python-side checks
-  kInGraph = 5,   // mpi4jax collectives of the allreduce method and of checksum verification
+  kInGraph = 5,   // the all-reduces of the allreduce method and of checksum verification
 };
 
 struct WatchdogSettings {

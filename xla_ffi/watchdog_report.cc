@@ -45,6 +45,8 @@ const char* StepName(int64_t step) {
       return "an mpi4jax all-reduce (MPI_Allreduce)";
     case Step::kNotifyWait:
       return "a notified reduce (waiting for another rank's deliveries or slots)";
+    case Step::kAllreduce:
+      return "an osmm_jax all-reduce (MPI_Iallreduce)";
   }
   return "an unknown step";
 }
@@ -62,7 +64,7 @@ const char* KindName(int64_t kind) {
     case CallKind::kHost:
       return "matmul";
     case CallKind::kInGraph:
-      return "mpi4jax all-reduce";
+      return "all-reduce";
   }
   return "unknown";
 }

@@ -3,18 +3,59 @@
 osmm_jax pins ``jax`` and ``mpi4jax`` to version ranges (pyproject.toml), but the names below
 are not public API and may move between releases. When one does, this module is the only
 place to change. Nothing else in osmm_jax imports from ``jax._src`` or ``mpi4jax._src``.
+
+The ordered effect: osmm_jax's collectives carry one ordered effect, so that XLA runs them in
+program order on every rank. When mpi4jax is installed it is mpi4jax's own effect, so that
+osmm_jax's calls and mpi4jax's (the allreduce method's baseline, or a user's own) share one
+token chain and can never be reordered against each other. Without mpi4jax, osmm_jax registers
+an ordered effect of its own.
 """
 
 from __future__ import annotations
 
-from jax._src import core, dispatch
+from jax._src import core, dispatch, effects
 from jax._src.dispatch import apply_primitive
-from jax._src.interpreters import ad, partial_eval
+from jax._src.interpreters import ad, mlir, partial_eval
 from jax._src.lib import xla_client
-from mpi4jax._src.jax_compat import abstract_token, get_token_effect, set_token_effect
-from mpi4jax._src.utils import ordered_effect
+
+try:
+    from mpi4jax._src.utils import ordered_effect
+
+    HAVE_MPI4JAX = True
+except ImportError:
+    HAVE_MPI4JAX = False
+
+    class OrderedMPIEffect(effects.Effect):
+        """osmm_jax's collectives, in program order (used when mpi4jax is not installed)."""
+
+        def __str__(self) -> str:
+            return "OrderedOsmmMPI"
+
+    # Ordered, lowerable, allowed inside control flow and custom_vjp / custom_vmap rules.
+    for _registry in (
+        effects.ordered_effects,
+        effects.lowerable_effects,
+        effects.control_flow_allowed_effects,
+        effects.custom_derivatives_allowed_effects,
+    ):
+        _registry.add_type(OrderedMPIEffect)
+    ordered_effect = OrderedMPIEffect()
+
+abstract_token = core.abstract_token
+
+
+def get_token_effect(ctx, effect):
+    """The token of ``effect`` entering the lowering ``ctx``."""
+    return ctx.tokens_in.get(effect)
+
+
+def set_token_effect(ctx, effect, token) -> None:
+    """Make ``token`` the token of ``effect`` leaving the lowering ``ctx``."""
+    ctx.set_tokens_out(mlir.TokenSet({effect: token}))
+
 
 __all__ = [
+    "HAVE_MPI4JAX",
     "JAXPR_TRACE_EVENT",
     "abstract_token",
     "apply_primitive",

@@ -181,6 +181,31 @@ def resolve_sync(sync: str | None, network: bool = True) -> str:
     return sync
 
 
+ALLREDUCE = "OSMM_ALLREDUCE"
+"""Which all-reduce sums inside a compiled program (the allreduce method, checksum
+verification): ``mpi4jax`` (mpi4jax.allreduce, the baseline osmm_jax is measured against),
+``native`` (osmm_jax's own MPI_Iallreduce custom call, CPU only, bounded by the watchdog in raise
+mode) or ``auto`` (default: mpi4jax when it is installed, else native)."""
+
+ALLREDUCE_IMPLEMENTATIONS = ("auto", "mpi4jax", "native")
+
+
+def allreduce_implementation(have_mpi4jax: bool) -> str:
+    """``mpi4jax`` or ``native``, from ``OSMM_ALLREDUCE`` (see there); a ValueError for an
+    unknown value, or for ``mpi4jax`` when it is not installed."""
+    choice = os.environ.get(ALLREDUCE, "").strip().lower() or "auto"
+    if choice not in ALLREDUCE_IMPLEMENTATIONS:
+        raise ValueError(f"{ALLREDUCE} must be one of {ALLREDUCE_IMPLEMENTATIONS}, got {choice!r}")
+    if choice == "auto":
+        return "mpi4jax" if have_mpi4jax else "native"
+    if choice == "mpi4jax" and not have_mpi4jax:
+        raise ValueError(
+            f"{ALLREDUCE}=mpi4jax, but mpi4jax is not installed: `pip install osmm_jax[mpi4jax]` "
+            "(its build needs your MPI's mpicc on PATH), or unset it to use osmm_jax's own"
+        )
+    return choice
+
+
 SLOT_BUDGET = "OSMM_SLOT_BUDGET"
 """Bytes of slots one rank's window may hold in the notified mode (``OSMM_SYNC=notify``): a
 number of bytes with an optional binary unit, as for ``OSMM_MEMORY_BUDGET`` (``0``, ``none`` or

@@ -17,6 +17,8 @@ SCENARIO:
     raise          like extra, but rank 0 runs its extra product under
                    ``osmm_jax.timeout(3, "raise")``: it catches the error, prints it
                    ("caught: ..."), and its next product is refused ("refused: ...").
+    raise_allreduce  like raise, with method="allreduce" (with OSMM_ALLREDUCE=native, the
+                   all-reduce is osmm_jax's own and bounded in raise mode).
 
 Prints "ready <unix time>" on stderr when the divergence starts. The job must end non-zero
 with the watchdog's report on stderr (OSMM_TIMEOUT defaults to 5 s here).
@@ -63,7 +65,9 @@ def main(scenario: str) -> None:
         print(f"ready {time.time():.3f}", file=sys.stderr, flush=True)
         if RANK == 0:
             p()
-    elif scenario == "raise":
+    elif scenario in ("raise", "raise_allreduce"):
+        if scenario == "raise_allreduce":
+            p = product(p_plan, "allreduce")
         for _ in range(3):
             p()
         print(f"ready {time.time():.3f}", file=sys.stderr, flush=True)

@@ -31,6 +31,14 @@ def test_the_report_names_every_part_of_the_stack():
     assert "OSMM_TIMEOUT=77" in out
     assert "FI_PROVIDER=tcp" in out
     assert "unavailable" not in out
+    assert "allreduce method and checksum sums: mpi4jax.allreduce" in out
+
+
+def test_the_report_names_the_all_reduce_in_use(monkeypatch):
+    monkeypatch.setenv("OSMM_ALLREDUCE", "native")
+    assert "checksum sums: osmm_jax's own MPI_Iallreduce" in environment.report()
+    monkeypatch.setenv("OSMM_ALLREDUCE", "sometimes")
+    assert "checksum sums: none: OSMM_ALLREDUCE must be one of" in environment.report()
 
 
 def test_a_failing_part_is_reported_in_its_place(monkeypatch):

@@ -38,9 +38,13 @@ class Job:
 
 
 @functools.cache
-def _job(scenario: str, sync: str = "fence") -> Job:
+def _job(scenario: str, sync: str = "fence", allreduce: str = "auto") -> Job:
     env = job_environment(
-        JAX_PLATFORMS="cpu", OSMM_TIMEOUT=str(TIMEOUT_S), OSMM_ON_TIMEOUT="abort", OSMM_SYNC=sync
+        JAX_PLATFORMS="cpu",
+        OSMM_TIMEOUT=str(TIMEOUT_S),
+        OSMM_ON_TIMEOUT="abort",
+        OSMM_SYNC=sync,
+        OSMM_ALLREDUCE=allreduce,
     )
     command = [str(MPIEXEC), "-n", "3", sys.executable, str(PROGRAM), scenario]
     end = run_job(command, env, HARD_TIMEOUT_S)
@@ -77,11 +81,18 @@ def test_one_rank_running_one_more_product_is_reported_with_every_ranks_position
     assert f"furthest: rank 0 at call #{number}; rank 1 at #{number - 1}" in report, report
 
 
-def test_a_stuck_mpi4jax_all_reduce_of_the_baseline_is_watched_too():
-    job = _job("extra_allreduce")
+@pytest.mark.parametrize(
+    "allreduce, step",
+    [
+        ("mpi4jax", "an mpi4jax all-reduce (MPI_Allreduce)"),
+        ("native", "an osmm_jax all-reduce (MPI_Iallreduce)"),
+    ],
+)
+def test_a_stuck_all_reduce_of_the_baseline_is_watched_too(allreduce, step):
+    job = _job("extra_allreduce", allreduce=allreduce)
     _ended_by_watchdog(job)
     report = job.stderr[job.stderr.index("osmm_jax watchdog: rank 0") :]
-    assert "in an mpi4jax all-reduce (MPI_Allreduce) of call #" in report, report
+    assert f"in {step} of call #" in report, report
     assert re.search(r"furthest: rank 0 at call #(\d+); rank 1 at #\d+; rank 2 at #\d+", report)
 
 
@@ -123,8 +134,11 @@ def test_swapped_plans_met_for_the_first_time_are_refused_before_any_transfer():
     assert "ranks disagree" in job.stderr, str(job)
 
 
-def test_raise_mode_gives_a_catchable_error_and_refuses_the_communicator_afterwards():
-    job = _job("raise")
+@pytest.mark.parametrize("scenario", ["raise", "raise_allreduce"])
+def test_raise_mode_gives_a_catchable_error_and_refuses_the_communicator_afterwards(scenario):
+    """Also for the baseline's all-reduce when it is osmm_jax's own (mpi4jax's cannot be
+    interrupted: a timeout there ends the job)."""
+    job = _job(scenario, allreduce="native")
     assert re.search(r"caught: JaxRuntimeError: DEADLINE_EXCEEDED: osmm_jax watchdog", job.stderr)
     assert "refused: JaxRuntimeError: FAILED_PRECONDITION: osmm_jax no longer uses" in job.stderr
     assert "rank 0 reached the end" in job.stderr, str(job)

@@ -1,4 +1,4 @@
-"""The all-reduce executor: the mpi4jax baseline (and the fallback) for a plan.
+"""The all-reduce executor: the baseline (and the fallback) for a plan.
 
 :func:`forward` is called by every rank of the plan's communicator at the same
 point of the program, with the same plan and its own blocks ``a`` (shape
@@ -13,12 +13,16 @@ are bit-identical on every rank.
   nothing).
 * Otherwise, if any rank lacks input pieces, A and B are first assembled whole
   on every rank the baseline way: each rank places its block into a zero
-  full-size matrix in the accumulation dtype (M x K, K x N), ``mpi4jax.allreduce``
+  full-size matrix in the accumulation dtype (M x K, K x N), an all-reduce
   sums them, and the sum is cast back to the input dtype (replicated inputs
   pass through). Each rank then adds the products of its primary multiplies
   (each cell of the product once over all ranks) into a zero full-size C
-  (M x N, accumulation dtype), one ``mpi4jax.allreduce`` sums it, and each rank
+  (M x N, accumulation dtype), one all-reduce sums it, and each rank
   slices its block.
+
+The all-reduce is ``mpi4jax.allreduce`` when mpi4jax is installed (the baseline osmm_jax is
+measured against), else osmm_jax's own ``MPI_Iallreduce`` custom call
+(:func:`osmm_jax._src.runtime.primitives.allreduce_sum`, ``OSMM_ALLREDUCE``).
 
 Precision: products and sums are formed in the accumulation dtype (float32 for
 float32, bfloat16 and float16; float64 for float64), so the all-reduced C is in
@@ -31,7 +35,7 @@ import jax.numpy as jnp
 
 from osmm_jax._src import dtypes
 from osmm_jax._src.planning.plan import Plan
-from osmm_jax._src.runtime import communicators, one_sided, primitives
+from osmm_jax._src.runtime import one_sided, primitives
 
 
 def forward(plan: Plan, rank: int, a, b):
@@ -41,17 +45,13 @@ def forward(plan: Plan, rank: int, a, b):
         # product): a data-parallel code would not communicate here, so neither does the
         # baseline.
         return one_sided.forward(plan, rank, a, b)
-    import mpi4jax
-    from mpi4py import MPI
-
-    comm = communicators.in_graph_comm(plan.comm_key)
     acc = dtypes.accumulation_dtype(a.dtype)
     multiplies = [m for m in plan.multiplies_on(rank) if m.primary]
     remote = {}
     if plan.has_gets:
         # Inputs a rank lacks are assembled the baseline way too: zero-padded blocks, summed.
-        a_full = _assemble(a, plan.a, rank, comm, plan.comm_key)
-        b_full = _assemble(b, plan.b, rank, comm, plan.comm_key)
+        a_full = _assemble(a, plan.a, rank, plan.comm_key)
+        b_full = _assemble(b, plan.b, rank, plan.comm_key)
         for m in multiplies:
             remote[("A", m.rows, m.inner)] = a_full[m.rows[0] : m.rows[1], m.inner[0] : m.inner[1]]
             remote[("B", m.inner, m.cols)] = b_full[m.inner[0] : m.inner[1], m.cols[0] : m.cols[1]]
@@ -59,9 +59,7 @@ def forward(plan: Plan, rank: int, a, b):
     total = jnp.zeros((M, N), acc)
     for (rows, _, cols), product in _products(plan, rank, a, b, multiplies, remote).items():
         total = total.at[rows[0] : rows[1], cols[0] : cols[1]].add(product)
-    total = primitives.watched(
-        lambda: mpi4jax.allreduce(total, op=MPI.SUM, comm=comm), comm=plan.comm_key
-    )
+    total = primitives.allreduce_sum(total, comm=plan.comm_key)
     row_slice, col_slice = plan.c.local_slices(rank)
     return total[row_slice, col_slice].astype(a.dtype)
 
@@ -80,16 +78,11 @@ def _products(plan: Plan, rank: int, a, b, multiplies, remote: dict) -> dict:
     }
 
 
-def _assemble(x, layout, rank, comm, comm_key):
+def _assemble(x, layout, rank, comm_key):
     """The whole matrix on every rank, summed from zero-padded blocks (replicated layouts pass through)."""
-    import mpi4jax
-    from mpi4py import MPI
-
     if layout.is_replicated:
         return x
     rows, cols = layout.local_slices(rank)
     padded = jnp.zeros(layout.shape, dtypes.accumulation_dtype(x.dtype)).at[rows, cols].set(x)
-    summed = primitives.watched(
-        lambda: mpi4jax.allreduce(padded, op=MPI.SUM, comm=comm), comm=comm_key
-    )
+    summed = primitives.allreduce_sum(padded, comm=comm_key)
     return summed.astype(x.dtype)

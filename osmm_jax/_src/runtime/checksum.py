@@ -27,6 +27,7 @@ import numpy as np
 
 from osmm_jax._src import dtypes
 from osmm_jax._src.planning.plan import Plan
+from osmm_jax._src.runtime import primitives
 
 _faults: dict[int, float] = {}
 
@@ -60,10 +61,10 @@ def _counts(layout, rank: int) -> bool:
     return rank == 0 or not layout.is_replicated
 
 
-def check(plan: Plan, rank: int, comm, a, b, c, accumulate_dtype) -> None:
+def check(plan: Plan, rank: int, a, b, c, accumulate_dtype) -> None:
     """Verify ``c`` (this rank's C block) against ``a`` and ``b`` (its A and B blocks).
 
-    Collective over ``comm`` (two all-reduces of small arrays and one of a
+    Collective over the plan's communicator (two all-reduces of small arrays and one of a
     per-rank vector); raises ChecksumError on every rank, through a host
     callback, if any rank's block drifts beyond the tolerance.
     """
@@ -81,7 +82,7 @@ def check(plan: Plan, rank: int, comm, a, b, c, accumulate_dtype) -> None:
                 piece = a[lo - ar0 : hi - ar0]
                 row_sums = row_sums.at[0, i, ac0:ac1].add(piece.sum(axis=0))
                 row_sums = row_sums.at[1, i, ac0:ac1].add(jnp.abs(piece).sum(axis=0))
-    row_sums = _allreduce(row_sums, comm, plan.comm_key)
+    row_sums = primitives.allreduce_sum(row_sums, comm=plan.comm_key)
 
     reference = jnp.zeros((2, max(len(bands), 1), N), acc)
     if _counts(plan.b, rank):
@@ -89,7 +90,7 @@ def check(plan: Plan, rank: int, comm, a, b, c, accumulate_dtype) -> None:
         if br1 > br0 and bc1 > bc0:
             reference = reference.at[0, :, bc0:bc1].set(row_sums[0, :, br0:br1] @ b)
             reference = reference.at[1, :, bc0:bc1].set(row_sums[1, :, br0:br1] @ jnp.abs(b))
-    reference = _allreduce(reference, comm, plan.comm_key)
+    reference = primitives.allreduce_sum(reference, comm=plan.comm_key)
 
     (cr0, cr1), (cc0, cc1) = plan.c.blocks[rank]
     drift = jnp.zeros((), acc)
@@ -104,18 +105,8 @@ def check(plan: Plan, rank: int, comm, a, b, c, accumulate_dtype) -> None:
         # result from finite inputs still gives a NaN drift, which fails.
         drift = jnp.max(jnp.where(jnp.isfinite(scale), relative, 0))
     drifts = jnp.zeros((plan.nranks,), acc).at[rank].set(drift)
-    drifts = _allreduce(drifts, comm, plan.comm_key)
+    drifts = primitives.allreduce_sum(drifts, comm=plan.comm_key)
     jax.debug.callback(functools.partial(raise_on_drift, plan, input_dtype), drifts)
-
-
-def _allreduce(x, comm, comm_key):
-    """mpi4jax's sum over ``comm``, watched like osmm_jax's own blocking steps."""
-    import mpi4jax
-    from mpi4py import MPI
-
-    from osmm_jax._src.runtime import primitives
-
-    return primitives.watched(lambda: mpi4jax.allreduce(x, op=MPI.SUM, comm=comm), comm=comm_key)
 
 
 def raise_on_drift(plan: Plan, input_dtype, drifts) -> None:

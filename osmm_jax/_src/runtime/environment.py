@@ -83,10 +83,26 @@ def _loaded_libmpi() -> str | None:
     return ", ".join(sorted(paths)) or None
 
 
-def _mpi4jax() -> list[str]:
-    import mpi4jax
+def _all_reduce() -> list[str]:
+    from osmm_jax._src import compat, config
 
-    return [f"mpi4jax {mpi4jax.__version__}"]
+    try:
+        import mpi4jax
+    except ImportError:
+        lines = ["mpi4jax: not installed (`pip install osmm_jax[mpi4jax]` for the baseline)"]
+    else:
+        lines = [f"mpi4jax {mpi4jax.__version__}"]
+    try:
+        used = config.allreduce_implementation(compat.HAVE_MPI4JAX)
+    except ValueError as err:
+        used = f"none: {err}"
+    lines.append(
+        "allreduce method and checksum sums: "
+        + {"mpi4jax": "mpi4jax.allreduce", "native": "osmm_jax's own MPI_Iallreduce"}.get(
+            used, used
+        )
+    )
+    return lines
 
 
 def _native() -> list[str]:
@@ -122,7 +138,7 @@ SECTIONS: tuple[tuple[str, Callable[[], list[str]]], ...] = (
     ("Python", _python),
     ("JAX", _jax),
     ("MPI", _mpi),
-    ("mpi4jax", _mpi4jax),
+    ("all-reduce", _all_reduce),
     ("native handlers", _native),
     ("osmm_jax settings", _settings),
     ("transport hints", _transport),

@@ -11,8 +11,9 @@ and options, the product runs in one of two executors, each in its own module
   plus the native one-sided transfers (MPI_Get of remote input pieces,
   MPI_Accumulate / MPI_Put of partials straight into their owners' windows,
   overlapped with the GEMMs in chunks).
-* ``allreduce`` (:mod:`osmm_jax._src.runtime.allreduce`): the mpi4jax baseline, which
-  sums full-size products with ``mpi4jax.allreduce``.
+* ``allreduce`` (:mod:`osmm_jax._src.runtime.allreduce`): the baseline, which
+  sums full-size products with an all-reduce (``mpi4jax.allreduce`` when mpi4jax is
+  installed, else osmm_jax's own ``MPI_Iallreduce``; ``OSMM_ALLREDUCE``).
 
 This module adds what both share: the optional checksum verification and
 metrics, a vmap rule that runs a batch of products one after another (see
@@ -68,7 +69,7 @@ def matmul(
         b_local: this rank's block of B, shape ``plan.b.local_shape(rank)``,
             same dtype as ``a_local`` (float32, float64, bfloat16 or float16).
         plan: from :func:`osmm_jax.plan`; the same on every rank.
-        method: ``"one_sided"`` (default) or ``"allreduce"`` (the mpi4jax
+        method: ``"one_sided"`` (default) or ``"allreduce"`` (the all-reduce
             baseline); ``None`` reads ``OSMM_USE_ALLREDUCE``.
         verify: check the result by checksum (see :mod:`osmm_jax._src.runtime.checksum`;
             a few percent of the product's cost) and raise ChecksumError, naming
@@ -232,7 +233,6 @@ def _batchable_forward(plan: Plan, options: _Options):
     runs ``axis_size`` complete products, identically on every rank.
     """
     rank = communicators.comm_for_key(plan.comm_key).Get_rank()
-    comm = communicators.in_graph_comm(plan.comm_key)
     if options.method == "allreduce":
         execute = allreduce.forward
     else:
@@ -247,7 +247,7 @@ def _batchable_forward(plan: Plan, options: _Options):
         if fault is not None and c.size:
             c = c.at[0, 0].add(jnp.asarray(fault, c.dtype))
         if options.verify:
-            checksum.check(plan, rank, comm, a, b, c, dtypes.accumulation_dtype(a.dtype))
+            checksum.check(plan, rank, a, b, c, dtypes.accumulation_dtype(a.dtype))
         if metrics.enabled():
             jax.debug.callback(metrics.count_product)
         return c

@@ -15,11 +15,16 @@
     can make the next GEMM depend on, so the chunk is on its way before that
     GEMM runs.
 
-``osmm_fetch``, ``start`` and ``finish`` are MPI collectives over the plan's
+``osmm_allreduce``
+    The element-wise sum of an array over the plan's communicator (MPI_Iallreduce): the
+    all-reduce of the allreduce method and of checksum verification when mpi4jax is not
+    used (:func:`allreduce_sum`). CPU only.
+
+``osmm_fetch``, ``start``, ``finish`` and ``osmm_allreduce`` are MPI collectives over the plan's
 communicator: every rank must issue them in the same order (``issue`` is local;
-ranks may have different numbers of chunks). Each carries mpi4jax's ordered
-effect, so one token chain orders them against each other AND against mpi4jax
-calls in the same program; XLA never reorders them.
+ranks may have different numbers of chunks). Each carries the ordered effect of
+:mod:`osmm_jax._src.compat` (mpi4jax's when it is installed), so one token chain orders them
+against each other AND against mpi4jax calls in the same program; XLA never reorders them.
 
 They lower, on every platform whose handlers :mod:`osmm_jax._src.runtime.native` registered
 (``native.platforms()``: the CPU, and CUDA when built), to the FFI targets of the same
@@ -43,7 +48,9 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import mlir
 
+from osmm_jax._src import config
 from osmm_jax._src.compat import (
+    HAVE_MPI4JAX,
     abstract_token,
     apply_primitive,
     get_token_effect,
@@ -64,12 +71,14 @@ osmm_reduce_start_p = Primitive("osmm_reduce_start")
 osmm_reduce_issue_p = Primitive("osmm_reduce_issue")
 osmm_reduce_finish_p = Primitive("osmm_reduce_finish")
 osmm_watch_p = Primitive("osmm_watch")
+osmm_allreduce_p = Primitive("osmm_allreduce")
 for _p in (
     osmm_fetch_p,
     osmm_reduce_start_p,
     osmm_reduce_issue_p,
     osmm_reduce_finish_p,
     osmm_watch_p,
+    osmm_allreduce_p,
 ):
     _p.def_impl(functools.partial(apply_primitive, _p))
 
@@ -158,6 +167,22 @@ def watched(run, *, comm):
     return result
 
 
+def allreduce_sum(x, *, comm):
+    """The sum of ``x`` over every rank of plan communicator ``comm`` (a comm_key), inside the
+    program: mpi4jax.allreduce over the communicator's in-graph twin, bracketed by the watchdog
+    (:func:`watched`), or osmm_jax's own ``osmm_allreduce``, as ``OSMM_ALLREDUCE`` chooses
+    (:data:`osmm_jax._src.config.ALLREDUCE`). Same shape and dtype as ``x``."""
+    if config.allreduce_implementation(HAVE_MPI4JAX) == "native":
+        return osmm_allreduce_p.bind(x, comm=int(comm))
+    import mpi4jax
+    from mpi4py import MPI
+
+    from osmm_jax._src.runtime import communicators
+
+    in_graph = communicators.in_graph_comm(comm)
+    return watched(lambda: mpi4jax.allreduce(x, op=MPI.SUM, comm=in_graph), comm=comm)
+
+
 def call_id(*parts) -> int:
     """A signed 63-bit id of a native call, from ``parts`` that are identical on every rank and
     determine every rank's attributes (plan fingerprint, step, dtype, chunking)."""
@@ -186,6 +211,9 @@ osmm_reduce_issue_p.def_effectful_abstract_eval(_ticket_abstract)
 osmm_reduce_finish_p.def_effectful_abstract_eval(_reduce_finish_abstract)
 osmm_watch_p.def_effectful_abstract_eval(
     lambda marker, **_: (jax.core.ShapedArray((), np.int32), {ordered_effect})
+)
+osmm_allreduce_p.def_effectful_abstract_eval(
+    lambda x, **_: (jax.core.ShapedArray(x.shape, x.dtype), {ordered_effect})
 )
 
 
@@ -252,6 +280,18 @@ def _watch_lowering(ctx, marker, *, comm, begin):
     return _lower_with_token("osmm_watch", ctx, marker, aliases={0: 0}, comm=comm, begin=begin)
 
 
+def _allreduce_lowering(ctx, x, *, comm):
+    # The sum is written over x: no fresh output buffer.
+    return _lower_with_token("osmm_allreduce", ctx, x, aliases={0: 0}, comm=comm)
+
+
+def _allreduce_unavailable(ctx, x, *, comm):
+    raise NotImplementedError(
+        "osmm_jax's native all-reduce runs on the CPU only: on a GPU the allreduce method and "
+        "checksum verification need mpi4jax (`pip install osmm_jax[mpi4jax]`)"
+    )
+
+
 def _watch_passthrough(ctx, marker, *, comm, begin):
     """Where the handlers are not available, the watch is not made: the token passes on."""
     set_token_effect(ctx, ordered_effect, get_token_effect(ctx, ordered_effect))
@@ -284,6 +324,8 @@ for _platform in native.platforms():
         mlir.register_lowering(_p, _rule, platform=_platform)
 for _platform in native.platforms():
     mlir.register_lowering(osmm_watch_p, _watch_lowering, platform=_platform)
+mlir.register_lowering(osmm_allreduce_p, _allreduce_lowering, platform="cpu")
+mlir.register_lowering(osmm_allreduce_p, _allreduce_unavailable, platform="cuda")
 for _platform in native.UNAVAILABLE:
     for _p in _LOWERINGS:
         mlir.register_lowering(_p, _unavailable_lowering(_platform), platform=_platform)

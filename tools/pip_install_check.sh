@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# Installs osmm_jax the way a user does, into a fresh virtual environment, and runs it:
+#
+#   tools/pip_install_check.sh OUT [SOURCE]
+#
+# SOURCE (default: this checkout) is what `pip install` gets: a directory, an sdist or wheel
+# file, or a `git+file://...` URL. pip builds it with build isolation, on a PATH with no MPI
+# compiler wrapper (so the build must get the MPICH wheel itself), and the checks run from
+# OUT, outside the source tree: `python -m osmm_jax` must report mpi4py and the extension on one
+# MPI, and tools/smoke.py (a K-split and a data-parallel product, forward and both gradients,
+# one_sided and allreduce, against numpy) must pass on 2 and 3 ranks. Without mpi4jax the
+# allreduce method runs on osmm_jax's own all-reduce, so that path is exercised too.
+# Logs: OUT/install.log, OUT/report.txt, OUT/smoke-N.log. Exits non-zero on any failure.
+set -euo pipefail
+
+out=$(realpath -m "${1:?usage: $0 OUT [SOURCE]}")
+repo=$(cd "$(dirname "$0")/.." && pwd)
+source_spec=${2:-$repo}
+python=${PYTHON:-python3}
+
+rm -rf "$out"
+mkdir -p "$out"
+# A PATH with the interpreter and the basic tools only: no mpicc/mpicxx from a loaded venv.
+clean_path=/usr/local/bin:/usr/bin:/bin
+for wrapper in mpicc mpicxx; do
+  if PATH=$clean_path command -v "$wrapper" >/dev/null; then
+    echo "note: $wrapper is on the system PATH: the build uses that MPI, not the MPICH wheel"
+  fi
+done
+
+"$python" -m venv "$out/venv"
+start=$(date +%s)
+if ! env -u VIRTUAL_ENV -u MPI_CXX_COMPILER -u MPICXX PATH="$clean_path" \
+  "$out/venv/bin/pip" install --disable-pip-version-check "$source_spec" >"$out/install.log" 2>&1; then
+  tail -20 "$out/install.log"
+  echo "pip install $source_spec: FAILED (log: $out/install.log)"
+  exit 1
+fi
+echo "pip install $source_spec: $(($(date +%s) - start)) s"
+
+cd "$out"  # never import the checkout's sources
+run() { env -u VIRTUAL_ENV PATH="$out/venv/bin:$clean_path" "$@"; }
+run python -m osmm_jax >"$out/report.txt" 2>&1
+grep -q "mpi4py and the extension use the same MPI library" "$out/report.txt" || {
+  cat "$out/report.txt"
+  echo "python -m osmm_jax: the extension and mpi4py do not share one MPI"
+  exit 1
+}
+grep "osmm_jax 0\|MPI library:\|checksum sums" "$out/report.txt"
+for ranks in 2 3; do
+  if ! run timeout 300 mpiexec -n "$ranks" python "$repo/tools/smoke.py" >"$out/smoke-$ranks.log" 2>&1; then
+    cat "$out/smoke-$ranks.log"
+    echo "smoke test on $ranks ranks: FAILED"
+    exit 1
+  fi
+  tail -1 "$out/smoke-$ranks.log" | sed "s/^/$ranks ranks: /"
+done
