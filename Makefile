@@ -224,6 +224,30 @@ INSTALL_SOURCE ?= $(CURDIR)
 test-install:
 	tools/pip_install_check.sh $(INSTALL_CHECK_OUT) $(INSTALL_SOURCE)
 
+# make dist: the sdist and a manylinux wheel for this CPython whose native part is built for
+# both MPI ABIs (MPICH's and Open MPI's; tools/build_dist.sh), into DIST_DIR. Builds the Open
+# MPI environment first if needed (make install MPI=openmpi, about 6 min the first time).
+# make test-dist: installs that wheel into fresh venvs on a PATH without compiler or CMake and
+# runs the smoke test on 2 and 3 ranks: with the MPICH wheel, with Open MPI, and with the
+# oldest jax/jaxlib the pin admits (DIST_OLD_JAX).
+DIST_DIR ?= dist
+DIST_OLD_JAX ?= 0.10.0
+.PHONY: dist test-dist
+dist:
+	$(MAKE) --no-print-directory install MPI=mpich
+	$(MAKE) --no-print-directory install MPI=openmpi
+	rm -f $(DIST_DIR)/osmm_jax-*
+	tools/build_dist.sh $(DIST_DIR) .venv .venv-openmpi
+
+test-dist:
+	@wheel=$$(ls $(DIST_DIR)/osmm_jax-*.whl 2>/dev/null | head -1); \
+	  [ -n "$$wheel" ] || { echo "no wheel in $(DIST_DIR): run make dist first"; exit 1; }; \
+	  set -e; \
+	  tools/pip_install_check.sh build/dist-check-mpich "$$wheel"; \
+	  SYSTEM_MPI=openmpi MPIEXEC_FLAGS="--oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root)" \
+	    tools/pip_install_check.sh build/dist-check-openmpi "$$wheel"; \
+	  JAX_VERSION=$(DIST_OLD_JAX) tools/pip_install_check.sh build/dist-check-jax-$(DIST_OLD_JAX) "$$wheel"
+
 .PHONY: bench
 bench: install $(HETERO_RANKFILE)
 	@mkdir -p benchmarks/results && rm -f $(BENCH_RAW)

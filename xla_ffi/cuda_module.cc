@@ -99,7 +99,13 @@ nb::dict Registrations() {
 
 }  // namespace
 
-NB_MODULE(_osmm_ffi_cuda, m) {
+// The module's name comes from the build (_osmm_ffi_cuda, or _osmm_ffi_cuda_openmpi for a wheel's
+// second MPI ABI: CMakeLists.txt, OSMM_MPI_ABI).
+#ifndef OSMM_FFI_CUDA_MODULE
+#define OSMM_FFI_CUDA_MODULE _osmm_ffi_cuda
+#endif
+
+NB_MODULE(OSMM_FFI_CUDA_MODULE, m) {
   m.doc() = "Native layer of osmm_jax for XLA:GPU buffers (CUDA).";
   m.def("registrations", &Registrations,
         "Dict of FFI target name -> capsule, for jax.ffi.register_ffi_target (CUDA, api 1).");

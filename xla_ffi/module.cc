@@ -151,7 +151,13 @@ std::string MpiLibraryVersion() {
 
 }  // namespace
 
-NB_MODULE(_osmm_ffi, m) {
+// The module's name comes from the build (_osmm_ffi, or _osmm_ffi_openmpi for a wheel's second
+// MPI ABI: CMakeLists.txt, OSMM_MPI_ABI).
+#ifndef OSMM_FFI_MODULE
+#define OSMM_FFI_MODULE _osmm_ffi
+#endif
+
+NB_MODULE(OSMM_FFI_MODULE, m) {
   m.doc() = "Native layer of osmm_jax: XLA FFI handlers for one-sided MPI transfers.";
   m.def("registrations", &Registrations,
         "Dict of FFI target name -> capsule, for jax.ffi.register_ffi_target (cpu, api 1).");

@@ -27,6 +27,7 @@ def test_the_report_names_every_part_of_the_stack():
     assert "thread level: multiple" in out
     assert "libmpi.so" in out  # the file mpi4py loaded: its soname says the ABI
     assert "handlers registered for: cpu" in out
+    assert "extension module: osmm_jax._src.runtime._osmm_ffi" in out
     assert "mpi4py and the extension use the same MPI library" in out
     assert "OSMM_TIMEOUT=77" in out
     assert "FI_PROVIDER=tcp" in out

@@ -109,6 +109,7 @@ def _native() -> list[str]:
     from osmm_jax._src.runtime import communicators, native  # noqa: F401 - its import checks the MPI
 
     lines = [f"handlers registered for: {', '.join(native.platforms())}"]
+    lines.append(f"extension module: {native.MODULES['cpu'].__name__}")
     lines += [f"not available for {p}: {why}" for p, why in native.UNAVAILABLE.items()]
     lines.append(f"extension's MPI: {native.mpi_library_version().strip().splitlines()[0]}")
     # communicators checks this at import: a mismatch makes this section unavailable, saying so.

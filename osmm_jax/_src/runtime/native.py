@@ -13,13 +13,17 @@ overlapping). This module registers them with XLA, per platform, at import: the 
 always, the CUDA ones when their module loads (if it does not, the reason is logged and kept
 in :data:`UNAVAILABLE`; everything on the CPU works as before).
 
-It deliberately does not import mpi4py: the extensions link the same ``libmpi`` that mpi4py
-loads (through their RPATH), and MPI initialisation stays mpi4py's job.
+It does not import mpi4py, except to choose between two builds: the extensions link the same
+``libmpi`` that mpi4py loads (through their RPATH), and MPI initialisation stays mpi4py's job.
+A binary wheel carries one build per MPI ABI (``_osmm_ffi`` for the MPICH ABI, also Intel MPI
+and Cray MPICH; ``_osmm_ffi_openmpi`` for Open MPI, see CMakeLists.txt, ``OSMM_MPI_ABI``), and
+the one that matches the MPI mpi4py loaded is used (:data:`ABI_SUFFIX`).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from types import ModuleType
 
 import jax
@@ -27,8 +31,23 @@ import jax
 from osmm_jax._src import config
 from osmm_jax._src.log import get_logger
 
+
+def _abi_suffix() -> str:
+    """``""``, or ``"_openmpi"`` where this installation also holds a build for Open MPI's ABI
+    and mpi4py loaded Open MPI."""
+    if importlib.util.find_spec(f"{__package__}._osmm_ffi_openmpi") is None:
+        return ""
+    from mpi4py import MPI
+
+    return "_openmpi" if MPI.Get_library_version().startswith("Open MPI") else ""
+
+
+ABI_SUFFIX = _abi_suffix()
+"""The suffix of the extension modules in use: ``""`` (built for the MPI at hand, or the MPICH
+ABI of a wheel) or ``"_openmpi"``."""
+
 try:
-    from osmm_jax._src.runtime import _osmm_ffi
+    _osmm_ffi = importlib.import_module(f"{__package__}._osmm_ffi{ABI_SUFFIX}")
 except ImportError as err:  # pragma: no cover - depends on the build
     raise ImportError(
         "osmm_jax's native extension (osmm_jax._src.runtime._osmm_ffi) is missing or failed to load "
@@ -57,7 +76,10 @@ REGION_B: int = _osmm_ffi.REGION_B
 # -- per-platform registration ------------------------------------------------------------------
 
 # JAX lowering platform -> (extension module, XLA platform name for register_ffi_target).
-_PLATFORMS = {"cpu": ("_osmm_ffi", "cpu"), "cuda": ("_osmm_ffi_cuda", "CUDA")}
+_PLATFORMS = {
+    "cpu": (f"_osmm_ffi{ABI_SUFFIX}", "cpu"),
+    "cuda": (f"_osmm_ffi_cuda{ABI_SUFFIX}", "CUDA"),
+}
 XLA_PLATFORMS = {platform: xla for platform, (_, xla) in _PLATFORMS.items()}
 """The XLA platform name each lowering platform's targets are registered under."""
 
