@@ -62,7 +62,7 @@ def _mpi() -> list[str]:
         MPI.THREAD_SERIALIZED: "serialized",
         MPI.THREAD_MULTIPLE: "multiple",
     }
-    library = MPI.Get_library_version().strip().splitlines()[0]
+    library = MPI.Get_library_version().strip("\x00 \n").splitlines()[0]
     return [
         f"mpi4py {mpi4py.__version__}, MPI standard {'.'.join(map(str, MPI.Get_version()))}",
         f"MPI library: {library}",
@@ -111,7 +111,9 @@ def _native() -> list[str]:
     lines = [f"handlers registered for: {', '.join(native.platforms())}"]
     lines.append(f"extension module: {native.MODULES['cpu'].__name__}")
     lines += [f"not available for {p}: {why}" for p, why in native.UNAVAILABLE.items()]
-    lines.append(f"extension's MPI: {native.mpi_library_version().strip().splitlines()[0]}")
+    # Open MPI's version string ends in a NUL.
+    ours = native.mpi_library_version().strip("\x00 \n").splitlines()[0]
+    lines.append(f"extension's MPI: {ours}")
     # communicators checks this at import: a mismatch makes this section unavailable, saying so.
     lines.append("mpi4py and the extension use the same MPI library")
     if "cuda" in native.MODULES:
