@@ -93,3 +93,39 @@ def test_a_single_rank_notebook_kernel_is_told_once_how_to_get_more_ranks():
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("single MPI rank") == 1
     assert "ipyparallel.Cluster(engines='mpi'" in result.stderr
+
+
+@pytest.mark.skipif(not MPIEXEC.exists(), reason="needs the venv's mpiexec")
+def test_everything_runs_without_mpi4jax_on_osmm_jaxs_own_effect_and_all_reduce():
+    """What a plain ``pip install osmm_jax`` (no mpi4jax extra) gives: osmm_jax's own ordered
+    effect, and its own all-reduce for the allreduce method and checksum verification. The
+    smoke test (both methods, forward and both gradients) and a verified product on 2 ranks."""
+    code = textwrap.dedent("""
+        import runpy, sys
+        sys.modules["mpi4jax"] = None  # as if not installed: importing it raises ImportError
+        import jax, numpy as np
+        from mpi4py import MPI
+        import osmm_jax as om
+        from osmm_jax._src import compat
+        assert not compat.HAVE_MPI4JAX and str(compat.ordered_effect) == "OrderedOsmmMPI"
+        sys.argv = ["smoke.py"]
+        try:
+            runpy.run_path("tools/smoke.py", run_name="__main__")
+        except SystemExit as end:
+            assert not end.code, f"smoke test exit status {end.code}"
+        rank = MPI.COMM_WORLD.Get_rank()
+        plan = om.plan(om.Layout.cols((12, 10)), om.Layout.rows((10, 8)), om.Layout.rows((12, 8)))
+        rng = np.random.default_rng(0)
+        a, b = rng.standard_normal((12, 10)), rng.standard_normal((10, 8))
+        verified = jax.jit(lambda x, y: om.matmul(x, y, plan, verify=True))
+        c = verified(plan.a.shard(a, rank), plan.b.shard(b, rank))
+        np.testing.assert_allclose(np.asarray(c), plan.c.shard(a @ b, rank), rtol=1e-4, atol=1e-4)
+        assert "mpi4jax" not in [m for m in sys.modules if sys.modules[m] is not None]
+        print("verified product: ok", flush=True)
+    """)
+    result = _run(
+        [str(MPIEXEC), "-n", "2", sys.executable, "-c", code], env={"JAX_PLATFORMS": "cpu"}
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "smoke test: passed" in result.stdout, result.stdout
+    assert result.stdout.count("verified product: ok") == 2, result.stdout
