@@ -228,10 +228,12 @@ test-install:
 # both MPI ABIs (MPICH's and Open MPI's; tools/build_dist.sh), into DIST_DIR. Builds the Open
 # MPI environment first if needed (make install MPI=openmpi, about 6 min the first time).
 # make test-dist: installs that wheel into fresh venvs on a PATH without compiler or CMake and
-# runs the smoke test on 2 and 3 ranks: with the MPICH wheel, with Open MPI, and with the
-# oldest jax/jaxlib the pin admits (DIST_OLD_JAX).
+# runs the smoke test on 2 and 3 ranks: with the MPICH wheel, with Open MPI, with the
+# oldest jax/jaxlib the pin admits (DIST_OLD_JAX), and with Intel MPI (DIST_IMPI: impi-rt
+# 2021.15 bundles its libfabric; later impi-rt wheels need a `libfabric` wheel).
 DIST_DIR ?= dist
 DIST_OLD_JAX ?= 0.10.0
+DIST_IMPI ?= impi-rt==2021.15.0
 .PHONY: dist test-dist
 dist:
 	$(MAKE) --no-print-directory install MPI=mpich
@@ -246,7 +248,8 @@ test-dist:
 	  tools/pip_install_check.sh build/dist-check-mpich "$$wheel"; \
 	  SYSTEM_MPI=openmpi MPIEXEC_FLAGS="--oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root)" \
 	    tools/pip_install_check.sh build/dist-check-openmpi "$$wheel"; \
-	  JAX_VERSION=$(DIST_OLD_JAX) tools/pip_install_check.sh build/dist-check-jax-$(DIST_OLD_JAX) "$$wheel"
+	  JAX_VERSION=$(DIST_OLD_JAX) tools/pip_install_check.sh build/dist-check-jax-$(DIST_OLD_JAX) "$$wheel"; \
+	  SYSTEM_MPI='$(DIST_IMPI)' tools/pip_install_check.sh build/dist-check-impi "$$wheel"
 
 .PHONY: bench
 bench: install $(HETERO_RANKFILE)
