@@ -50,10 +50,10 @@ try:
     _osmm_ffi = importlib.import_module(f"{__package__}._osmm_ffi{ABI_SUFFIX}")
 except ImportError as err:  # pragma: no cover - depends on the build
     raise ImportError(
-        "osmm_jax's native extension (osmm_jax._src.runtime._osmm_ffi) is missing or failed to load "
-        f"({err}). Build it with `make install` in the repository root (or `pip install "
-        "--no-build-isolation -e .` in an environment with jax, nanobind, scikit-build-core, "
-        "mpi4py and an MPI); `python -m osmm_jax` reports what this environment has."
+        f"osmm_jax's native extension (osmm_jax._src.runtime._osmm_ffi{ABI_SUFFIX}) is missing "
+        f"or failed to load ({err}). Reinstall osmm_jax (`pip install <checkout or wheel>`, or "
+        "`make install` in the repository root); `python -m osmm_jax` reports what this "
+        "environment has."
     ) from err
 
 _log = get_logger(__name__)
