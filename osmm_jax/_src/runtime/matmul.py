@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from osmm_jax._src import config, dtypes
+from osmm_jax._src.compat import HAVE_MPI4JAX
 from osmm_jax._src.planning.plan import Plan, backward_plans
 from osmm_jax._src.planning.records import PlanFacts, combine_facts
 from osmm_jax._src.runtime import allreduce, checksum, communicators, metrics, one_sided, watchdog
@@ -166,7 +167,10 @@ def _adopt_facts(plan: Plan, options: _Options, shared: list[tuple[PlanFacts, ..
 
 
 def _resolve_options(method, verify, chunk_bytes, sync, network: bool) -> _Options:
-    """The options of one product: the arguments, or the ``OSMM_*`` defaults (config.py)."""
+    """The options of one product: the arguments, or the ``OSMM_*`` defaults (config.py).
+    ``OSMM_ALLREDUCE`` is only checked here, with the other variables, so that a bad value is
+    agreed on before any MPI traffic; primitives.allreduce_sum reads it where it is used."""
+    config.allreduce_implementation(HAVE_MPI4JAX)
     return _Options(
         config.resolve_method(method),
         config.resolve_verify(verify),

@@ -161,6 +161,7 @@ def test_a_traced_operand_of_the_wrong_shape_fails_at_trace_time_on_every_rank(m
         ("OSMM_TIMEOUT", "-1"),
         ("OSMM_TIMEOUT", "nan"),
         ("OSMM_ON_TIMEOUT", "retry"),
+        ("OSMM_ALLREDUCE", "nccl"),
     ],
 )
 def test_a_garbage_variable_on_one_rank_is_an_error_on_every_rank(monkeypatch, name, text):
