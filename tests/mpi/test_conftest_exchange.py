@@ -17,10 +17,9 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from jobs import job_environment
+from jobs import MPIEXEC, job_environment, mpiexec
 
 HERE = Path(__file__).resolve().parent
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 pytestmark = [
     pytest.mark.ranks(1, reason="it starts a job of 2 ranks of its own"),
@@ -120,7 +119,7 @@ def _run_job(tmp_path: Path) -> subprocess.CompletedProcess:
     (cases / "conftest.py").write_text(RECORDER)
     (cases / "test_cases.py").write_text(CASES)
     env = job_environment()
-    args = [str(MPIEXEC), "-n", "2", sys.executable, str(HERE / "run.py"), "cases", "-q"]
+    args = [*mpiexec(2), sys.executable, str(HERE / "run.py"), "cases", "-q"]
     args += ["-p", "no:cacheprovider", "--timeout=20", "--timeout-method=thread"]
     return subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
 

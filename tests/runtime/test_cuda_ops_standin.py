@@ -22,7 +22,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from jobs import MPIEXEC, REPO, job_environment, run_job
+from jobs import MPIEXEC, REPO, job_environment, mpiexec, run_job
 
 NATIVE = REPO / "tests" / "native"
 MPICXX = MPIEXEC.parent / "mpicxx"
@@ -91,7 +91,7 @@ def driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _run(driver: Path, ranks: int, **settings: str) -> str:
     """Run the driver on ``ranks`` ranks; its summary line (rank 0's)."""
     env = job_environment(drop=("OSMM_",), **settings)
-    ended = run_job([str(MPIEXEC), "-n", str(ranks), str(driver)], env, RUN_TIMEOUT)
+    ended = run_job([*mpiexec(ranks), str(driver)], env, RUN_TIMEOUT)
     assert ended.status == 0, f"status {ended.status}\n{ended.stdout}\n{ended.stderr}"
     return ended.stdout.strip().splitlines()[-1]
 

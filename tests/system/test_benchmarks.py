@@ -13,8 +13,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from jobs import MPIEXEC, mpiexec
 
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
 REPO = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason="needs the venv's mpiexec")
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason="needs the venv's m
 
 def _mpirun(n: int, module: str, *args: str) -> str:
     result = subprocess.run(
-        [str(MPIEXEC), "-n", str(n), sys.executable, "-m", module, *args],
+        [*mpiexec(n), sys.executable, "-m", module, *args],
         capture_output=True,
         text=True,
         timeout=300,

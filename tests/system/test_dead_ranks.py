@@ -34,7 +34,7 @@ import sys
 from dataclasses import dataclass
 
 import pytest
-from jobs import MPIEXEC, REPO, job_environment, run_job
+from jobs import MPIEXEC, REPO, job_environment, mpiexec, run_job
 
 PROGRAM = REPO / "tests" / "failure_programs" / "dead_rank.py"
 LIMIT_S = 30.0  # from the death to the end of the job
@@ -65,9 +65,7 @@ def _job(how: str, where: str) -> Job:
     """Run the job once per case (the tests below look at different sides of its end). A job
     still running after HARD_TIMEOUT_S is killed, mpiexec and ranks alike."""
     env = job_environment(JAX_PLATFORMS="cpu")
-    end = run_job(
-        [str(MPIEXEC), "-n", "3", sys.executable, str(PROGRAM), how, where], env, HARD_TIMEOUT_S
-    )
+    end = run_job([*mpiexec(3), sys.executable, str(PROGRAM), how, where], env, HARD_TIMEOUT_S)
     stdout, stderr, status, ended = end.stdout, end.stderr, end.status, end.ended
     death = _DEATH.search(stderr)
     elapsed = ended - float(death.group(1)) if death and ended is not None else None

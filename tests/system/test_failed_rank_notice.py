@@ -19,7 +19,7 @@ import re
 import sys
 
 import pytest
-from jobs import MPIEXEC, REPO, job_environment, run_job
+from jobs import MPIEXEC, REPO, job_environment, mpiexec, run_job
 
 PROGRAM = REPO / "tests" / "failure_programs" / "failing_rank.py"
 TIMEOUT_S = 60  # OSMM_TIMEOUT: the notice must end the job long before it
@@ -38,7 +38,7 @@ _REASON = "RuntimeError: rank 2 gives up between products"
 @functools.cache
 def _job(how: str, **settings: str):
     env = job_environment(**{"JAX_PLATFORMS": "cpu", "OSMM_TIMEOUT": str(TIMEOUT_S), **settings})
-    end = run_job([str(MPIEXEC), "-n", "3", sys.executable, str(PROGRAM), how], env, HARD_TIMEOUT_S)
+    end = run_job([*mpiexec(3), sys.executable, str(PROGRAM), how], env, HARD_TIMEOUT_S)
     failure = _FAILURE.search(end.stderr)
     assert failure, f"rank 2 never got to fail (status {end.status}):\n{end.stderr[-4000:]}"
     elapsed = end.ended - float(failure.group(1)) if end.ended is not None else None

@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 
 import pytest
-from jobs import MPIEXEC, REPO, job_environment, run_job
+from jobs import MPIEXEC, REPO, job_environment, mpiexec, run_job
 
 PROGRAM = REPO / "tests" / "failure_programs" / "out_of_step.py"
 TIMEOUT_S = 5.0  # OSMM_TIMEOUT of the jobs
@@ -46,7 +46,7 @@ def _job(scenario: str, sync: str = "fence", allreduce: str = "auto") -> Job:
         OSMM_SYNC=sync,
         OSMM_ALLREDUCE=allreduce,
     )
-    command = [str(MPIEXEC), "-n", "3", sys.executable, str(PROGRAM), scenario]
+    command = [*mpiexec(3), sys.executable, str(PROGRAM), scenario]
     end = run_job(command, env, HARD_TIMEOUT_S)
     ready = [float(t) for t in _READY.findall(end.stderr)]
     elapsed = end.ended - min(ready) if ready and end.ended is not None else None

@@ -9,8 +9,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from jobs import MPIEXEC, mpiexec
 
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -69,7 +69,7 @@ def test_program_exits_cleanly_after_one_sided_products():
         assert om.stats()["windows"] >= 1
         print("done", rank)
     """)
-    result = _run([str(MPIEXEC), "-n", "2", sys.executable, "-c", code])
+    result = _run([*mpiexec(2), sys.executable, "-c", code])
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("done") == 2
     noise = [
@@ -123,9 +123,7 @@ def test_everything_runs_without_mpi4jax_on_osmm_jaxs_own_effect_and_all_reduce(
         assert "mpi4jax" not in [m for m in sys.modules if sys.modules[m] is not None]
         print("verified product: ok", flush=True)
     """)
-    result = _run(
-        [str(MPIEXEC), "-n", "2", sys.executable, "-c", code], env={"JAX_PLATFORMS": "cpu"}
-    )
+    result = _run([*mpiexec(2), sys.executable, "-c", code], env={"JAX_PLATFORMS": "cpu"})
     assert result.returncode == 0, result.stdout + result.stderr
     assert "smoke test: passed" in result.stdout, result.stdout
     assert result.stdout.count("verified product: ok") == 2, result.stdout

@@ -9,13 +9,13 @@ import json
 import sys
 
 import pytest
-from jobs import MPIEXEC, job_environment, run_job
+from jobs import MPIEXEC, job_environment, mpiexec, run_job
 
 pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason="needs the venv's mpiexec")
 
 
 def test_every_case_times_both_modes_and_the_all_reduce():
-    command = [str(MPIEXEC), "-n", "2", sys.executable, "-m", "benchmarks.sync"]
+    command = [*mpiexec(2), sys.executable, "-m", "benchmarks.sync"]
     command += ["--cases", "k_split:16,dp_grad:16,mlp", "--repeats", "2"]
     end = run_job(command, job_environment(drop=("OSMM_",), JAX_PLATFORMS="cpu"), 300)
     assert end.status == 0, end.stdout + end.stderr

@@ -13,7 +13,7 @@ from __future__ import annotations
 import sys
 
 import pytest
-from jobs import MPIEXEC, REPO, job_environment, run_job
+from jobs import MPIEXEC, REPO, job_environment, mpiexec, run_job
 
 PROGRAM = REPO / "examples" / "train_lm.py"
 HARD_TIMEOUT_S = 300.0  # a loaded 2-core machine compiles 3 ranks slowly
@@ -29,7 +29,7 @@ def _run(ranks: int, mode: str) -> str:
     speeds = ",".join(["1", "1", "2"][:ranks] if ranks == 3 else ["1"] * ranks)
     command = [sys.executable, str(PROGRAM), "--mode", mode, "--speeds", speeds, *TINY]
     if ranks > 1:
-        command = [str(MPIEXEC), "-n", str(ranks), *command]
+        command = [*mpiexec(ranks), *command]
     end = run_job(command, env, HARD_TIMEOUT_S, merge_stderr=True)
     if end.status is None:
         pytest.fail(f"still running after {HARD_TIMEOUT_S:.0f} s:\n{end.stdout}")
