@@ -8,9 +8,13 @@ planning/test_work.py, test_random_products.py, test_soak.py and tests/multihost
 
 from __future__ import annotations
 
+import itertools
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from mpi4py import MPI
 
 import osmm_jax as om
@@ -29,6 +33,27 @@ SAMPLE_KINDS = [
     ("grid", "grid", "grid"),
     ("replicated", "cols", "replicated"),
 ]
+
+# OSMM_TEST_ALL_COMBOS=1: every combination on every rank count (see layout_combos).
+ALL_COMBOS = os.environ.get("OSMM_TEST_ALL_COMBOS", "0") == "1"
+
+
+def layout_combos():
+    """Every (A, B, C) triple of KINDS, as pytest parameters named "rows-cols-grid".
+
+    On 4 ranks only the triples with a 2-D grid run: a 2x2 grid is the one layout 4 ranks
+    change; rows, columns and replicas on 4 ranks take the paths 3 ranks already take (uneven
+    blocks, an empty one, several origins per target), and 4 oversubscribed ranks are the
+    slowest run of the suite. ``OSMM_TEST_ALL_COMBOS=1`` runs every triple everywhere.
+    """
+    params = []
+    for kinds in itertools.product(KINDS, KINDS, KINDS):
+        marks = ()
+        if "grid" not in kinds and not ALL_COMBOS:
+            why = "without a 2-D grid 4 ranks repeat 3 ranks' paths; OSMM_TEST_ALL_COMBOS=1 runs it"
+            marks = (pytest.mark.ranks(1, 2, 3, reason=why),)
+        params.append(pytest.param(kinds, marks=marks, id="-".join(kinds)))
+    return params
 
 
 def uneven_weights(n: int, shift: int = 0):
