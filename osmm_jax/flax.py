@@ -125,17 +125,9 @@ bit-identical, and the details: docs/design.md ("The Flax layers"). Needs Flax
 
 from __future__ import annotations
 
-# Flax first: without it this import fails here, with how to install it (the layers behind
-# these names import Flax at their top).
-try:
-    import flax.linen  # noqa: F401
-    import jax.numpy  # noqa: F401
-    from flax import nnx  # noqa: F401
-except ImportError as exc:  # pragma: no cover - depends on the installation
-    raise ImportError(
-        "osmm_jax.flax needs Flax: pip install 'osmm_jax[flax]' (flax and optax)"
-    ) from exc
-
+# Flax first: without it, or with one too old for the layers, this import fails here saying
+# how to install it (the layers behind these names import Flax at their top).
+from osmm_jax._src.nn import flax_requirement  # noqa: F401, I001 - before the layers
 from osmm_jax._src.nn.distributed_dot import dot_general
 from osmm_jax._src.nn.grad_summing import grad, summed_paths, sync_grads, value_and_grad
 from osmm_jax._src.nn.linen_layers import ColumnParallelDense, Dense, RowParallelDense

@@ -13,6 +13,7 @@ an ordered effect of its own.
 
 from __future__ import annotations
 
+import jax
 from jax._src import core, dispatch, effects
 from jax._src.dispatch import apply_primitive
 from jax._src.interpreters import ad, mlir, partial_eval
@@ -42,6 +43,23 @@ except ImportError:
     ordered_effect = OrderedMPIEffect()
 
 abstract_token = core.abstract_token
+
+
+def _keep_custom_vmap_effects() -> None:
+    """Make ``jax.custom_batching.custom_vmap`` keep the effects of the function it wraps, as
+    it does from jax 0.8.2 on. Before, its abstract evaluation dropped them: a jitted program
+    whose only ordered effects sit inside a custom_vmap (every osmm_jax product) got no token
+    for them, and lowering failed with a ``KeyError`` on the effect."""
+    if jax.__version_info__ >= (0, 8, 2):
+        return
+    from jax._src import custom_batching
+
+    custom_batching.custom_vmap_p.def_effectful_abstract_eval(
+        lambda *in_avals, call, **_: (call.out_avals, call.effects)
+    )
+
+
+_keep_custom_vmap_effects()
 
 
 def get_token_effect(ctx, effect):

@@ -6,9 +6,11 @@ import importlib.util
 import sys
 from pathlib import Path
 
-import flax.linen as nn
 import pytest
 from mpi4py import MPI
+
+pytest.importorskip("osmm_jax.flax", exc_type=ImportError)
+import flax.linen as nn  # noqa: E402
 
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_mlp.py"

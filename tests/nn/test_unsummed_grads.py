@@ -13,6 +13,9 @@ import warnings
 import pytest
 
 flax = pytest.importorskip("flax")
+om_flax = pytest.importorskip(
+    "osmm_jax.flax", exc_type=ImportError
+)  # Flax new enough for the layers
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -20,7 +23,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from osmm_jax import flax as om_flax  # noqa: E402
 from osmm_jax._src.nn import unsummed_grads  # noqa: E402
 
 X = jnp.arange(16.0).reshape(4, 4) / 16

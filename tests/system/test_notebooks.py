@@ -111,7 +111,7 @@ def kernel_environment(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", NOTEBOOKS)
 def test_notebook_runs_top_to_bottom(name, kernel_environment):
     if name in NEEDS_FLAX:
-        pytest.importorskip("flax")
+        pytest.importorskip("osmm_jax.flax", exc_type=ImportError)
         pytest.importorskip("optax")
     nb = nbformat.read(NOTEBOOKS_DIR / name, as_version=4)
     client = nbclient.NotebookClient(

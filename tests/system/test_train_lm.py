@@ -20,7 +20,7 @@ HARD_TIMEOUT_S = 300.0  # a loaded 2-core machine compiles 3 ranks slowly
 TINY = ["--check", "--steps", "3", "--batch", "6", "--context", "8", "--d", "16", "--heads", "4"]
 TINY += ["--layers", "1", "--chars", "4000"]
 
-pytest.importorskip("flax")
+pytest.importorskip("osmm_jax.flax", exc_type=ImportError)
 pytest.importorskip("optax")
 
 

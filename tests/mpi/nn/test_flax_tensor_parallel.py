@@ -30,7 +30,8 @@ import pytest
 from flax import nnx
 from mpi4py import MPI
 
-from osmm_jax import flax as om_flax
+# The library's own gate (a Flax too old for its layers) is the skip reason.
+om_flax = pytest.importorskip("osmm_jax.flax", exc_type=ImportError)
 
 RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
 IN, HID, OUT, ROWS = 4, 6, 3, 2
