@@ -94,6 +94,7 @@ def run_job(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE,
         text=True,
+        errors="replace",  # a job's output is diagnostics: bytes that are not UTF-8 must not end it
         start_new_session=True,
     )
     try:
