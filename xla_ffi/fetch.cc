@@ -131,6 +131,7 @@ ffi::Error Fetch(BufferOps& ops, ffi::AnyBuffer a, ffi::AnyBuffer b,
   const int peer_rank = (rank + 1) % call.size;
   int peer_rc = MPI_SUCCESS;
   if (call.size > 1) {
+    RmaIssueStep issuing(private_comm);
     peer_rc = MPI_Get(peer, 2, MPI_INT64_T, peer_rank, lease.header_disp(), 2, MPI_INT64_T,
                       lease.header_win());
   }
@@ -143,6 +144,7 @@ ffi::Error Fetch(BufferOps& ops, ffi::AnyBuffer a, ffi::AnyBuffer b,
     const int64_t region = r.kind == kRegionA ? 0 : b_offset;
     const MPI_Aint disp = static_cast<MPI_Aint>(region + (r.row0 * r.ld + r.col0) * itemsize);
     std::byte* origin = dest + r.offset * itemsize;
+    RmaIssueStep issuing(private_comm);
     // Byte-based: any element type moves the same way.
     rma_rc = IssueRect(r.rows, r.cols * itemsize, r.ld * itemsize, 1, disp, MPI_BYTE,
                        [&](int64_t origin_bytes, int64_t count, MPI_Aint target_disp,

@@ -66,6 +66,7 @@ int64_t ReadEntry(const NotifiedReduce& n, int64_t index) {
 // until the operation completes.
 ffi::Error WriteEntry(const NotifiedReduce& n, int rank, int64_t index, int64_t value,
                       int64_t* buffer, const char* what) {
+  RmaIssueStep issuing(n.comm);
   if (int rc = MPI_Win_flush_local(rank, n.sync_win); rc != MPI_SUCCESS) {
     return MpiError(rc, what);
   }
@@ -89,6 +90,7 @@ ffi::Error TargetProgress(NotifiedReduce& n, size_t i, int64_t needed, int64_t* 
   }
   int64_t remote = 0;
   const MPI_Aint disp = static_cast<MPI_Aint>(2 * n.size * 8);
+  RmaIssueStep issuing(n.comm);
   int rc = MPI_Fetch_and_op(nullptr, &remote, MPI_INT64_T, static_cast<int>(target), disp,
                             MPI_NO_OP, n.sync_win);
   if (rc == MPI_SUCCESS) rc = MPI_Win_flush(static_cast<int>(target), n.sync_win);
@@ -112,7 +114,10 @@ ffi::Error Advance(NotifiedReduce& n, SyncState& state, int64_t value,
   if (ffi::Error err = WriteEntry(n, n.rank, 2 * n.size, value, &state.own, what); err.failure()) {
     return err;
   }
-  if (int rc = MPI_Win_flush(n.rank, n.sync_win); rc != MPI_SUCCESS) return MpiError(rc, what);
+  {
+    RmaIssueStep issuing(n.comm);
+    if (int rc = MPI_Win_flush(n.rank, n.sync_win); rc != MPI_SUCCESS) return MpiError(rc, what);
+  }
   for (int64_t origin : origins) {
     const size_t o = static_cast<size_t>(origin);
     if (ffi::Error err = WriteEntry(n, static_cast<int>(origin), n.size + n.rank, value,
@@ -379,6 +384,7 @@ struct Deliveries {
     }
     // Every delivery complete at its target before any stamp: one flush waits for them all.
     if (!ready.empty()) {
+      RmaIssueStep issuing(n.comm);
       const int rc = ready.size() == 1
                          ? MPI_Win_flush(static_cast<int>(n.spec.targets[ready[0]]), n.slot_win)
                          : MPI_Win_flush_all(n.slot_win);

@@ -136,6 +136,7 @@ std::string IssueRecord(const ReduceEpoch& epoch, int64_t i, const std::byte* ch
   const std::byte* origin = chunk + r.offset * itemsize;
   MPI_Aint disp = static_cast<MPI_Aint>((r.row0 * r.ld + r.col0) * itemsize);
   if (epoch.notified != nullptr) disp += SlotDisplacement(*epoch.notified, r.target);
+  RmaIssueStep issuing(epoch.private_comm);
   const int rc = IssueRect(
       r.rows, r.cols, r.ld, itemsize, disp, epoch.mpi_type,
       [&](int64_t origin_units, int64_t count, MPI_Aint target_disp, MPI_Datatype target_type,
@@ -410,6 +411,7 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
   call_scope.Release();
   if (open->size > 1 && open->notified == nullptr) {
     // The next rank's header, to check at the finish that it runs this call too.
+    RmaIssueStep issuing(open->private_comm);
     open->peer_rc = MPI_Get(open->peer, 2, MPI_INT64_T, (open->rank + 1) % open->size,
                             open->header_disp, 2, MPI_INT64_T, open->header_win);
   }
@@ -549,6 +551,7 @@ ffi::Error CloseAbandonedReduce(BufferOps& ops, uint64_t comm_key) {
   const MPI_Aint disp = epoch->header_disp + 8 * WindowHeader::kAbandoned;
   for (int target = 0; target < epoch->size && rc == MPI_SUCCESS; ++target) {
     if (target == epoch->rank) continue;
+    RmaIssueStep issuing(epoch->private_comm);
     rc = MPI_Accumulate(&marker, 1, MPI_INT64_T, target, disp, 1, MPI_INT64_T, MPI_REPLACE,
                         epoch->header_win);
   }

@@ -50,6 +50,7 @@ enum class Step : int64_t {
   kInGraph = 9,        // a collective inside the XLA program that osmm_jax brackets (Watch)
   kNotifyWait = 10,    // a notified reduce: waiting for deliveries, or for a target's slots
   kAllreduce = 11,     // osmm_allreduce: the native all-reduce (MPI_Iallreduce)
+  kRmaIssue = 12,      // an MPI_Put/Get/Accumulate call (RmaIssueStep)
 };
 
 // What kind of call a rank is in. Published in the status record: values are stable.
@@ -100,6 +101,12 @@ class CallScope {
 void EnterStep(Step step, MPI_Comm comm, bool bounded = false);
 void LeaveStep();
 
+// Marks this rank as in `step` on `comm` only if it is in no step now; returns whether it
+// did. LeaveStepIf(step) then clears it only if no other step has replaced it since. For
+// calls that may run on the issue thread while the calling thread is in a step of its own.
+bool TryEnterStep(Step step, MPI_Comm comm);
+void LeaveStepIf(Step step);
+
 // This rank is blocked in `step` on `comm` (the native layer's private duplicate, or the
 // caller's communicator) from construction to destruction. `bounded`: the caller waits with
 // a deadline of its own (raise mode), so the watchdog thread leaves that step to it.
@@ -109,6 +116,25 @@ class BlockingStep {
   ~BlockingStep() { LeaveStep(); }
   BlockingStep(const BlockingStep&) = delete;
   BlockingStep& operator=(const BlockingStep&) = delete;
+};
+
+// An RMA call (MPI_Put, MPI_Get, MPI_Accumulate, MPI_Fetch_and_op) on `comm`, watched from
+// construction to destruction when this rank is in no other step. Such calls return at once
+// on MPICH and Intel MPI, but Open MPI's osc/rdma over a network without RDMA atomics (its
+// TCP BTL) takes a lock at the target for every accumulate and waits inside the call until
+// the target's own MPI progress grants it: a target that died, stopped or left the network
+// would hold this rank there unseen. Never bounded: raise mode cannot interrupt an MPI call.
+class RmaIssueStep {
+ public:
+  explicit RmaIssueStep(MPI_Comm comm) : entered_(TryEnterStep(Step::kRmaIssue, comm)) {}
+  ~RmaIssueStep() {
+    if (entered_) LeaveStepIf(Step::kRmaIssue);
+  }
+  RmaIssueStep(const RmaIssueStep&) = delete;
+  RmaIssueStep& operator=(const RmaIssueStep&) = delete;
+
+ private:
+  bool entered_;
 };
 
 // A polling wait for something other ranks do (a flag in a window), as a watched blocking

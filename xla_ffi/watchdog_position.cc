@@ -41,6 +41,28 @@ void EnterStep(Step step, MPI_Comm comm, bool bounded) {
   p.step.store(static_cast<int64_t>(step), std::memory_order_release);
 }
 
+bool TryEnterStep(Step step, MPI_Comm comm) {
+  Progress& p = GlobalProgress();
+  int64_t none = static_cast<int64_t>(Step::kNone);
+  if (p.step.load(std::memory_order_relaxed) != none) return false;
+  // The times first: the watchdog thread reads them once it sees the step.
+  p.step_comm.store(CommKey(comm), std::memory_order_relaxed);
+  p.step_bounded.store(false, std::memory_order_relaxed);
+  p.since_mono_ns.store(watchdog::MonotonicNs(), std::memory_order_relaxed);
+  p.since_wall_ns.store(WallNs(), std::memory_order_relaxed);
+  return p.step.compare_exchange_strong(none, static_cast<int64_t>(step), std::memory_order_release,
+                                        std::memory_order_relaxed);
+}
+
+void LeaveStepIf(Step step) {
+  Progress& p = GlobalProgress();
+  int64_t expected = static_cast<int64_t>(step);
+  if (p.step.compare_exchange_strong(expected, static_cast<int64_t>(Step::kNone),
+                                     std::memory_order_release, std::memory_order_relaxed)) {
+    p.since_wall_ns.store(WallNs(), std::memory_order_relaxed);
+  }
+}
+
 void LeaveStep() {
   Progress& p = GlobalProgress();
   p.step.store(static_cast<int64_t>(Step::kNone), std::memory_order_release);

@@ -47,6 +47,8 @@ const char* StepName(int64_t step) {
       return "a notified reduce (waiting for another rank's deliveries or slots)";
     case Step::kAllreduce:
       return "an osmm_jax all-reduce (MPI_Iallreduce)";
+    case Step::kRmaIssue:
+      return "an RMA call to another rank (MPI_Put/Get/Accumulate; the MPI waits for the target)";
   }
   return "an unknown step";
 }

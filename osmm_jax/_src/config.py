@@ -155,9 +155,10 @@ then sums in ascending rank order (no collective per product; bit-identical resu
 run). ``fence``: every product is bracketed by collective ``MPI_Win_fence`` epochs and partials
 are accumulated in arrival order. Any other value is a ValueError. Default, per communicator:
 ``notify`` when it has ranks on other nodes (1.6-4.9x faster than fences over TCP between 3-4
-hosts, benchmarks/results/sync.md), ``fence`` within one node (the two tie there) and whenever
-``OSMM_CUDA_AWARE=1`` puts the GPU handlers' windows in device memory, which the notified mode
-does not use."""
+hosts, benchmarks/results/sync.md), ``fence`` within one node (the two tie there), under an MPI
+whose accumulates wait for the target (Open MPI: see
+``communicators.accumulates_wait_for_target``) and whenever ``OSMM_CUDA_AWARE=1`` puts the GPU
+handlers' windows in device memory, which the notified mode does not use."""
 
 SYNC_MODES = ("notify", "fence")
 
@@ -166,14 +167,15 @@ CUDA_AWARE = "OSMM_CUDA_AWARE"
 layer; see BUILD.md, "GPUs"). Anything else: host-staged through pinned memory."""
 
 
-def resolve_sync(sync: str | None, network: bool = True) -> str:
+def resolve_sync(sync: str | None, network: bool = True, waiting_accumulates: bool = False) -> str:
     """The synchronisation to use: the argument if given, else ``OSMM_SYNC``, else notify on a
-    communicator with ranks on other nodes (``network``), fence otherwise and under
+    communicator with ranks on other nodes (``network``), fence otherwise, under an MPI whose
+    accumulates wait for the target's progress (``waiting_accumulates``) and under
     ``OSMM_CUDA_AWARE=1``."""
     source = "sync"
     if sync is None:
         aware = os.environ.get(CUDA_AWARE) == "1"
-        default = "notify" if network and not aware else "fence"
+        default = "notify" if network and not aware and not waiting_accumulates else "fence"
         sync = os.environ.get(SYNC, "").strip().lower() or default
         source = SYNC
     if sync not in SYNC_MODES:

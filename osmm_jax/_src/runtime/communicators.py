@@ -14,6 +14,7 @@ same clear error instead of some of them waiting forever in a collective.
 from __future__ import annotations
 
 import atexit
+import functools
 import threading
 
 from mpi4py import MPI
@@ -119,6 +120,18 @@ def uses_network(key: int) -> bool:
     where the notified reduce is the default (config.resolve_sync)."""
     comm_for_key(key)  # a clear error for unknown keys
     return _network[key]
+
+
+@functools.cache
+def accumulates_wait_for_target() -> bool:
+    """Whether this process's MPI may hold an ``MPI_Accumulate`` call until the target rank
+    makes MPI progress: Open MPI, whose osc/rdma, over a network without RDMA atomics (its TCP
+    BTL), takes a lock at the target for every accumulate. The notified reduce then holds a rank
+    that has finished its part of a product, returning its slots' credits, until the ranks it
+    credits call MPI again; one that waits outside MPI for it meanwhile (in another library's
+    collective) never does, so there the fence mode is the default (config.resolve_sync).
+    MPICH and Intel MPI return from an accumulate at once."""
+    return MPI.Get_library_version().startswith("Open MPI")
 
 
 def in_graph_comm(key: int) -> MPI.Intracomm:

@@ -175,7 +175,10 @@ def _resolve_options(method, verify, chunk_bytes, sync, network: bool) -> _Optio
         config.resolve_method(method),
         config.resolve_verify(verify),
         config.resolve_chunk_bytes(chunk_bytes),
-        one_sided.Sync(config.resolve_sync(sync, network), config.slot_budget()),
+        one_sided.Sync(
+            config.resolve_sync(sync, network, communicators.accumulates_wait_for_target()),
+            config.slot_budget(),
+        ),
     )
 
 

@@ -71,7 +71,8 @@ def _issued_as_run(plan) -> int:
     """Bytes this rank's RMA operations move for ``plan`` as the default synchronisation runs
     it: staged (``plan`` counts its gathers too), or a small replicated C summed directly."""
     network = communicators.uses_network(plan.comm_key)
-    sync = one_sided.Sync(config.resolve_sync(None, network), config.slot_budget())
+    waiting = communicators.accumulates_wait_for_target()
+    sync = one_sided.Sync(config.resolve_sync(None, network, waiting), config.slot_budget())
     executed = one_sided.executed_plan(plan, sync)
     return (plan if executed is plan.gather_stage else executed).bytes_issued(8, 8)[RANK]
 
