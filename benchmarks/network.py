@@ -9,23 +9,24 @@ Needs root (network namespaces, tests/multihost/netns.py) and the venv's mpiexec
 Why: over shared memory the origin completes MPI_Accumulate alone; over a network MPICH
 completes it with active messages that the *target* processes inside MPI calls, and a rank
 busy in XLA's GEMMs makes none. Each job is one ``benchmarks.compare_methods`` (or
-``benchmarks.train_step``) run under hydra's mpiexec across the namespaces, over libfabric's
-TCP provider (``MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=eth0``, as
-tests/system/test_multihost.py runs), with ``--peers`` (the mpi4jax all-reduce and JAX's
-NamedSharding / shard_map over gloo are always timed in the same run) and with
-``--progress off,thread``: one_sided with osmm_jax's own progress thread and without it,
-overlap on and off, interleaved in the same rounds (plain ``one_sided`` runs under the
-default ``OSMM_PROGRESS``, ``off``). MPICH's own progress thread
+``benchmarks.train_step``) run across the namespaces by the venv's launcher over TCP, with the
+settings tests/system/test_multihost.py uses for that MPI (tests/multihost/launch.py's
+``Transport``: for MPICH ``MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=eth0``; Open
+MPI's ob1 and TCP BTL with osc/rdma; Intel MPI's libfabric tcp provider), with ``--peers``
+(the mpi4jax all-reduce and JAX's NamedSharding / shard_map over gloo are always timed in the
+same run) and with ``--progress off,thread``: one_sided with osmm_jax's own progress thread
+and without it, overlap on and off, interleaved in the same rounds (plain ``one_sided`` runs
+under the default ``OSMM_PROGRESS``, ``off``). MPICH's own progress thread
 (``MPIR_CVAR_ASYNC_PROGRESS=1``) is process-wide, so it gets a job of its own
-(``--mpich-async``, on the first path only), with osmm_jax's thread off.
+(``--mpich-async``, on the first path only, under MPICH only), with osmm_jax's thread off.
 
 Paths (``--paths``):
 
 ``tcp``
     one rank per emulated host (2 or 3 hosts), all traffic over TCP between namespaces;
 ``nolocal``
-    every rank on one emulated host with ``MPIR_CVAR_NOLOCAL=1``: same-host traffic through
-    the network module too.
+    every rank on one emulated host, same-host traffic through the network module too
+    (MPICH: ``MPIR_CVAR_NOLOCAL=1``).
 
 Cases (``--cases``): ``k_split`` (2 ranks, 2048³: partials of all of C reduced onto row
 owners, the case progress is about), ``ffn_rows`` (3 ranks, 2046 x 2048 x 5504, rows x
@@ -42,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import signal
 import sys
 import tempfile
@@ -55,6 +55,7 @@ sys.path.insert(0, str(REPO / "tests" / "multihost"))
 
 import netns  # noqa: E402
 from jobs import MPIEXEC, job_environment, run_job  # noqa: E402
+from launch import HOST_VARIABLES, MPICH_TCP, TRANSPORT, job_command  # noqa: E402
 
 RESULTS = REPO / "benchmarks" / "results"
 JOB_TIMEOUT_S = 300.0
@@ -70,16 +71,10 @@ CASES = {
     "mlp": (2, "benchmarks.train_step", []),
 }
 PATHS = ("tcp", "nolocal")
-NETWORK = {
-    "MPIR_CVAR_CH4_NETMOD": "ofi",
-    "FI_PROVIDER": "tcp",
-    "FI_TCP_IFACE": "eth0",
-    "JAX_PLATFORMS": "cpu",
-    "OSMM_TIMEOUT": "120",
-}
-# What a job must not inherit from this process: hydra's own variables (job_environment drops
-# them), and network and osmm_jax settings, which each job sets itself.
-_DROP = ("FI_", "UCX_", "OSMM_")
+SETTINGS = {"JAX_PLATFORMS": "cpu", "OSMM_TIMEOUT": "120"}
+# What a job must not inherit from this process: the launcher's own variables (job_environment
+# drops them), and network and osmm_jax settings, which each job sets itself.
+_DROP = HOST_VARIABLES
 
 
 def _interrupt(signum, frame):
@@ -92,28 +87,25 @@ def run_one(
     """One job; returns its record (with ``path`` and ``progress`` added), or None.
     ``extra``: more environment variables for the ranks."""
     ranks, module, args = CASES[case]
-    settings = {**NETWORK, **extra}
+    settings = {**TRANSPORT.settings, **SETTINGS, **extra}
     if path == "nolocal":
-        settings["MPIR_CVAR_NOLOCAL"] = "1"
-        host_list = f"{hosts.addresses[0]}:{ranks}"
+        settings.update(TRANSPORT.no_local)
+        slots = (ranks,)
     else:
-        host_list = ",".join(f"{a}:1" for a in hosts.addresses[:ranks])
+        slots = (1,) * ranks
     args = [*args, "--peers", "--repeats", str(repeats), "--json", str(out)]
     args += ["--label", f"{case} {path} {progress}"]
     if progress == "mpich-async":
         settings.update(MPIR_CVAR_ASYNC_PROGRESS="1", OSMM_PROGRESS="off")
     elif module == "benchmarks.compare_methods":
         args += ["--progress", "off,thread"]
-    mpiexec = [str(MPIEXEC), "-hosts", host_list, "-launcher", "ssh"]
-    mpiexec += ["-launcher-exec", str(netns.LAUNCHER), "-iface", "eth0"]
-    for name, value in settings.items():
-        mpiexec += ["-genv", name, value]
-    mpiexec += ["-n", str(ranks), sys.executable, "-m", module, *args]
     env = job_environment(drop=_DROP, OSMM_NETNS_PREFIX=hosts.prefix, OSMM_NETNS_HOSTNAMES="1")
+    argv = [sys.executable, "-m", module, *args]
     before = len(json.loads(out.read_text())) if out.exists() else 0
     started = time.perf_counter()
-    end = run_job([str(netns.LAUNCHER), hosts.addresses[0], shlex.join(mpiexec)], env, JOB_TIMEOUT_S,
-                  merge_stderr=True)  # fmt: skip
+    with tempfile.TemporaryDirectory() as scratch:
+        command = job_command(hosts, slots, settings, argv, Path(scratch) / "machines")
+        end = run_job(command, env, JOB_TIMEOUT_S, merge_stderr=True)
     took = time.perf_counter() - started
     records = json.loads(out.read_text()) if out.exists() else []
     print(f"{case} over {path}, progress {progress}: status {end.status}, {took:.0f} s", flush=True)
@@ -250,7 +242,7 @@ def main(argv=None) -> int:
     unknown = [c for c in cases if c not in CASES] + [p for p in paths if p not in PATHS]
     if unknown:
         parser.error(f"unknown case or path: {unknown}")
-    mpich = [c for c in args.mpich_async.split(",") if c in cases]
+    mpich = [c for c in args.mpich_async.split(",") if c in cases and TRANSPORT is MPICH_TCP]
     jobs = [(c, p, "default") for c in cases for p in paths]
     # MPICH's thread spins for the whole program: one path shows what it costs.
     jobs += [(c, paths[0], "mpich-async") for c in mpich]

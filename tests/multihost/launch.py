@@ -1,12 +1,14 @@
 """Launching tests/multihost/program.py across emulated hosts (network namespaces made by
-netns.py): hydra's mpiexec (MPICH's or Intel MPI's) runs on host 0 and starts its proxies on
-the others through the ns-launch script in place of ssh, over libfabric's TCP provider (each
-MPI's settings for it: :class:`Transport`). Shared by tests/system/test_multihost.py,
-test_multihost_failures.py and the stress run (stress.py)."""
+netns.py): the venv's launcher (MPICH's or Intel MPI's hydra, Open MPI's prterun) runs on
+host 0 and starts its proxies (daemons) on the others through the ns-launch script in place of
+ssh, and the ranks talk over TCP between the hosts' ``eth0`` (each MPI's settings for it:
+:class:`Transport`). Shared by tests/system/test_multihost.py, test_multihost_failures.py and
+the stress run (stress.py)."""
 
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 import tempfile
@@ -27,14 +29,15 @@ HARD_TIMEOUT_S = 240.0  # per job; a loaded machine needs 100 s for the first
 WATCHDOG_S = 60  # OSMM_TIMEOUT: a stuck MPI step ends the job well before the hard timeout
 
 # Besides the launcher's: the network and osmm_jax settings of this process, which the jobs set.
-HOST_VARIABLES = ("FI_", "UCX_", "OSMM_", "I_MPI_")
+HOST_VARIABLES = ("FI_", "UCX_", "OSMM_", "I_MPI_", "OMPI_MCA_", "PRTE_MCA_")
 INTEL_MPI = (MPIEXEC.parent / "impi_info").exists()
 
 
 @dataclass(frozen=True)
 class Transport:
-    """How the venv's MPI is told to carry traffic between hosts over libfabric's TCP provider
-    on the hosts' ``eth0``, and the line of rank 0's output that proves it did."""
+    """How the venv's MPI is told to carry traffic between hosts over TCP on the hosts'
+    ``eth0`` (environment variables for every rank), and the text of the job's output that
+    proves it did."""
 
     settings: dict[str, str]
     no_local: dict[str, str]  # TCP between the ranks of one host too (no shared memory)
@@ -69,7 +72,22 @@ INTEL_MPI_TCP = Transport(
     no_local={"I_MPI_FABRICS": "ofi"},
     proof="MPI startup(): libfabric provider: tcp",
 )
-TRANSPORT = INTEL_MPI_TCP if INTEL_MPI else MPICH_TCP
+# Open MPI: ob1 over its own TCP BTL (shared memory within a host), and one-sided traffic by
+# osc/rdma, which over TCP moves RMA as active messages through the same BTLs. Its UCX
+# components would see through the namespaces as MPICH's UCX does, so neither is chosen.
+# At btl_base_verbose 1 each rank names the BTL it sends through to each peer, and its node.
+OPEN_MPI_TCP = Transport(
+    settings={
+        "OMPI_MCA_pml": "ob1",
+        "OMPI_MCA_osc": "rdma",
+        "OMPI_MCA_btl": "self,sm,tcp",
+        "OMPI_MCA_btl_tcp_if_include": "eth0",
+        "OMPI_MCA_btl_base_verbose": "1",
+    },
+    no_local={"OMPI_MCA_btl": "self,tcp"},
+    proof="mca: bml: Using tcp btl for send to",
+)
+TRANSPORT = OPEN_MPI_TCP if OPEN_MPI else INTEL_MPI_TCP if INTEL_MPI else MPICH_TCP
 TCP_SUMMARY = TRANSPORT.proof
 
 
@@ -77,10 +95,6 @@ def unavailable() -> str | None:
     """Why jobs cannot be launched across emulated hosts here, or None."""
     if not MPIEXEC.exists():
         return "needs the venv's mpiexec"
-    if OPEN_MPI:
-        return (
-            "the launcher here is hydra's (MPICH, Intel MPI); Open MPI's prterun has no recipe yet"
-        )
     return netns.unavailable_reason()
 
 
@@ -111,18 +125,9 @@ def launch(
         "OSMM_TIMEOUT": str(WATCHDOG_S),
         **dict(genv),
     }
-    # A machine file, "address:ranks" a line: both hydras read it alike (Intel MPI's -hosts
-    # ignores the ":ranks" of a host list, and hands it to the launcher with the address).
     with tempfile.TemporaryDirectory() as scratch:
-        machines = Path(scratch) / "machines"
-        machines.write_text("".join(f"{a}:{n}\n" for a, n in zip(hosts.addresses, slots) if n))
-        mpiexec = [str(MPIEXEC), "-machinefile", str(machines), "-launcher", "ssh"]
-        mpiexec += ["-launcher-exec", str(netns.LAUNCHER), "-iface", "eth0"]
-        for name, value in settings.items():
-            mpiexec += ["-genv", name, value]
-        mpiexec += ["-n", str(sum(slots)), sys.executable, str(program), *program_args]
-        # mpiexec itself runs on host 0, started the way the launcher starts the other hosts.
-        command = [str(netns.LAUNCHER), hosts.addresses[0], shlex.join(mpiexec)]
+        argv = [sys.executable, str(program), *program_args]
+        command = job_command(hosts, slots, settings, argv, Path(scratch) / "machines")
         started = time.perf_counter()
         end = run_job(command, env, timeout, merge_stderr=True)
     status, output = end.status, end.stdout
@@ -133,3 +138,43 @@ def launch(
         took += f"; per rank: imports {result['import_seconds']} s, products {result['product_seconds']} s"
     print(f"{' '.join(program_args)}: status {status}, {took}")
     return status, output, result
+
+
+def job_command(hosts, slots, settings: dict[str, str], argv: list[str], machines: Path):
+    """The command that runs ``argv`` on ``slots[i]`` ranks of host ``i`` with the venv's
+    launcher, ``settings`` in every rank's environment (``machines``: where to write the host
+    file). The launcher itself runs on host 0, started the way it starts the other hosts."""
+    build = _prterun_command if OPEN_MPI else _hydra_command
+    mpiexec = [*build(hosts, slots, machines, settings), "-n", str(sum(slots)), *argv]
+    return [str(netns.LAUNCHER), hosts.addresses[0], shlex.join(mpiexec)]
+
+
+def _hydra_command(hosts, slots, machines: Path, settings: dict[str, str]) -> list[str]:
+    """MPICH's or Intel MPI's mpiexec, up to ``-n``. A machine file, "address:ranks" a line:
+    both hydras read it alike (Intel MPI's -hosts ignores the ":ranks" of a host list)."""
+    machines.write_text("".join(f"{a}:{n}\n" for a, n in zip(hosts.addresses, slots) if n))
+    command = [str(MPIEXEC), "-machinefile", str(machines), "-launcher", "ssh"]
+    command += ["-launcher-exec", str(netns.LAUNCHER), "-iface", "eth0"]
+    for name, value in settings.items():
+        command += ["-genv", name, value]
+    return command
+
+
+def _prterun_command(hosts, slots, machines: Path, settings: dict[str, str]) -> list[str]:
+    """Open MPI's mpiexec (prterun), up to ``-n``: a host file, "address slots=ranks" a line;
+    its daemons started by ns-launch in place of ssh (PRRTE's ``plm_ssh_agent``), reaching back
+    over ``eth0`` and declared lost within seconds of silence; the ranks left unbound, as hydra leaves them (Open MPI binds each to
+    a core of its own by default, and the speed cache's keys count the ranks that share
+    CPUs); every setting exported to the ranks with ``-x``."""
+    machines.write_text("".join(f"{a} slots={n}\n" for a, n in zip(hosts.addresses, slots) if n))
+    command = [str(MPIEXEC), "--hostfile", str(machines)]
+    command += ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    command += ["--prtemca", "plm_ssh_agent", str(netns.LAUNCHER)]
+    command += ["--prtemca", "oob_tcp_if_include", "eth0", "--bind-to", "none"]
+    # A daemon whose host dropped off the network is declared lost after 2 + 3 x 1 s of
+    # silence, not after PRRTE's default 300 + 9 x 20 s, during which it outlives its ranks.
+    for name, value in (("time", 2), ("intvl", 1), ("probes", 3)):
+        command += ["--prtemca", f"oob_tcp_keepalive_{name}", str(value)]
+    for name, value in settings.items():
+        command += ["-x", f"{name}={value}"]
+    return command

@@ -46,7 +46,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from jobs import REPO
+from jobs import OPEN_MPI, REPO
 
 sys.path.insert(0, str(REPO / "tests" / "multihost"))
 
@@ -109,6 +109,12 @@ def test_products_on_one_host_through_tcp(hosts):
     assert len(set(result["netns"])) == 1
 
 
+@pytest.mark.skipif(
+    OPEN_MPI,
+    reason="Open MPI 5 takes hosts of one hostname for one node, and then "
+    "MPI_Comm_split_type(MPI_COMM_TYPE_SHARED) never returns (a plain mpi4py job does the "
+    "same); its hosts must have distinct hostnames",
+)
 def test_speed_cache_keys_of_hosts_sharing_a_hostname(hosts, tmp_path):
     """Namespaces that share the machine's hostname are keyed as one host: the key holds the
     hostname and no other identity, so 4 ranks on 4 namespaces read "shared by 4" (true here:
