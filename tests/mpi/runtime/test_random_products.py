@@ -11,7 +11,7 @@ The cases vary from run to run. Rank 0 picks the seed (``OSMM_TEST_SEED``, or a 
 and broadcasts it, so every rank draws the same cases; case ``i`` depends on the seed and
 ``i`` alone. The seed is printed and every failure names it with the case, so a failure
 replays with ``OSMM_TEST_SEED=<seed> OSMM_TEST_PRODUCTS=<i + 1>``. ``OSMM_TEST_PRODUCTS``
-(default 150) sets how many products a run makes; they run in batches of 15, one test each,
+(default 105: 7 batches, a new seed every run) sets how many products a run makes; they run in batches of 15, one test each,
 and a last test checks that all of them ran.
 
 Run on 3 ranks: ``mpiexec -n 3 .venv/bin/python tests/mpi/run.py tests/mpi/runtime/test_random_products.py -q -s``.
@@ -44,7 +44,7 @@ RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 
 SEED_VARIABLE = "OSMM_TEST_SEED"
 COUNT_VARIABLE = "OSMM_TEST_PRODUCTS"
-DEFAULT_COUNT = 150
+DEFAULT_COUNT = 105
 
 DIMS = (1, 2, 3, 5, 7, 11, 13, 17, 31)
 KINDS = ("rows", "cols", "grid", "replicated")
@@ -176,7 +176,7 @@ def run_seed_and_count() -> tuple[int, int]:
     """The run's seed and product count, chosen by rank 0 and broadcast to every rank.
 
     The seed is ``OSMM_TEST_SEED`` if set, else fresh from the clock and ``os.urandom`` (so
-    runs differ); the count is ``OSMM_TEST_PRODUCTS`` (default 150).
+    runs differ); the count is ``OSMM_TEST_PRODUCTS`` (default 105).
     """
     choice = None
     if RANK == 0:
