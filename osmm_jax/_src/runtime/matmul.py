@@ -92,7 +92,8 @@ def matmul(
             brackets every product by collective ``MPI_Win_fence`` epochs and
             sums in arrival order. ``None`` reads ``OSMM_SYNC``, else takes
             ``"notify"`` on a communicator with ranks on other nodes and
-            ``"fence"`` within one node; the slots' memory is capped by
+            ``"fence"`` within one node and under Open MPI (whose accumulates
+            wait for the target); the slots' memory is capped by
             ``OSMM_SLOT_BUDGET``.
 
     Returns:
