@@ -191,8 +191,9 @@ clean:
 #                          seed every run)
 #   OSMM_SOAK_PRODUCTS=n   jitted products of the soak (default 5000)
 # e.g. `OSMM_TEST_SEED=1234 OSMM_TEST_PRODUCTS=2000 make test-mpi TEST_RANKS=3 TEST_TIMEOUT=3600`.
-# On 4 ranks the every-layout sweeps of test_matmul.py run the combinations with a 2-D grid
-# (the others take the 3-rank paths again); OSMM_TEST_ALL_COMBOS=1 runs all of them.
+# The every-layout sweeps of test_matmul.py run every layout triple on 1 and 2 ranks; 3 and 4
+# ranks share them: triples with a 2-D grid on 4 ranks (2x2; on 3 ranks a grid is 1x3, columns
+# again), the others on 3; OSMM_TEST_ALL_COMBOS=1 runs all of them everywhere.
 
 # The MPI suite runs in the default synchronisation of its communicator (the fence mode: these
 # ranks share one node); NOTIFY_TESTS run once more in the notified mode (OSMM_SYNC=notify, the

@@ -41,17 +41,22 @@ ALL_COMBOS = os.environ.get("OSMM_TEST_ALL_COMBOS", "0") == "1"
 def layout_combos():
     """Every (A, B, C) triple of KINDS, as pytest parameters named "rows-cols-grid".
 
-    On 4 ranks only the triples with a 2-D grid run: a 2x2 grid is the one layout 4 ranks
-    change; rows, columns and replicas on 4 ranks take the paths 3 ranks already take (uneven
-    blocks, an empty one, several origins per target), and 4 oversubscribed ranks are the
-    slowest run of the suite. ``OSMM_TEST_ALL_COMBOS=1`` runs every triple everywhere.
+    The MPI suite runs on 1 to 4 ranks, and the two oversubscribed runs split the triples
+    between them: on 3 ranks a "grid" is a 1x3 grid, the same partition as columns (with
+    other weights), so the triples with a grid run on 4 ranks (a real 2x2 grid) and not on 3;
+    the triples without one run on 3 ranks (uneven blocks, an empty one, several origins per
+    target) and not on 4, which would only take those paths again. 1 and 2 ranks run all.
+    ``OSMM_TEST_ALL_COMBOS=1`` runs every triple everywhere.
     """
+    runs_on = {
+        True: (1, 2, 4, "on 3 ranks a grid is 1x3, columns again (4 ranks run a 2x2 grid)"),
+        False: (1, 2, 3, "without a 2-D grid 4 ranks repeat 3 ranks' paths"),
+    }
     params = []
     for kinds in itertools.product(KINDS, KINDS, KINDS):
-        marks = ()
-        if "grid" not in kinds and not ALL_COMBOS:
-            why = "without a 2-D grid 4 ranks repeat 3 ranks' paths; OSMM_TEST_ALL_COMBOS=1 runs it"
-            marks = (pytest.mark.ranks(1, 2, 3, reason=why),)
+        *sizes, why = runs_on["grid" in kinds]
+        reason = f"{why}; OSMM_TEST_ALL_COMBOS=1 runs it"
+        marks = () if ALL_COMBOS else (pytest.mark.ranks(*sizes, reason=reason),)
         params.append(pytest.param(kinds, marks=marks, id="-".join(kinds)))
     return params
 
