@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,12 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "multihost"))
+
+from jobs import job_environment, mpiexec_flags  # noqa: E402
+from launch import HOST_VARIABLES  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results"
 JOB_TIMEOUT_S = 900.0
 
@@ -66,12 +71,15 @@ NOTES = {
         "and falls back to active messages through the TCP BTL (its verbose output says "
         "`falling back on active-message BTLs`), so the target's progress carries the "
         "accumulates, as with MPICH over TCP; but its accumulates also wait inside "
-        "`MPI_Accumulate` for a lock the target grants, so osmm_jax's default synchronisation "
-        "there is the fence mode (`OSMM_SYNC=fence`), as the TCP rows ran.",
+        "`MPI_Accumulate` for a lock the target grants, so osmm_jax's notified mode pulls its "
+        "credits there, and its default synchronisation is the fence mode (`OSMM_SYNC=fence`, "
+        "as the TCP rows ran; measured faster: sync_openmpi.md).",
         "Recommended: the defaults within a node (osc/sm); across nodes UCX "
         "(`--mca pml ucx --mca osc ucx`) on InfiniBand or RoCE; over plain TCP "
         "`--mca pml ob1 --mca osc rdma --mca btl self,sm,tcp --mca btl_tcp_if_include "
-        "<iface>` (the TCP rows), and distinct hostnames on every host.",
+        "<iface>` (the TCP rows), and distinct hostnames on every host; with ranks "
+        "outnumbering cores `--mca mpi_yield_when_idle 1` (3-17x faster at 3 ranks on 2 "
+        "cores, sync_openmpi.md).",
     ],
     "impi": [
         "RMA over its shm fabric within a node and libfabric across nodes (the TCP rows: "
@@ -85,25 +93,15 @@ NOTES = {
 }
 
 
-def _launcher_flags(venv: Path) -> list[str]:
-    """Open MPI's prterun refuses root and more ranks than slots unless told; hydra does not."""
-    if not (venv / "bin" / "ompi_info").exists():
-        return []
-    return ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
-
-
-def _environment() -> dict[str, str]:
-    """This process's environment without MPI, network and osmm_jax settings of its own."""
-    drop = ("PMI_", "PMIX_", "HYDRA_", "OMPI_", "PRTE_", "I_MPI_", "FI_", "UCX_", "OSMM_", "MPIR_")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(drop)}
-    return {**env, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(REPO)}
+# This process's environment without MPI, network and osmm_jax settings of its own.
+_ENVIRONMENT = job_environment(drop=HOST_VARIABLES, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
 
 
 def _run(command: list[str], label: str) -> bool:
     started = time.perf_counter()
     try:
         done = subprocess.run(
-            command, cwd=REPO, env=_environment(), capture_output=True, text=True,
+            command, cwd=REPO, env=_ENVIRONMENT, capture_output=True, text=True,
             errors="replace", timeout=JOB_TIMEOUT_S,
         )  # fmt: skip
     except subprocess.TimeoutExpired:
@@ -121,7 +119,8 @@ def measure(mpi: str, repeats: int, scratch: Path) -> list[dict]:
     python = str(venv / "bin" / "python")
     records = []
     shm = scratch / f"{mpi}-shm.json"
-    mpiexec = [str(venv / "bin" / "mpiexec"), *_launcher_flags(venv), "-n", "2"]
+    launcher = venv / "bin" / "mpiexec"
+    mpiexec = [str(launcher), *mpiexec_flags(launcher), "-n", "2"]
     job = [*mpiexec, python, "-m", "benchmarks.compare_methods", *SHM_ARGS]
     job += ["--repeats", str(repeats), "--json", str(shm), "--label", f"k_split shm {mpi}"]
     if _run(job, f"{mpi}: k_split in shared memory"):

@@ -17,9 +17,13 @@ Configurations:
     ``shm3`` with ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1`` (MPICH yields the CPU while it waits);
 ``tcp2``, ``tcp3``, ``tcp3_heavy_yield``
     2 or 3 emulated hosts (network namespaces, tests/multihost/netns.py), one rank each, over
-    libfabric's TCP provider (``MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=eth0``),
-    launched by hydra's mpiexec on host 0 through tests/multihost/ns-launch, as
-    benchmarks/network.py does. Needs root.
+    TCP with the venv's MPI's settings for it (tests/multihost/launch.py; MPICH: libfabric's
+    tcp provider, ``MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=eth0``), launched
+    from host 0 through tests/multihost/ns-launch, as benchmarks/network.py does. Needs root.
+
+Any MPI that ``make install MPI=...`` builds: run it with that environment's Python (e.g.
+``sudo .venv-openmpi/bin/python -m benchmarks.sync_report --out <folder>``); the
+``*_heavy_yield`` settings are MPICH's own and change nothing elsewhere.
 
 Every configuration runs as one job with a hard timeout; the namespaces are removed at the end
 whatever happens. The JSON holds ``configs`` (one entry per configuration: the load average at
@@ -35,7 +39,6 @@ import argparse
 import contextlib
 import json
 import os
-import shlex
 import subprocess
 import sys
 import tempfile
@@ -48,18 +51,19 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "multihost"))
 
 import netns  # noqa: E402
-from jobs import MPIEXEC, job_environment, run_job  # noqa: E402
+from jobs import MPIEXEC, OPEN_MPI, job_environment, mpiexec, run_job  # noqa: E402
+from launch import HOST_VARIABLES, INTEL_MPI, TRANSPORT  # noqa: E402
+from launch import job_command as hosts_command  # noqa: E402
 
 SOURCE = REPO / "benchmarks" / "sync_latency.c"
 RESULTS = REPO / "benchmarks" / "results"
 MPICC = MPIEXEC.with_name("mpicc")
 JOB_TIMEOUT_S = 300.0
-NETWORK = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "eth0"}
-# Rank 0's MPIR_CVAR_DEBUG_SUMMARY report names the provider and subnet MPICH picked.
-TCP_SUMMARY = f"libfabric provider: tcp - {netns.SUBNET}.0/24"
+# The output line that proves the venv's MPI carried the traffic over TCP
+# (tests/multihost/launch.py: each MPI's settings for it).
+TCP_SUMMARY = TRANSPORT.proof
 HEAVY_YIELD = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
-# Network, MPI and osmm_jax settings of this process, which a job must not inherit.
-_DROP = ("FI_", "UCX_", "OSMM_")
+MPI_NAME = "Open MPI" if OPEN_MPI else "Intel MPI" if INTEL_MPI else "MPICH"
 
 
 @dataclass(frozen=True)
@@ -116,29 +120,28 @@ def load_average() -> tuple[str, list[float]]:
     return line, [round(x, 2) for x in os.getloadavg()]
 
 
-def job_command(config: Config, program: list[str], hosts) -> tuple[list[str], dict]:
+def job_command(config: Config, program: list[str], hosts, scratch: Path) -> tuple[list, dict]:
     """The command line and environment of one job running ``program`` (its command line) on
-    every rank (``hosts``: the emulated hosts, for TCP)."""
-    settings = dict(config.env)
-    mpiexec = [str(MPIEXEC)]
-    if config.tcp:
-        settings = {**NETWORK, "MPIR_CVAR_DEBUG_SUMMARY": "1", **settings}
-        mpiexec += ["-hosts", ",".join(f"{a}:1" for a in hosts.addresses[: config.ranks])]
-        mpiexec += ["-launcher", "ssh", "-launcher-exec", str(netns.LAUNCHER), "-iface", "eth0"]
-    for name, value in settings.items():
-        mpiexec += ["-genv", name, value]
-    mpiexec += ["-n", str(config.ranks), *program]
+    every rank with the venv's MPI: on this host, or one rank per emulated host (``hosts``)
+    over TCP with that MPI's settings for it (tests/multihost/launch.py), its launcher on
+    host 0 (``scratch``: a folder for the host file)."""
     if not config.tcp:
-        return mpiexec, job_environment(drop=_DROP)
-    env = job_environment(drop=_DROP, OSMM_NETNS_PREFIX=hosts.prefix, OSMM_NETNS_HOSTNAMES="1")
-    # mpiexec itself runs on host 0, started the way the launcher starts the other hosts.
-    return [str(netns.LAUNCHER), hosts.addresses[0], shlex.join(mpiexec)], env
+        # The network, MPI and osmm_jax settings of this process are not the job's.
+        env = job_environment(drop=HOST_VARIABLES)
+        return [*mpiexec(config.ranks), *program], {**env, **config.env}
+    settings = {**TRANSPORT.settings, **config.env}
+    machines = scratch / "machines"
+    command = hosts_command(hosts, [1] * config.ranks, settings, program, machines)
+    env = job_environment(
+        drop=HOST_VARIABLES, OSMM_NETNS_PREFIX=hosts.prefix, OSMM_NETNS_HOSTNAMES="1"
+    )
+    return command, env
 
 
 def run_config(name: str, binary: Path, reps: int, hosts, timeout: float) -> tuple[dict, list]:
     """Run configuration ``name``; return its summary and its records (each with ``config``)."""
     config = CONFIGS[name]
-    command, env = job_command(config, [str(binary), str(reps)], hosts)
+    command, env = job_command(config, [str(binary), str(reps)], hosts, binary.parent)
     uptime, load = load_average()
     started = time.perf_counter()
     end = run_job(command, env, timeout, merge_stderr=True)
@@ -211,7 +214,7 @@ def report(data: dict, path: Path) -> None:
         "# Raw MPI synchronisation latency",
         "",
         "Written by `sudo .venv/bin/python -m benchmarks.sync_latency` (benchmarks/"
-        "sync_latency.c, the venv's MPICH). Each cell: the slowest rank's median over the"
+        "sync_latency.c, the venv's MPI). Each cell: the slowest rank's median over the"
         " repetitions, in ms. This machine has 2 cores and is shared: each configuration"
         " gives the load average at its start.",
         "",
@@ -226,12 +229,22 @@ def report(data: dict, path: Path) -> None:
         note += f" exit status {summary['status']}; {summary['seconds']:.1f} s."
         if "tcp_provider_confirmed" in summary:
             confirmed = summary["tcp_provider_confirmed"]
-            note += " MPICH reported libfabric's tcp provider." if confirmed else (
-                " MPICH did NOT report libfabric's tcp provider.")  # fmt: skip
+            note += " The MPI reported TCP." if confirmed else (
+                " The MPI did NOT report TCP.")  # fmt: skip
         if any(r.get("stale") for r in records):
             note += " Some notified puts were stale (see the JSON)."
         lines += [note, "", *table(records)]
     path.write_text("\n".join(lines) + "\n")
+
+
+def hosts_needed(configs: list[Config]) -> int:
+    """How many emulated hosts the TCP configurations among ``configs`` need (0: none); exits
+    with status 2, saying why, when they cannot be made here."""
+    count = max((c.ranks for c in configs if c.tcp), default=0)
+    if count and (reason := netns.unavailable_reason()) is not None:
+        print(f"cannot make emulated hosts: {reason}", file=sys.stderr)
+        raise SystemExit(2)
+    return count
 
 
 def main(argv=None) -> int:
@@ -247,10 +260,7 @@ def main(argv=None) -> int:
     if not MPICC.exists():
         print(f"needs {MPICC}: make install", file=sys.stderr)
         return 2
-    tcp_hosts = max((CONFIGS[c].ranks for c in names if CONFIGS[c].tcp), default=0)
-    if tcp_hosts and (reason := netns.unavailable_reason()) is not None:
-        print(f"cannot make emulated hosts: {reason}", file=sys.stderr)
-        return 2
+    tcp_hosts = hosts_needed([CONFIGS[c] for c in names])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summaries, records = [], []

@@ -18,6 +18,7 @@ import argparse
 import contextlib
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -43,11 +44,12 @@ def run_config(
         config = Config(config.ranks, config.tcp, config.about, {**config.env, **extra})
     program = [sys.executable, "-m", "benchmarks.sync", "--cases", cases]
     program += ["--repeats", str(repeats)]
-    command, env = job_command(config, program, hosts)
-    env["OSMM_TIMEOUT"] = "120"
     uptime, load = load_average()
     started = time.perf_counter()
-    end = run_job(command, env, JOB_TIMEOUT_S, merge_stderr=True)
+    with tempfile.TemporaryDirectory() as scratch:
+        command, env = job_command(config, program, hosts, Path(scratch))
+        env["OSMM_TIMEOUT"] = "120"
+        end = run_job(command, env, JOB_TIMEOUT_S, merge_stderr=True)
     took = time.perf_counter() - started
     records = [
         {"config": name, **json.loads(line)}
@@ -86,7 +88,8 @@ def report(summaries: list[dict], records: list[dict], path: Path) -> None:
         "Written by `sudo .venv/bin/python -m benchmarks.sync_report` (benchmarks/sync.py). Each "
         "cell: the median over interleaved rounds of the slowest rank's time, in ms, after "
         "warm-up; ratios are the all-reduce method's time over one_sided's (> 1: one_sided "
-        "faster). This machine has 2 cores: from 3 ranks on, ranks outnumber cores.",
+        f"faster). MPI: {sync_latency.MPI_NAME}. This machine has 2 cores: from 3 ranks on, "
+        "ranks outnumber cores.",
         "",
     ]
     for summary in summaries:
@@ -96,7 +99,7 @@ def report(summaries: list[dict], records: list[dict], path: Path) -> None:
         if summary.get("env"):
             lines.append(f"Environment: {summary['env']}.")
         if "tcp_provider_confirmed" in summary:
-            lines.append(f"libfabric tcp provider confirmed: {summary['tcp_provider_confirmed']}.")
+            lines.append(f"TCP confirmed by the MPI's output: {summary['tcp_provider_confirmed']}.")
         lines += [
             "",
             "| case | notify | fence | allreduce | GEMMs alone | notify vs allreduce "
@@ -131,14 +134,12 @@ def main(argv=None) -> int:
     names = [c for c in args.configs.split(",") if c]
     if unknown := [c for c in names if c not in ALL_CONFIGS]:
         parser.error(f"unknown configuration: {unknown} (known: {', '.join(ALL_CONFIGS)})")
-    tcp_hosts = max((ALL_CONFIGS[c].ranks for c in names if ALL_CONFIGS[c].tcp), default=0)
-    if tcp_hosts and (reason := netns.unavailable_reason()) is not None:
-        print(f"cannot make emulated hosts: {reason}", file=sys.stderr)
-        return 2
+    tcp_hosts = sync_latency.hosts_needed([ALL_CONFIGS[c] for c in names])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     summaries, records = [], []
     with contextlib.ExitStack() as stack:
+        # Removed on the way out, even on SIGTERM or SIGHUP (see netns.emulated_hosts).
         hosts = stack.enter_context(netns.emulated_hosts(tcp_hosts)) if tcp_hosts else None
         for name in names:
             summary, found = run_config(name, args.cases, args.repeats, hosts, extra)

@@ -53,14 +53,15 @@ def job_environment(*, drop: tuple[str, ...] = (), **settings: str) -> dict[str,
     return env
 
 
-def mpiexec_flags() -> list[str]:
-    """What the venv's ``mpiexec`` needs here before ``-n``: ``OSMM_TEST_MPIEXEC_FLAGS`` when
-    set (the Makefile passes its MPIEXEC_FLAGS), else, for Open MPI, permission to run more ranks
-    than cores and, as root, to run as root (it refuses both by default); nothing for hydra."""
+def mpiexec_flags(launcher: Path = MPIEXEC) -> list[str]:
+    """What ``launcher`` (default: the venv's ``mpiexec``) needs here before ``-n``: for the
+    venv's own, ``OSMM_TEST_MPIEXEC_FLAGS`` when set (the Makefile passes its MPIEXEC_FLAGS);
+    else, for Open MPI's, permission to run more ranks than cores and, as root, to run as root
+    (it refuses both by default); nothing for hydra."""
     given = os.environ.get("OSMM_TEST_MPIEXEC_FLAGS")
-    if given is not None:
+    if given is not None and launcher == MPIEXEC:
         return given.split()
-    if not OPEN_MPI:
+    if not (launcher.parent / "ompi_info").exists():
         return []
     return ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
 

@@ -26,6 +26,7 @@ struct Counters {
   std::atomic<int64_t> notify_wait_ns{0};       // wall time in notified finishes
   std::atomic<int64_t> deferred_deliveries{0};  // targets whose slot was busy at issue time
   std::atomic<int64_t> credit_reads{0};         // targets' progress read remotely
+  std::atomic<int64_t> credit_pushes{0};        // progress written into an origin's window
   std::atomic<int64_t> slot_window_bytes{0};    // size of the last slots window used
 
   // Histogram of RMA epoch latencies (opening fence to closing fence, seconds): counts per

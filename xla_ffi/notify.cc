@@ -107,7 +107,7 @@ int64_t NeededProgress(const NotifiedReduce& n, size_t i) {
 }
 
 // This rank's progress as a target is now `value`: into its own window entry, and pushed to
-// `origins` (who wait for it to write their slots).
+// `origins` (who wait for it to write their slots) unless they pull it (spec.pull_credits).
 ffi::Error Advance(NotifiedReduce& n, SyncState& state, int64_t value,
                    const std::vector<int64_t>& origins) {
   const char* what = "osmm_reduce (notified): MPI_Accumulate (credit)";
@@ -118,6 +118,7 @@ ffi::Error Advance(NotifiedReduce& n, SyncState& state, int64_t value,
     RmaIssueStep issuing(n.comm);
     if (int rc = MPI_Win_flush(n.rank, n.sync_win); rc != MPI_SUCCESS) return MpiError(rc, what);
   }
+  if (n.spec.pull_credits) return ffi::Error::Success();
   for (int64_t origin : origins) {
     const size_t o = static_cast<size_t>(origin);
     if (ffi::Error err = WriteEntry(n, static_cast<int>(origin), n.size + n.rank, value,
@@ -125,6 +126,7 @@ ffi::Error Advance(NotifiedReduce& n, SyncState& state, int64_t value,
         err.failure()) {
       return err;
     }
+    GlobalCounters().credit_pushes.fetch_add(1, std::memory_order_relaxed);
   }
   return ffi::Error::Success();
 }
@@ -207,12 +209,15 @@ std::string ParseNotifySpec(ffi::Span<const int64_t> flat, int rank, int size, i
   if (flat.size() == 0) return std::string();
   const int64_t* v = flat.begin();
   const int64_t count = static_cast<int64_t>(flat.size());
-  int64_t at = 3;
-  if (count < 4 || v[2] < 0 || v[2] > count - 4) return "notify: malformed attribute";
+  int64_t at = 4;
+  if (count < 5 || (v[2] != 0 && v[2] != 1) || v[3] < 0 || v[3] > count - 5) {
+    return "notify: malformed attribute";
+  }
   out->slots = v[0];
   out->slot_bytes = v[1];
-  out->origins.assign(v + at, v + at + v[2]);
-  at += v[2];
+  out->pull_credits = v[2] == 1;
+  out->origins.assign(v + at, v + at + v[3]);
+  at += v[3];
   const int64_t ntargets = v[at++];
   if (ntargets < 0 || at + ntargets != count) return "notify: malformed attribute";
   out->targets.assign(v + at, v + at + ntargets);

@@ -17,7 +17,11 @@
 // credit has not arrived (it did not deliver to that target last time) reads the target's
 // progress itself (MPI_Fetch_and_op). A delivery whose slot is not free yet is deferred to the
 // finish, which issues it as soon as its credit arrives while consuming this rank's own
-// rounds, so no rank ever blocks another's progress.
+// rounds, so no rank ever blocks another's progress. Under MPIs whose RMA calls wait for the
+// target to call MPI (Open MPI's osc/rdma over TCP), a push would hold a target that has
+// finished its part until the origin next calls MPI, maybe never (the origin has gone on to
+// wait in another library's collective): there targets push nothing, and origins always read
+// (spec.pull_credits), so a rank only ever waits for what it needs itself.
 //
 // Sync window layout (int64 entries, P = communicator size): [0, P) the stamp each origin last
 // sent this rank; [P, 2P) the progress each target last pushed to this rank; [2P] this rank's
@@ -42,11 +46,12 @@
 namespace osmm {
 
 // This rank's part of a notified reduce, from the "notify" attribute of osmm_reduce_start:
-// [slots, slot_bytes, n_origins, origins..., n_targets, targets...]; empty means the fence
-// mode. The positions are learnt from the targets (ResolvePositions).
+// [slots, slot_bytes, pull_credits, n_origins, origins..., n_targets, targets...]; empty means
+// the fence mode. The positions are learnt from the targets (ResolvePositions).
 struct NotifySpec {
   int64_t slots = 0;               // slots per target window (identical on every rank)
   int64_t slot_bytes = 0;          // bytes of a slot (identical on every rank)
+  bool pull_credits = false;       // origins read targets' progress; targets push none
   std::vector<int64_t> origins;    // ranks that deliver into this rank's block, ascending
   std::vector<int64_t> targets;    // ranks this rank delivers to, ascending
   std::vector<int64_t> positions;  // this rank's index among each target's origins

@@ -156,9 +156,10 @@ run). ``fence``: every product is bracketed by collective ``MPI_Win_fence`` epoc
 are accumulated in arrival order. Any other value is a ValueError. Default, per communicator:
 ``notify`` when it has ranks on other nodes (1.6-4.9x faster than fences over TCP between 3-4
 hosts, benchmarks/results/sync.md), ``fence`` within one node (the two tie there), under an MPI
-whose accumulates wait for the target (Open MPI: see
-``communicators.accumulates_wait_for_target``) and whenever ``OSMM_CUDA_AWARE=1`` puts the GPU
-handlers' windows in device memory, which the notified mode does not use."""
+whose accumulates wait for the target (Open MPI, where fences measured 1.02-2.5x faster over
+TCP: benchmarks/results/sync_openmpi.md, ``communicators.accumulates_wait_for_target``) and
+whenever ``OSMM_CUDA_AWARE=1`` puts the GPU handlers' windows in device memory, which the
+notified mode does not use."""
 
 SYNC_MODES = ("notify", "fence")
 

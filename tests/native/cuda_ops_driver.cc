@@ -251,7 +251,7 @@ Outcome RunReduce(const Side& side, const ReduceCase& c, int64_t call_id) {
   std::vector<int64_t> notify;
   if (c.notify) {
     const int64_t slot_bytes = (window_bytes + 63) / 64 * 64;
-    notify = {Size() - 1, slot_bytes, Size() - 1};
+    notify = {Size() - 1, slot_bytes, /*pull_credits=*/0, Size() - 1};
     for (int pass = 0; pass < 2; ++pass) {
       for (int r = 0; r < Size(); ++r) {
         if (r != me) notify.push_back(r);

@@ -43,6 +43,8 @@ def test_slots_are_capped_by_the_budget_but_never_below_one():
 
 def test_the_attribute_lists_this_ranks_origins_and_targets():
     plan = _k_split()
-    attribute = slots.notify_attribute(plan, 1, 4, math.inf)
-    assert attribute == (3, 128, 3, 0, 2, 3, 3, 0, 2, 3)
+    attribute = slots.notify_attribute(plan, 1, 4, slots.Sync("notify"))
+    assert attribute == (3, 128, 0, 3, 0, 2, 3, 3, 0, 2, 3)
+    pulled = slots.notify_attribute(plan, 1, 4, slots.Sync("notify", 256, credits="pull"))
+    assert pulled == (2, 128, 1, 3, 0, 2, 3, 3, 0, 2, 3)
     assert set(plan._rank_plans) == {1}  # only this rank's part of the plan was built

@@ -126,11 +126,11 @@ def uses_network(key: int) -> bool:
 def accumulates_wait_for_target() -> bool:
     """Whether this process's MPI may hold an ``MPI_Accumulate`` call until the target rank
     makes MPI progress: Open MPI, whose osc/rdma, over a network without RDMA atomics (its TCP
-    BTL), takes a lock at the target for every accumulate. The notified reduce then holds a rank
-    that has finished its part of a product, returning its slots' credits, until the ranks it
-    credits call MPI again; one that waits outside MPI for it meanwhile (in another library's
-    collective) never does, so there the fence mode is the default (config.resolve_sync).
-    MPICH and Intel MPI return from an accumulate at once."""
+    BTL), takes a lock at the target for every accumulate. MPICH and Intel MPI return from an
+    accumulate at once. Under such an MPI the notified reduce pulls its credits (slots.Sync: a
+    target that pushed them would be held, its own part done, until the origins called MPI
+    again, maybe never if they wait in another library's collective meanwhile), and the fence
+    mode is the default, measured faster there (benchmarks/results/sync_openmpi.md)."""
     return MPI.Get_library_version().startswith("Open MPI")
 
 

@@ -172,13 +172,15 @@ def _resolve_options(method, verify, chunk_bytes, sync, network: bool) -> _Optio
     ``OSMM_ALLREDUCE`` is only checked here, with the other variables, so that a bad value is
     agreed on before any MPI traffic; primitives.allreduce_sum reads it where it is used."""
     config.allreduce_implementation(HAVE_MPI4JAX)
+    waiting = communicators.accumulates_wait_for_target()
     return _Options(
         config.resolve_method(method),
         config.resolve_verify(verify),
         config.resolve_chunk_bytes(chunk_bytes),
         one_sided.Sync(
-            config.resolve_sync(sync, network, communicators.accumulates_wait_for_target()),
+            config.resolve_sync(sync, network, waiting),
             config.slot_budget(),
+            credits="pull" if waiting else "push",
         ),
     )
 

@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from osmm_jax._src import dtypes
-from osmm_jax._src.planning.plan import Plan, direct_plan
+from osmm_jax._src.planning.plan import Plan
 from osmm_jax._src.runtime import native, primitives, slots
 from osmm_jax._src.runtime.slots import FENCE, Sync, executed_plan
 
@@ -58,11 +58,10 @@ _REGIONS = {"A": native.REGION_A, "B": native.REGION_B}  # which region of the w
 
 def forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0, sync: Sync = FENCE):
     """This rank's C block by one-sided transfers (see the module docstring)."""
-    if plan.gather_stage is not None and executed_plan(plan, sync) is not plan.gather_stage:
-        return forward(direct_plan(plan), rank, a, b, chunk_bytes, sync)
-    if plan.gather_stage is not None:
-        block = forward(plan.gather_stage, rank, a, b, chunk_bytes, sync)
-        return _gather_blocks(plan, rank, block)
+    executed = executed_plan(plan, sync)  # a staged plan's gather stage, or its direct plan
+    if executed is not plan:
+        block = forward(executed, rank, a, b, chunk_bytes, sync)
+        return _gather_blocks(plan, rank, block) if executed is plan.gather_stage else block
     operands = _operands(plan, rank, a, b)
     local = jnp.zeros(plan.c.local_shape(rank), operands.acc)
     cells = _cells(plan, rank)
@@ -423,7 +422,7 @@ def _deliver(operands: _Operands, cells: list[_Cell], local, chunk_bytes: int, o
     kept = own if merge else []  # merge implies a single chunk
     notify, window_bytes = (), plan.receive_elements * acc.itemsize
     if sync.mode == "notify" and plan.nranks > 1:
-        notify = slots.notify_attribute(plan, operands.rank, acc.itemsize, sync.slot_budget)
+        notify = slots.notify_attribute(plan, operands.rank, acc.itemsize, sync)
         window_bytes = slots.window_bytes(plan, acc.itemsize, sync.slot_budget)
     for index, pieces in enumerate(chunks):
         local, buffer = _chunk_partials(operands, pieces, local, ticket, kept)
@@ -433,7 +432,7 @@ def _deliver(operands: _Operands, cells: list[_Cell], local, chunk_bytes: int, o
                 buffer,
                 comm=plan.comm_key,
                 call_id=primitives.call_id(
-                    plan.fingerprint, "reduce", str(acc), chunk_bytes, sync.mode, notify[:2]
+                    plan.fingerprint, "reduce", str(acc), chunk_bytes, sync.mode, notify[:3]
                 ),
                 window_bytes=window_bytes,
                 local_elements=int(np.prod(plan.c.local_shape(operands.rank))),

@@ -41,16 +41,18 @@ def window_bytes(plan: Plan, itemsize: int, budget: float) -> int:
     return (1 + slot_count(plan, itemsize, budget)) * slot_bytes(plan, itemsize)
 
 
-def notify_attribute(plan: Plan, rank: int, itemsize: int, budget: float) -> tuple[int, ...]:
+def notify_attribute(plan: Plan, rank: int, itemsize: int, sync: Sync) -> tuple[int, ...]:
     """The ``notify`` attribute of ``osmm_reduce_start`` for ``rank``: ``(S, slot_bytes,
-    n_origins, *origins, n_targets, *targets)``, from ``rank``'s own part of the plan only.
-    (Its number among each target's origins, which picks its slot there, the native layer
-    learns from the targets the first time the product runs.)"""
+    pull, n_origins, *origins, n_targets, *targets)``, from ``rank``'s own part of the plan
+    only (``pull``: 1 when ``sync.credits`` is ``"pull"``). (Its number among each target's
+    origins, which picks its slot there, the native layer learns from the targets the first
+    time the product runs.)"""
     origins = plan.for_rank(rank).origins
     targets = sorted({t.target for t in plan.deliveries_from(rank)})
     return (
-        slot_count(plan, itemsize, budget),
+        slot_count(plan, itemsize, sync.slot_budget),
         slot_bytes(plan, itemsize),
+        int(sync.credits == "pull"),
         len(origins),
         *origins,
         len(targets),
@@ -61,10 +63,17 @@ def notify_attribute(plan: Plan, rank: int, itemsize: int, budget: float) -> tup
 class Sync(NamedTuple):
     """How the partials are synchronised: ``mode`` ``"fence"`` (collective fence epochs,
     arrival-order sums) or ``"notify"`` (per-origin slots and notifications, sums in ascending
-    rank order: see :mod:`osmm_jax._src.runtime.slots`), and the slot budget in bytes."""
+    rank order: see :mod:`osmm_jax._src.runtime.slots`), the slot budget in bytes, and how an
+    origin learns that its slot at a target is free again (notify only): ``"push"``, the
+    target writes it into the origin's window once it has summed the slot; ``"pull"``, the
+    origin reads the target's progress when it needs the slot. Pull is for MPIs whose RMA
+    calls wait for the target to make MPI progress
+    (``communicators.accumulates_wait_for_target``): there a push would hold the target,
+    its own part done, until the origin next calls MPI."""
 
     mode: str = "fence"
     slot_budget: float = float("inf")
+    credits: str = "push"
 
 
 FENCE = Sync("fence")

@@ -1,6 +1,7 @@
 """The notified reduce (``sync="notify"``, xla_ffi/notify.h): bit-identical results run to run
 and on every rank holding a copy, the same bits whatever the slot budget, slots reused safely
-by products back to back with one rank late, and the same values as the fence mode.
+by products back to back with one rank late (credits pushed by targets or pulled by origins),
+and the same values as the fence mode.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from mpi4py import MPI
 
 import osmm_jax as om
 from osmm_jax._src import config
+from osmm_jax._src.runtime import communicators
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
@@ -52,6 +54,15 @@ def _blocks(layouts, seed=3):
     return a, b, la.shard(a, RANK), lb.shard(b, RANK)
 
 
+@pytest.fixture(params=["push", "pull"])
+def credits(request, monkeypatch):
+    """How origins learn that their slots are free: pushed by the targets (the default), or
+    read from them, as under an MPI whose RMA calls wait for the target (Open MPI)."""
+    pull = request.param == "pull"
+    monkeypatch.setattr(communicators, "accumulates_wait_for_target", lambda: pull)
+    return request.param
+
+
 def _plan(case):
     a, b, c, work = case
     return om.plan(a, b, c, work=work) if work is not None else om.plan(a, b, c)
@@ -83,7 +94,7 @@ def test_repeated_products_and_gradients_are_bit_identical(name):
 
 
 @pytest.mark.ranks(min=3, reason="several origins per target")
-def test_a_slot_budget_of_one_slot_sums_in_rounds_with_the_same_bits(monkeypatch):
+def test_a_slot_budget_of_one_slot_sums_in_rounds_with_the_same_bits(monkeypatch, credits):
     case = _cases()["k_split"]
     plan = _plan(case)
     _, _, a_loc, b_loc = _blocks(case)
@@ -101,10 +112,11 @@ def _slot_bytes(plan) -> int:
 
 
 @pytest.mark.ranks(min=3, reason="origins that run ahead of a late target")
-def test_products_back_to_back_with_a_late_target_reuse_the_slots_safely():
+def test_products_back_to_back_with_a_late_target_reuse_the_slots_safely(credits):
     """Ranks 1.. only deliver (rank 0 owns C, then rank 1 does, alternately), so they run
     ahead of rank 0, which sleeps before every product: their next deliveries must wait for
-    its slots (deferred), and the rank whose target changes reads the target's progress."""
+    its slots (deferred), and the rank whose target changes reads the target's progress (with
+    pulled credits, every origin reads it, and no target writes into an origin's window)."""
     M, K, N = 24, 10 * SIZE, 16
     on = [[M if r == owner else 0 for r in range(SIZE)] for owner in (0, 1)]
     plans = [
@@ -125,8 +137,10 @@ def test_products_back_to_back_with_a_late_target_reuse_the_slots_safely():
     after = om.stats()
     deferred = after["deferred_deliveries"] - before["deferred_deliveries"]
     reads = after["credit_reads"] - before["credit_reads"]
+    pushes = after["credit_pushes"] - before["credit_pushes"]
     assert COMM.allreduce(deferred) > 0
     assert COMM.allreduce(reads) > 0
+    assert (COMM.allreduce(pushes) > 0) == (credits == "push")
 
 
 @pytest.mark.ranks(min=2, reason="partials from several ranks")
