@@ -103,29 +103,25 @@ def test_ranks_running_two_plans_in_swapped_order_are_reported():
     assert re.search(r"rank 0 in id [0-9a-f]{16}; ranks 1, 2 in id [0-9a-f]{16}", job.stderr)
 
 
-def test_swapped_plans_whose_fences_match_are_caught_by_their_call_ids():
-    """Same windows, same epochs: only the call id in the neighbour's window header differs.
-    Found at once, without waiting for the timeout."""
-    job = _job("swapped_same")
-    _ended_by_watchdog(job)
-    assert job.elapsed < TIMEOUT_S + 10, str(job)
-    assert re.search(
-        r"found the ranks out of step: osmm_reduce: rank \d runs its call #(\d+) "
-        r"\(id [0-9a-f]{16}\) but rank \d runs its call #\1 \(id [0-9a-f]{16}\)",
-        job.stderr,
-    ), str(job)
+SWAPPED_CALLS = {
+    # Same windows, same epochs: only the call id in the neighbour's window header differs.
+    "fence": r"osmm_reduce: rank \d runs its call #(\d+) \(id [0-9a-f]{16}\) but rank \d runs "
+    r"its call #\1 \(id [0-9a-f]{16}\)",
+    # Each delivery's stamp carries bits of the call id.
+    "notify": r"osmm_reduce \(notified\): rank \d runs its notified product #(\d+) \(id bits "
+    r"\d+\) but rank \d delivered for product #\1 \(id bits \d+\)",
+}
 
 
-def test_swapped_notified_products_are_caught_by_the_call_id_in_their_stamps():
-    """Notified: each delivery's stamp carries bits of the call id; found at once."""
-    job = _job("swapped_same", "notify")
+@pytest.mark.parametrize("sync", sorted(SWAPPED_CALLS))
+def test_swapped_plans_whose_epochs_match_are_caught_by_their_call_ids(sync):
+    """Two plans whose products move the same windows in the same epochs, run in swapped
+    order: found at once by the call ids, without waiting for the timeout."""
+    job = _job("swapped_same", sync)
     _ended_by_watchdog(job)
     assert job.elapsed < TIMEOUT_S + 10, str(job)
-    assert re.search(
-        r"found the ranks out of step: osmm_reduce \(notified\): rank \d runs its notified "
-        r"product #(\d+) \(id bits \d+\) but rank \d delivered for product #\1 \(id bits \d+\)",
-        job.stderr,
-    ), str(job)
+    message = "found the ranks out of step: " + SWAPPED_CALLS[sync]
+    assert re.search(message, job.stderr), str(job)
 
 
 def test_swapped_plans_met_for_the_first_time_are_refused_before_any_transfer():
