@@ -155,6 +155,7 @@ def _hydra_command(hosts, slots, machines: Path, settings: dict[str, str]) -> li
     machines.write_text("".join(f"{a}:{n}\n" for a, n in zip(hosts.addresses, slots) if n))
     command = [str(MPIEXEC), "-machinefile", str(machines), "-launcher", "ssh"]
     command += ["-launcher-exec", str(netns.LAUNCHER), "-iface", "eth0"]
+    command += ["-print-all-exitcodes"] if INTEL_MPI else []
     for name, value in settings.items():
         command += ["-genv", name, value]
     return command
