@@ -169,11 +169,12 @@ def test_the_gpu_staging_benchmark_runs_on_any_platform():
 
 
 def test_the_lm_step_benchmark_runs_and_writes_its_results(tmp_path):
-    """lm_step at a tiny size on 3 ranks: every step is timed, its first loss agreed with one
-    process's, the aggregate limit is measured, and the Markdown table and plot are written."""
+    """lm_step at a tiny size on 2 ranks (one per core: its ten steps' compilations dominate,
+    and 3 oversubscribed ranks took 4 minutes): every step is timed, its first loss agreed
+    with one process's, the aggregate limit is measured, and the table and plot are written."""
     raw = tmp_path / "lm_step.json"
     out = _mpirun(
-        3,
+        2,
         "benchmarks.lm_step",
         *("--batch", "6", "--context", "8", "--d", "16", "--heads", "4", "--layers", "1"),
         *("--chars", "4000", "--repeats", "1", "--out", str(tmp_path), "--json", str(raw)),
@@ -193,7 +194,7 @@ def test_the_lm_step_benchmark_runs_and_writes_its_results(tmp_path):
         "one process, whole batch (every rank at once)",
     ], out
     assert all(e["seconds"] > 0 and e["tokens_per_s"] > 0 for e in record["entries"])
-    assert len(record["alone_seconds_per_rank"]) == 3
+    assert len(record["alone_seconds_per_rank"]) == 2
     # The limit is the harmonic combination of each rank's time for the whole step.
     alone = record["alone_seconds_per_rank"]
     assert record["aggregate_limit_s"] == pytest.approx(1.0 / sum(1.0 / t for t in alone))
