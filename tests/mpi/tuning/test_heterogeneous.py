@@ -78,15 +78,8 @@ def test_balanced_rows_make_measured_compute_times_agree_within_15_percent():
             break
         split = om.balance(total, [rows / t for rows, t in zip(split.sizes, times)], min_rows=64)
     assert spread <= 0.15, f"per-rank seconds never within 15% (rows, seconds, spread): {history}"
-    # The balanced split finishes clearly before an even one (ideally ~1.28x: the ranks on the
-    # shared core would each do 2048 rows instead of ~1600). Alternate the two, so that drift
-    # hits both, and compare the medians of the slowest rank's time.
-    balanced, even = [], []
-    for _ in range(3):
-        balanced.append(max(_share_seconds(split.sizes[RANK])))
-        even.append(max(_share_seconds(total // 3)))
-    ratio = statistics.median(even) / statistics.median(balanced)
-    # A speed-up is a benchmark's figure (benchmarks/lm_step.py, make bench), not a test's: on
-    # a shared machine the binding's slowdown comes and goes (0.98x in one CI run).
-    if RANK == 0:
-        print(f"balanced split {ratio:.2f}x faster than even (even {even}, balanced {balanced})")
+    # Balanced means uneven here: rank 2, with a core to itself, takes more rows than each of
+    # the ranks sharing core 0 (an even split would leave them ~2x behind it). How much sooner
+    # the balanced split finishes is a benchmark's figure (benchmarks/lm_step.py), not a test's.
+    sizes = split.sizes
+    assert sizes[2] > max(sizes[0], sizes[1]), f"rank 2 should take the most rows: {sizes}"
