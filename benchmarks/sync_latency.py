@@ -51,8 +51,8 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "multihost"))
 
 import netns  # noqa: E402
-from jobs import MPIEXEC, OPEN_MPI, job_environment, mpiexec, run_job  # noqa: E402
-from launch import HOST_VARIABLES, INTEL_MPI, TRANSPORT  # noqa: E402
+from jobs import MPIEXEC, job_environment, mpiexec, run_job  # noqa: E402
+from launch import HOST_VARIABLES, TRANSPORT  # noqa: E402
 from launch import job_command as hosts_command  # noqa: E402
 
 SOURCE = REPO / "benchmarks" / "sync_latency.c"
@@ -63,7 +63,7 @@ JOB_TIMEOUT_S = 300.0
 # (tests/multihost/launch.py: each MPI's settings for it).
 TCP_SUMMARY = TRANSPORT.proof
 HEAVY_YIELD = {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "1"}
-MPI_NAME = "Open MPI" if OPEN_MPI else "Intel MPI" if INTEL_MPI else "MPICH"
+MPI_NAME = TRANSPORT.mpi
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ class Transport:
     ``eth0`` (environment variables for every rank), and the text of the job's output that
     proves it did."""
 
+    mpi: str  # the MPI, in words
     settings: dict[str, str]
     no_local: dict[str, str]  # TCP between the ranks of one host too (no shared memory)
     proof: str
@@ -47,6 +48,7 @@ class Transport:
 # MPICH: its default UCX netmod sees through the namespaces (one node, CMA); the ofi netmod
 # with the tcp provider does not. MPIR_CVAR_DEBUG_SUMMARY names the provider and the subnet.
 MPICH_TCP = Transport(
+    mpi="MPICH",
     settings={
         "MPIR_CVAR_CH4_NETMOD": "ofi",
         "FI_PROVIDER": "tcp",
@@ -61,6 +63,7 @@ MPICH_TCP = Transport(
 # unbound, as MPICH's hydra does (Intel MPI pins each to a core of its own by default, and the
 # speed cache's keys count the ranks that share CPUs).
 INTEL_MPI_TCP = Transport(
+    mpi="Intel MPI",
     settings={
         "I_MPI_PIN": "off",
         "I_MPI_FABRICS": "shm:ofi",
@@ -77,6 +80,7 @@ INTEL_MPI_TCP = Transport(
 # components would see through the namespaces as MPICH's UCX does, so neither is chosen.
 # At btl_base_verbose 1 each rank names the BTL it sends through to each peer, and its node.
 OPEN_MPI_TCP = Transport(
+    mpi="Open MPI",
     settings={
         "OMPI_MCA_pml": "ob1",
         "OMPI_MCA_osc": "rdma",
