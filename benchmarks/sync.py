@@ -15,7 +15,13 @@ baseline). Cases (``name:size``):
 ``dp_grad:d``   the weight gradient of a data-parallel layer, dW[d x d] = X.T @ dY over 512
                 rows split evenly: summed onto every rank (a replicated C);
 ``mlp``         one jitted SGD step of a 4-layer MLP of :class:`osmm_jax.flax.Dense` (width
-                256, 512 rows split evenly), gradients summed by the layers themselves.
+                256, 512 rows split evenly), gradients summed by the layers themselves;
+``lm_dp``       one data-parallel adam step of the character-level Transformer of
+                examples/train_lm.py at its default size (d=96, 4 heads, 2 blocks, 24
+                sequences of 64 characters split evenly), stock layers, every gradient
+                summed in one fused transfer (``osmm_jax.flax.value_and_grad``); the
+                ``allreduce`` entry sums them with ``sum_method="allreduce"`` (what
+                DistributedDataParallel does). The first step's loss of each entry must agree.
 
 Rank 0 prints one JSON line per case (``--json`` appends the records to a file).
 """
@@ -30,6 +36,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 import osmm_jax as om
 from benchmarks import common
@@ -118,6 +125,50 @@ def mlp_entries() -> tuple[dict, float]:
     return fns, 3 * 4 * 2 * ROWS * WIDTH * WIDTH
 
 
+LM = {"d": 96, "heads": 4, "layers": 2, "batch": 24, "context": 64}  # train_lm's defaults
+
+
+def lm_entries() -> tuple[dict, float]:
+    """The ``lm_dp`` case: each entry's step and arguments (see the module docstring)."""
+    from benchmarks.lm_step import lm, step_flops
+
+    text = lm.load_text(200_000)
+    chars = sorted(set(text))
+    data = np.asarray([chars.index(c) for c in text], np.int32)
+    x, y = next(lm.batches(data, 1, LM["batch"], LM["context"], 0))
+    counts = om.split_sizes(LM["batch"], SIZE)
+    mine = slice(sum(counts[:RANK]), sum(counts[: RANK + 1]))
+    tokens = LM["batch"] * LM["context"]
+
+    def step(sum_method: str):
+        model = lm.GPT(
+            len(chars),
+            LM["context"],
+            LM["d"],
+            LM["heads"],
+            LM["layers"],
+            lm.Layers("single"),
+            nnx.Rngs(0),
+        )
+        fn, params, opt_state = lm.make_step(model, 1e-3, tokens, dp=True, sum_method=sum_method)
+        args = (params, opt_state, jnp.asarray(x[mine]), jnp.asarray(y[mine]))
+        loss = COMM.allreduce(float(fn(*args)[2]))  # traced now, under this synchronisation
+        return (fn, args), loss
+
+    fns, losses = {}, {}
+    for sync in SYNCS:
+        os.environ["OSMM_SYNC"] = sync
+        fns[sync], losses[sync] = step("one_sided")
+    os.environ.pop("OSMM_SYNC")
+    fns["allreduce"], losses["allreduce"] = step("allreduce")
+    if not all(
+        abs(v - losses["allreduce"]) <= 1e-5 * abs(losses["allreduce"]) for v in losses.values()
+    ):
+        raise SystemExit(f"lm_dp: first-step losses disagree: {losses}")
+    flops = step_flops(tokens, LM["d"], LM["layers"], LM["context"], len(chars))
+    return fns, flops
+
+
 BREAKDOWN_CALLS = 5
 COUNTERS = ("fences", "closing_fence_seconds", "notifications", "notify_wait_seconds")
 
@@ -143,7 +194,12 @@ def breakdown(fns: dict) -> dict:
 
 def run(case: str, repeats: int) -> dict:
     kind, _, size = case.partition(":")
-    fns, flops = mlp_entries() if kind == "mlp" else product_entries(kind, int(size))
+    if kind == "mlp":
+        fns, flops = mlp_entries()
+    elif kind == "lm_dp":
+        fns, flops = lm_entries()
+    else:
+        fns, flops = product_entries(kind, int(size))
     before = om.stats()
     times = common.interleaved_times(fns, repeats)
     after = om.stats()
@@ -173,7 +229,9 @@ def run(case: str, repeats: int) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description="notify vs fence vs all-reduce")
-    parser.add_argument("--cases", default="k_split:64,k_split:256,dp_grad:64,dp_grad:256,mlp")
+    parser.add_argument(
+        "--cases", default="k_split:64,k_split:256,dp_grad:64,dp_grad:256,mlp,lm_dp"
+    )
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", default=None, help="append the records to this JSON list")
     args = parser.parse_args(argv)

@@ -33,7 +33,7 @@ ALL_CONFIGS = {
     "tcp4": Config(4, True, "4 emulated hosts, one rank each, TCP"),
 }
 DEFAULT_CONFIGS = "shm2,shm3,tcp2,tcp3,tcp4"
-CASES = "k_split:64,k_split:256,dp_grad:64,dp_grad:256,mlp"
+CASES = "k_split:64,k_split:256,dp_grad:64,dp_grad:256,mlp,lm_dp"
 
 
 def run_config(
