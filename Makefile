@@ -194,6 +194,8 @@ clean:
 # The every-layout sweeps of test_matmul.py run every layout triple on 1 and 2 ranks; 3 and 4
 # ranks share them: triples with a 2-D grid on 4 ranks (2x2; on 3 ranks a grid is 1x3, columns
 # again), the others on 3; OSMM_TEST_ALL_COMBOS=1 runs all of them everywhere.
+# Test files whose checks do not change from three ranks to four (the Flax data-parallel
+# layers, checksums, recovery, tuning) are marked ranks(1, 2, 3) and skip the 4-rank run.
 
 # The MPI suite runs in the default synchronisation of its communicator (the fence mode: these
 # ranks share one node); NOTIFY_TESTS run once more in the notified mode (OSMM_SYNC=notify, the
