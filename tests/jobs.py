@@ -66,6 +66,18 @@ def mpiexec_flags(launcher: Path = MPIEXEC) -> list[str]:
     return ["--oversubscribe"] + (["--allow-run-as-root"] if os.geteuid() == 0 else [])
 
 
+def launcher_environment() -> dict[str, str]:
+    """What :func:`mpiexec_flags` grants, as environment variables, for a launcher started by
+    something else (ipyparallel starts the notebooks' engines with a bare ``mpiexec``): for
+    Open MPI's, more ranks than cores and, as root, running as root; nothing for hydra."""
+    if not OPEN_MPI:
+        return {}
+    env = {"PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
+    if os.geteuid() == 0:
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
+
+
 def mpiexec(ranks: int) -> list[str]:
     """The start of a command that runs a job of ``ranks`` ranks with the venv's MPI."""
     return [str(MPIEXEC), *mpiexec_flags(), "-n", str(ranks)]

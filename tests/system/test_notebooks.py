@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from jobs import launcher_environment
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -97,6 +98,8 @@ def kernel_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
     monkeypatch.setenv("IPYTHONDIR", str(tmp_path / "ipython"))
+    for name, value in launcher_environment().items():
+        monkeypatch.setenv(name, value)
     tag = uuid.uuid4().hex
     monkeypatch.setenv(TAG_VARIABLE, tag)
     try:

@@ -54,6 +54,12 @@ def test_insufficient_thread_level_is_refused_clearly():
     assert "MPI_THREAD_MULTIPLE" in result.stderr and "MPI_THREAD_SERIALIZED" in result.stderr
 
 
+# Open MPI 5 prints this once per window wherever UCX is built in but finds no device, whatever
+# the program (https://github.com/open-mpi/ompi/issues/12517, open; OMPI_MCA_osc=^ucx silences
+# it): Open MPI's start-up noise, not osmm_jax's.
+OPEN_MPI_OSC_UCX = "OSC UCX component priority set inside component query failed"
+
+
 @pytest.mark.skipif(not MPIEXEC.exists(), reason="needs the venv's mpiexec")
 def test_program_exits_cleanly_after_one_sided_products():
     code = textwrap.dedent("""
@@ -73,7 +79,9 @@ def test_program_exits_cleanly_after_one_sided_products():
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("done") == 2
     noise = [
-        line for line in result.stderr.splitlines() if line.strip() and "UserWarning" not in line
+        line
+        for line in result.stderr.splitlines()
+        if line.strip() and "UserWarning" not in line and OPEN_MPI_OSC_UCX not in line
     ]
     assert not noise, "stderr should be empty at exit:\n" + result.stderr
 
