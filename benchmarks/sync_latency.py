@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "multihost"))
 
 import netns  # noqa: E402
-from jobs import MPIEXEC, job_environment, mpiexec, run_job  # noqa: E402
+from jobs import MPIEXEC, compiler_environment, job_environment, mpiexec, run_job  # noqa: E402
 from launch import HOST_VARIABLES, TRANSPORT  # noqa: E402
 from launch import job_command as hosts_command  # noqa: E402
 
@@ -110,7 +110,8 @@ CASES = {
 def compile_benchmark(folder: Path) -> Path:
     """Build sync_latency.c with the venv's mpicc; return the executable's path."""
     binary = folder / "sync_latency"
-    subprocess.run([str(MPICC), "-O2", str(SOURCE), "-o", str(binary)], check=True)
+    command = [str(MPICC), "-O2", str(SOURCE), "-o", str(binary)]
+    subprocess.run(command, check=True, env=compiler_environment())
     return binary
 
 

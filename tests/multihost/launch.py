@@ -20,7 +20,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 import netns  # noqa: E402
-from jobs import MPIEXEC, OPEN_MPI, job_environment, run_job  # noqa: E402
+from jobs import INTEL_MPI, MPIEXEC, OPEN_MPI, job_environment, run_job  # noqa: E402
 
 PROGRAM = HERE / "program.py"
 HOSTS = 4
@@ -30,7 +30,6 @@ WATCHDOG_S = 60  # OSMM_TIMEOUT: a stuck MPI step ends the job well before the h
 
 # Besides the launcher's: the network and osmm_jax settings of this process, which the jobs set.
 HOST_VARIABLES = ("FI_", "UCX_", "OSMM_", "I_MPI_", "OMPI_MCA_", "PRTE_MCA_")
-INTEL_MPI = (MPIEXEC.parent / "impi_info").exists()
 
 
 @dataclass(frozen=True)

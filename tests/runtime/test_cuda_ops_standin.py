@@ -22,7 +22,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from jobs import MPIEXEC, REPO, job_environment, mpiexec, run_job
+from jobs import MPIEXEC, REPO, compiler_environment, job_environment, mpiexec, run_job
 
 NATIVE = REPO / "tests" / "native"
 MPICXX = MPIEXEC.parent / "mpicxx"
@@ -38,7 +38,10 @@ def _core_library() -> Path:
 
 def _compile(flags: list[str], source: Path, obj: Path) -> None:
     done = subprocess.run(
-        [str(MPICXX), *flags, "-c", str(source), "-o", str(obj)], capture_output=True, text=True
+        [str(MPICXX), *flags, "-c", str(source), "-o", str(obj)],
+        capture_output=True,
+        text=True,
+        env=compiler_environment(),
     )
     if done.returncode != 0:
         pytest.fail(f"compiling {source.relative_to(REPO)} failed:\n{done.stderr}")
@@ -82,6 +85,7 @@ def driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
         [str(MPICXX), "-pthread", *map(str, objects), *link, "-o", str(executable)],
         capture_output=True,
         text=True,
+        env=compiler_environment(),
     )
     if done.returncode != 0:
         pytest.fail(f"linking the driver failed:\n{done.stderr}")
