@@ -51,7 +51,7 @@ sys.path.insert(0, str(REPO / "tests"))
 sys.path.insert(0, str(REPO / "tests" / "multihost"))
 
 import netns  # noqa: E402
-from jobs import MPIEXEC, compiler_environment, job_environment, mpiexec, run_job  # noqa: E402
+from jobs import MPIEXEC, job_environment, mpiexec, native_environment, run_job  # noqa: E402
 from launch import HOST_VARIABLES, TRANSPORT  # noqa: E402
 from launch import job_command as hosts_command  # noqa: E402
 
@@ -111,7 +111,7 @@ def compile_benchmark(folder: Path) -> Path:
     """Build sync_latency.c with the venv's mpicc; return the executable's path."""
     binary = folder / "sync_latency"
     command = [str(MPICC), "-O2", str(SOURCE), "-o", str(binary)]
-    subprocess.run(command, check=True, env=compiler_environment())
+    subprocess.run(command, check=True, env=native_environment())
     return binary
 
 
@@ -128,7 +128,7 @@ def job_command(config: Config, program: list[str], hosts, scratch: Path) -> tup
     host 0 (``scratch``: a folder for the host file)."""
     if not config.tcp:
         # The network, MPI and osmm_jax settings of this process are not the job's.
-        env = job_environment(drop=HOST_VARIABLES)
+        env = native_environment(job_environment(drop=HOST_VARIABLES))
         return [*mpiexec(config.ranks), *program], {**env, **config.env}
     settings = {**TRANSPORT.settings, **config.env}
     machines = scratch / "machines"
@@ -136,7 +136,7 @@ def job_command(config: Config, program: list[str], hosts, scratch: Path) -> tup
     env = job_environment(
         drop=HOST_VARIABLES, OSMM_NETNS_PREFIX=hosts.prefix, OSMM_NETNS_HOSTNAMES="1"
     )
-    return command, env
+    return command, native_environment(env)
 
 
 def run_config(name: str, binary: Path, reps: int, hosts, timeout: float) -> tuple[dict, list]:

@@ -80,14 +80,17 @@ def launcher_environment() -> dict[str, str]:
     return env
 
 
-def compiler_environment() -> dict[str, str]:
-    """This process's environment, for the venv's MPI compiler wrappers (``mpicc``,
-    ``mpicxx``): Intel MPI's wheels leave the wrappers' install prefix unset, and they find
-    their headers and libraries through ``I_MPI_ROOT`` (the venv, as the Makefile sets it for
-    its builds)."""
-    env = dict(os.environ)
+def native_environment(env: dict[str, str] | None = None) -> dict[str, str]:
+    """``env`` (default: this process's environment), fit for compiling and running C and C++
+    programs against the venv's MPI. Intel MPI's wheels leave unset what its ``vars.sh`` sets
+    for an installed Intel MPI: ``I_MPI_ROOT``, through which its compiler wrappers find their
+    headers and libraries, and ``LD_LIBRARY_PATH``, through which its ``libmpi`` finds the
+    bundled libfabric (mpi4py preloads that one for Python programs)."""
+    env = dict(os.environ if env is None else env)
     if INTEL_MPI:
+        lib = str(MPIEXEC.parent.parent / "lib")
         env.setdefault("I_MPI_ROOT", str(MPIEXEC.parent.parent))
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [lib, env.get("LD_LIBRARY_PATH")]))
     return env
 
 

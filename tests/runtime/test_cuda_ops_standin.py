@@ -22,7 +22,7 @@ from pathlib import Path
 
 import jax
 import pytest
-from jobs import MPIEXEC, REPO, compiler_environment, job_environment, mpiexec, run_job
+from jobs import MPIEXEC, REPO, job_environment, mpiexec, native_environment, run_job
 
 NATIVE = REPO / "tests" / "native"
 MPICXX = MPIEXEC.parent / "mpicxx"
@@ -41,7 +41,7 @@ def _compile(flags: list[str], source: Path, obj: Path) -> None:
         [str(MPICXX), *flags, "-c", str(source), "-o", str(obj)],
         capture_output=True,
         text=True,
-        env=compiler_environment(),
+        env=native_environment(),
     )
     if done.returncode != 0:
         pytest.fail(f"compiling {source.relative_to(REPO)} failed:\n{done.stderr}")
@@ -85,7 +85,7 @@ def driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
         [str(MPICXX), "-pthread", *map(str, objects), *link, "-o", str(executable)],
         capture_output=True,
         text=True,
-        env=compiler_environment(),
+        env=native_environment(),
     )
     if done.returncode != 0:
         pytest.fail(f"linking the driver failed:\n{done.stderr}")
@@ -94,7 +94,7 @@ def driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _run(driver: Path, ranks: int, **settings: str) -> str:
     """Run the driver on ``ranks`` ranks; its summary line (rank 0's)."""
-    env = job_environment(drop=("OSMM_",), **settings)
+    env = native_environment(job_environment(drop=("OSMM_",), **settings))
     ended = run_job([*mpiexec(ranks), str(driver)], env, RUN_TIMEOUT)
     assert ended.status == 0, f"status {ended.status}\n{ended.stdout}\n{ended.stderr}"
     return ended.stdout.strip().splitlines()[-1]
