@@ -1,7 +1,7 @@
 """Time one_sided's two synchronisations against the all-reduce method, in one run per case.
 
-Run under mpiexec (every rank runs it), e.g. on this host or across emulated hosts
-(``benchmarks.network --cases sync``)::
+Run under mpiexec (every rank runs it), on this host or across emulated hosts
+(``benchmarks.sync_report`` runs it in both)::
 
     mpiexec -n 3 .venv/bin/python -m benchmarks.sync --cases k_split:64,dp_grad:256,mlp
 
