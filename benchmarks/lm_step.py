@@ -186,10 +186,7 @@ def main(argv=None) -> int:
     speeds = om.profile_speeds(size=1024, repeats=5, progress=False)
     rss_start = common.peak_rss_mib()
 
-    text = lm.load_text(args.chars)
-    chars = sorted(set(text))
-    data = np.asarray([chars.index(c) for c in text], np.int32)
-    vocab = len(chars)
+    data, vocab = lm.encode(lm.load_text(args.chars))
     x, y = next(lm.batches(data, 1, args.batch, args.context, 0))
     tokens = args.batch * args.context
 

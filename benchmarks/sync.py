@@ -132,9 +132,7 @@ def lm_entries() -> tuple[dict, float]:
     """The ``lm_dp`` case: each entry's step and arguments (see the module docstring)."""
     from benchmarks.lm_step import lm, step_flops
 
-    text = lm.load_text(200_000)
-    chars = sorted(set(text))
-    data = np.asarray([chars.index(c) for c in text], np.int32)
+    data, vocab = lm.encode(lm.load_text(200_000))
     x, y = next(lm.batches(data, 1, LM["batch"], LM["context"], 0))
     counts = om.split_sizes(LM["batch"], SIZE)
     mine = slice(sum(counts[:RANK]), sum(counts[: RANK + 1]))
@@ -142,7 +140,7 @@ def lm_entries() -> tuple[dict, float]:
 
     def step(sum_method: str):
         model = lm.GPT(
-            len(chars),
+            vocab,
             LM["context"],
             LM["d"],
             LM["heads"],
@@ -165,7 +163,7 @@ def lm_entries() -> tuple[dict, float]:
         abs(v - losses["allreduce"]) <= 1e-5 * abs(losses["allreduce"]) for v in losses.values()
     ):
         raise SystemExit(f"lm_dp: first-step losses disagree: {losses}")
-    flops = step_flops(tokens, LM["d"], LM["layers"], LM["context"], len(chars))
+    flops = step_flops(tokens, LM["d"], LM["layers"], LM["context"], vocab)
     return fns, flops
 
 

@@ -109,6 +109,13 @@ def load_text(max_chars: int) -> str:
     return "".join(parts)[:max_chars]
 
 
+def encode(text: str) -> tuple[np.ndarray, int]:
+    """``text`` as int32 character ids (its distinct characters, sorted, numbered from 0), and
+    the vocabulary size."""
+    chars = sorted(set(text))
+    return np.asarray([chars.index(c) for c in text], np.int32), len(chars)
+
+
 class StockLinear(nnx.Linear):
     """``nnx.Linear`` (same parameters, same result) applied to the 2-D view of its input.
 
@@ -418,9 +425,7 @@ def main(argv=None) -> int:
             print(*lines, sep="\n", flush=True)
 
     text = load_text(args.chars)
-    chars = sorted(set(text))
-    data = np.asarray([chars.index(c) for c in text], np.int32)
-    vocab = len(chars)
+    data, vocab = encode(text)
     # What moves the gradients: osmm_jax's method in dp and tp; JAX's sharding; none.
     method = {"jax": "NamedSharding", "single": "stock"}.get(args.mode, args.method)
     say(
