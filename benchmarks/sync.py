@@ -29,6 +29,7 @@ Rank 0 prints one JSON line per case (``--json`` appends the records to a file).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -113,15 +114,29 @@ def mlp_step(method: str):
     return step, (params, x, y)
 
 
+@contextlib.contextmanager
+def synchronisation(sync: str):
+    """``OSMM_SYNC=sync`` while a step is traced (the layers' products read it then); the
+    caller's own value, if any, afterwards."""
+    before = os.environ.get("OSMM_SYNC")
+    os.environ["OSMM_SYNC"] = sync
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("OSMM_SYNC")
+        else:
+            os.environ["OSMM_SYNC"] = before
+
+
 def mlp_entries() -> tuple[dict, float]:
     fns = {}
     for sync in SYNCS:
-        os.environ["OSMM_SYNC"] = sync
-        step, args = mlp_step("one_sided")
-        jax.block_until_ready(step(*args))  # traced now, under this synchronisation
+        with synchronisation(sync):
+            step, args = mlp_step("one_sided")
+            jax.block_until_ready(step(*args))  # traced now, under this synchronisation
         fns[sync] = (step, args)
     fns["allreduce"] = mlp_step("allreduce")
-    os.environ.pop("OSMM_SYNC")
     return fns, 3 * 4 * 2 * ROWS * WIDTH * WIDTH
 
 
@@ -155,9 +170,8 @@ def lm_entries() -> tuple[dict, float]:
 
     fns, losses = {}, {}
     for sync in SYNCS:
-        os.environ["OSMM_SYNC"] = sync
-        fns[sync], losses[sync] = step("one_sided")
-    os.environ.pop("OSMM_SYNC")
+        with synchronisation(sync):
+            fns[sync], losses[sync] = step("one_sided")
     fns["allreduce"], losses["allreduce"] = step("allreduce")
     if not all(
         abs(v - losses["allreduce"]) <= 1e-5 * abs(losses["allreduce"]) for v in losses.values()
