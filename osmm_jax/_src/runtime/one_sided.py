@@ -25,8 +25,8 @@ static slices of the blocks; the data moves in the native custom calls of
    splits GEMMs by rows and never changes what is summed (a split GEMM may
    round differently in the last bits).
 3. A staged plan (``plan.gather_stage``, a replicated C) runs steps 1-2 into an
-   even split of C, then gets every block this rank lacks from its owner
-   (MPI_Get) and returns the whole C.
+   even split of C, then gathers the blocks this rank lacks from their owners
+   (:mod:`osmm_jax._src.runtime.gather`) and returns the whole C.
 
 Precision: products and sums are formed in the accumulation dtype (float32 for
 float32, bfloat16 and float16; float64 for float64), so partials travel in it;
@@ -47,7 +47,7 @@ import numpy as np
 
 from osmm_jax._src import dtypes
 from osmm_jax._src.planning.plan import Plan
-from osmm_jax._src.runtime import native, primitives, slots
+from osmm_jax._src.runtime import gather, native, primitives, slots
 from osmm_jax._src.runtime.slots import FENCE, Sync, executed_plan
 
 _ALIGN = 64  # bytes; the B region of the expose window starts on this boundary
@@ -61,7 +61,9 @@ def forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0, sync: Sync = FENC
     executed = executed_plan(plan, sync)  # a staged plan's gather stage, or its direct plan
     if executed is not plan:
         block = forward(executed, rank, a, b, chunk_bytes, sync)
-        return _gather_blocks(plan, rank, block) if executed is plan.gather_stage else block
+        if executed is plan.gather_stage:
+            return gather.gather_blocks(plan, rank, block, sync)
+        return block
     operands = _operands(plan, rank, a, b)
     local = jnp.zeros(plan.c.local_shape(rank), operands.acc)
     cells = _cells(plan, rank)
@@ -533,41 +535,6 @@ def _within(pieces: dict, matrix: str, rows, cols):
         if held == matrix and inside:
             return piece[rows[0] - r[0] : rows[1] - r[0], cols[0] - c[0] : cols[1] - c[0]]
     raise AssertionError(f"no fetched piece of {matrix} holds {rows} x {cols}")  # planner bug
-
-
-def _gather_blocks(plan: Plan, rank: int, block):
-    """The whole (replicated) C of a staged plan from this rank's ``block`` of its even split:
-    get every other block from its owner (MPI_Get) and put them in place."""
-    split = plan.gather_stage.c
-    itemsize = np.dtype(block.dtype).itemsize
-    largest = max(split.local_shape(r)[0] * split.local_shape(r)[1] for r in range(plan.nranks))
-    window_bytes = _aligned(largest * itemsize)
-    records, where, offset = [], {}, 0
-    for t in plan.gathers_by(rank):
-        records += _record(_REGIONS["A"], t, split.blocks[t.target], offset)
-        where[t.target] = offset
-        offset += t.elements
-    fetched = primitives.fetch(
-        block,
-        jnp.zeros((0, 0), block.dtype),
-        comm=plan.comm_key,
-        call_id=primitives.call_id(plan.fingerprint, "gather", str(block.dtype)),
-        window_bytes=window_bytes,
-        b_offset=window_bytes,
-        expose_a=block.size > 0,
-        expose_b=False,
-        gets=records,
-        fetched_elements=offset,
-    )
-    pieces = []
-    for owner in range(plan.nranks):
-        shape = split.local_shape(owner)
-        if owner == rank:
-            pieces.append(block)
-        elif shape[0] and shape[1]:
-            start = where[owner]
-            pieces.append(fetched[start : start + shape[0] * shape[1]].reshape(shape))
-    return jnp.concatenate(pieces, axis=0 if split.kind == "rows" else 1)
 
 
 def _aligned(nbytes: int) -> int:

@@ -24,16 +24,24 @@ _ALIGN = 64  # bytes; every slot starts on this boundary
 
 def slot_bytes(plan: Plan, itemsize: int) -> int:
     """Bytes of one slot: the largest C block of ``plan`` in ``itemsize``-byte elements, aligned."""
-    nbytes = plan.receive_elements * itemsize
-    return max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+    return _aligned(plan.receive_elements * itemsize)
 
 
 def slot_count(plan: Plan, itemsize: int, budget: float) -> int:
     """``S``: the slots per rank, the same on every rank (``budget``: bytes, may be inf)."""
-    wanted = max(1, plan.facts.max_origins)
+    return _count(plan.facts.max_origins, slot_bytes(plan, itemsize), budget)
+
+
+def _count(wanted: int, nbytes: int, budget: float) -> int:
+    """``wanted`` slots of ``nbytes`` each, as many as ``budget`` holds, at least one."""
+    wanted = max(1, wanted)
     if math.isinf(budget):
         return wanted
-    return max(1, min(wanted, int(budget // slot_bytes(plan, itemsize))))
+    return max(1, min(wanted, int(budget // nbytes)))
+
+
+def _aligned(nbytes: int) -> int:
+    return max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
 
 
 def window_bytes(plan: Plan, itemsize: int, budget: float) -> int:
@@ -58,6 +66,24 @@ def notify_attribute(plan: Plan, rank: int, itemsize: int, sync: Sync) -> tuple[
         len(targets),
         *targets,
     )
+
+
+def gather_attribute(plan: Plan, rank: int, itemsize: int, sync: Sync) -> tuple[tuple, int]:
+    """The ``notify`` attribute and window bytes of staged ``plan``'s notified all-gather on
+    ``rank`` (:mod:`osmm_jax._src.runtime.gather`): every owner of a block of the even split
+    delivers it to every other rank, whose block is the whole C. ``itemsize``: of the
+    accumulation dtype."""
+    split = plan.gather_stage.c
+    owners = [r for r in range(plan.nranks) if split.local_shape(r)[0] * split.local_shape(r)[1]]
+    origins = [o for o in owners if o != rank]
+    targets = [t for t in range(plan.nranks) if t != rank] if rank in owners else []
+    # The most origins any rank has: every owner, for a rank that owns no block.
+    most = len(owners) - (len(owners) == plan.nranks)
+    nbytes = _aligned(plan.c.shape[0] * plan.c.shape[1] * itemsize)
+    count = _count(most, nbytes, sync.slot_budget)
+    pull = int(sync.credits == "pull")
+    notify = (count, nbytes, pull, len(origins), *origins, len(targets), *targets)
+    return notify, (1 + count) * nbytes
 
 
 class Sync(NamedTuple):

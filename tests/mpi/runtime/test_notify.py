@@ -16,7 +16,7 @@ from mpi4py import MPI
 
 import osmm_jax as om
 from osmm_jax._src import config
-from osmm_jax._src.runtime import communicators
+from osmm_jax._src.runtime import communicators, slots
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
@@ -63,18 +63,30 @@ def credits(request, monkeypatch):
     return request.param
 
 
+@pytest.fixture
+def staged(monkeypatch):
+    """Every replicated C staged (reduce-scatter, then the notified all-gather), however small."""
+    monkeypatch.setattr(slots, "DIRECT_ELEMENTS", 0)
+
+
 def _plan(case):
     a, b, c, work = case
     return om.plan(a, b, c, work=work) if work is not None else om.plan(a, b, c)
 
 
 @pytest.mark.ranks(min=2, reason="partials from several ranks")
-@pytest.mark.parametrize("name", ["k_split", "grid", "data_parallel", "three_d"])
-def test_repeated_products_and_gradients_are_bit_identical(name):
+@pytest.mark.parametrize("name", ["k_split", "grid", "data_parallel", "staged", "three_d"])
+def test_repeated_products_and_gradients_are_bit_identical(name, request):
     cases = _cases()
+    if name == "staged":  # the data-parallel product, reduce-scattered then gathered
+        if SIZE < 3:
+            pytest.skip("a replicated C is staged from 3 ranks on")
+        request.getfixturevalue("staged")
+        cases[name] = cases["data_parallel"]
     if name not in cases:
         pytest.skip("the 3-D case runs on 4 ranks")
     plan = _plan(cases[name])
+    assert (name == "staged") == (slots.executed_plan(plan, _NOTIFY) is plan.gather_stage)
     a, b, a_loc, b_loc = _blocks(cases[name])
 
     def loss(x, y):
@@ -94,8 +106,13 @@ def test_repeated_products_and_gradients_are_bit_identical(name):
 
 
 @pytest.mark.ranks(min=3, reason="several origins per target")
-def test_a_slot_budget_of_one_slot_sums_in_rounds_with_the_same_bits(monkeypatch, credits):
-    case = _cases()["k_split"]
+@pytest.mark.parametrize("name", ["k_split", "staged"])
+def test_a_slot_budget_of_one_slot_sums_in_rounds_with_the_same_bits(
+    name, monkeypatch, credits, request
+):
+    if name == "staged":  # the all-gather's origins too (the whole C per slot)
+        request.getfixturevalue("staged")
+    case = _cases()["data_parallel" if name == "staged" else "k_split"]
     plan = _plan(case)
     _, _, a_loc, b_loc = _blocks(case)
     product = jax.jit(lambda x, y: om.matmul(x, y, plan, sync="notify"))
@@ -107,8 +124,13 @@ def test_a_slot_budget_of_one_slot_sums_in_rounds_with_the_same_bits(monkeypatch
 
 
 def _slot_bytes(plan) -> int:
+    """float32 bytes of the largest C block (the whole C of a staged plan: its all-gather's
+    slots, larger than those of its reduce-scatter), aligned."""
     largest = max(int(np.prod(plan.c.local_shape(r))) for r in range(SIZE))
     return -(-largest * 4 // 64) * 64
+
+
+_NOTIFY = slots.Sync("notify")
 
 
 @pytest.mark.ranks(min=3, reason="origins that run ahead of a late target")
@@ -170,8 +192,10 @@ def test_sync_is_checked_on_every_rank():
 @pytest.mark.ranks(min=3, reason="a replicated C is staged from 3 ranks on")
 @pytest.mark.parametrize("side", [64, 520])
 def test_a_small_replicated_result_is_summed_directly_a_large_one_staged(side):
-    """Small: one notified round, no fence, no get. Large: the gather stage's fence and gets."""
-    from osmm_jax._src.runtime import slots
+    """Small: summed directly (every partial to every rank, one notified round). Large:
+    reduce-scattered, then all-gathered (each rank's block to every other rank, a second
+    notified round). Neither fences nor gets."""
+    from osmm_jax._src.planning.plan import direct_plan
 
     layouts = (om.Layout.cols((side, 3 * SIZE)), om.Layout.rows((3 * SIZE, side)))
     plan = om.plan(*layouts, om.Layout.replicated((side, side)))
@@ -183,6 +207,35 @@ def test_a_small_replicated_result_is_summed_directly_a_large_one_staged(side):
     after = om.stats()
     np.testing.assert_allclose(c, a @ b, rtol=1e-4, atol=1e-4)
     assert len(set(COMM.allgather(c.tobytes()))) == 1
-    fenced = after["fences"] - before["fences"] > 0
-    assert fenced != direct
-    assert (after["gets"] - before["gets"] > 0) != direct
+    assert after["fences"] == before["fences"] and after["gets"] == before["gets"]
+    if direct:
+        expected = direct_plan(plan).bytes_issued(4, 4)[RANK]
+    else:
+        own = int(np.prod(plan.gather_stage.c.local_shape(RANK)))
+        expected = plan.gather_stage.bytes_issued(4, 4)[RANK] + own * 4 * (SIZE - 1)
+    assert after["sent_bytes"] - before["sent_bytes"] == expected
+
+
+@pytest.mark.ranks(min=3, reason="a replicated C is staged from 3 ranks on")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "shape", [(2, 2), (5, 7), (40, 2)], ids=["a-rank-owns-nothing", "cols", "rows"]
+)
+def test_the_notified_all_gather_gives_every_rank_the_same_whole_result(staged, shape, dtype):
+    """The all-gather of a staged plan, however C is split (a rank owning no block of the even
+    split only receives), in 16-bit too (its blocks travel in float32): every rank holds the
+    same bits, without a fence or a get."""
+    m, n = shape
+    layouts = (om.Layout.cols((m, 3 * SIZE)), om.Layout.rows((3 * SIZE, n)))
+    plan = om.plan(*layouts, om.Layout.replicated(shape))
+    assert slots.executed_plan(plan, _NOTIFY) is plan.gather_stage
+    a, b, a_loc, b_loc = _blocks((*layouts, None))
+    a, b = (np.asarray(jnp.asarray(x, dtype), np.float32) for x in (a, b))
+    before = om.stats()
+    step = jax.jit(lambda x, y: om.matmul(x, y, plan, sync="notify"))
+    c = step(a_loc.astype(dtype), b_loc.astype(dtype))
+    after = om.stats()
+    assert c.dtype == dtype and c.shape == shape
+    np.testing.assert_allclose(np.asarray(c, np.float32), a @ b, rtol=1e-2, atol=5e-2)
+    assert len(set(COMM.allgather(np.asarray(c).tobytes()))) == 1
+    assert after["fences"] == before["fences"] and after["gets"] == before["gets"]

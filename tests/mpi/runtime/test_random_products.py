@@ -3,8 +3,9 @@
 Every product draws its own layouts for A, B and C (rows, cols, 2-D grid or replicated, with
 uneven and sometimes zero weights, so some blocks are empty), dimensions M, K, N from a set
 of 1, small numbers and primes, a dtype, a method, eager or ``jax.jit``, forward only or
-forward and gradients, and a chunk size (sometimes so small that a product is sent in many
-chunks). Each rank checks its own blocks of C, dA and dB against float64 numpy products of
+forward and gradients, a chunk size (sometimes so small that a product is sent in many
+chunks), and in the notified mode (``OSMM_SYNC=notify``) whether a replicated C is staged
+(reduce-scatter, then the notified all-gather) however small it is. Each rank checks its own blocks of C, dA and dB against float64 numpy products of
 the same rounded inputs, within a bound that scales with the dtype's rounding and with K.
 
 The cases vary from run to run. Rank 0 picks the seed (``OSMM_TEST_SEED``, or a fresh one)
@@ -36,6 +37,7 @@ from mpi4py import MPI
 from product_cases import product_and_grads_step, rss_mib
 
 import osmm_jax as om
+from osmm_jax._src.runtime import slots
 
 jax.config.update("jax_enable_x64", True)
 
@@ -66,6 +68,7 @@ CHUNK_BYTES = (None, 0, 8, 24, 96)
 # Eager products cost several times a jitted one on first use (every operation compiles on
 # its own).
 JIT_SHARE, GRADS_SHARE, VERIFY_SHARE, REPEAT_SHARE = 0.75, 0.4, 0.1, 0.25
+STAGED_SHARE = 0.5
 # The cases run in batches, one test each, so that no single test runs for minutes. Every
 # compiled product holds several MiB: once a rank has grown by RELEASE_MIB since the first
 # batch (or the last release), all ranks drop JAX's compiled code after the batch, so that
@@ -114,6 +117,7 @@ class Case(NamedTuple):
     grads: bool
     chunk_bytes: int | None
     verify: bool
+    staged: bool  # every replicated C staged (slots.DIRECT_ELEMENTS = 0), notified mode only
     repeat_of: int | None = None  # the earlier case whose product this one runs again
 
 
@@ -169,6 +173,7 @@ def draw_case(seed: int, index: int, nranks: int) -> Case:
         grads=bool(rng.random() < GRADS_SHARE),
         chunk_bytes=CHUNK_BYTES[int(rng.integers(len(CHUNK_BYTES)))],
         verify=bool(rng.random() < VERIFY_SHARE),
+        staged=bool(rng.random() < STAGED_SHARE),
     )
 
 
@@ -211,26 +216,36 @@ def global_operands(seed: int, case: Case):
 
 
 @functools.cache
-def jitted(plan, method: str, chunk_bytes, verify: bool, grads: bool):
+def jitted(plan, method: str, chunk_bytes, verify: bool, grads: bool, staged: bool):
     """The jitted product (or forward-and-gradient step) of one plan and set of options,
     compiled once and reused by every case that draws the same ones."""
-    return jax.jit(make_step(plan, method, chunk_bytes, verify, grads))
+    return jax.jit(make_step(plan, method, chunk_bytes, verify, grads, staged))
 
 
-def make_step(plan, method: str, chunk_bytes, verify: bool, grads: bool):
+def make_step(plan, method: str, chunk_bytes, verify: bool, grads: bool, staged: bool):
     """``step(a_loc, b_loc, g_loc) -> (C, dA, dB)`` (dA, dB None without gradients), where dA
-    and dB are the gradients of ``sum(C * G)``."""
+    and dB are the gradients of ``sum(C * G)``; ``staged``: every replicated C of the product
+    and its gradients staged while the step is traced (or run eagerly)."""
 
     def product(x, y):
         return om.matmul(x, y, plan, method=method, verify=verify, chunk_bytes=chunk_bytes)
 
     if grads:
-        return product_and_grads_step(product)
+        inner = product_and_grads_step(product)
+    else:
 
-    def forward_only(x, y, g):
-        return product(x, y), None, None
+        def inner(x, y, g):
+            return product(x, y), None, None
 
-    return forward_only
+    def step(x, y, g):
+        before = slots.DIRECT_ELEMENTS
+        slots.DIRECT_ELEMENTS = 0 if staged else before
+        try:
+            return inner(x, y, g)
+        finally:
+            slots.DIRECT_ELEMENTS = before
+
+    return step
 
 
 def error_bound(x: np.ndarray, y: np.ndarray, dtype: np.dtype) -> np.ndarray:
@@ -277,7 +292,7 @@ def run_case(seed: int, case: Case) -> tuple[str | None, int]:
     plan = om.plan(a_layout, b_layout, c_layout)
     a, b, g = global_operands(seed, case)
     a_loc, b_loc, g_loc = a_layout.shard(a, RANK), b_layout.shard(b, RANK), c_layout.shard(g, RANK)
-    options = (plan, case.method, case.chunk_bytes, case.verify, case.grads)
+    options = (plan, case.method, case.chunk_bytes, case.verify, case.grads, case.staged)
     step = jitted(*options) if case.jit else make_step(*options)
     c_loc, da, db = jax.block_until_ready(step(a_loc, b_loc, g_loc))
 
