@@ -45,36 +45,48 @@ COMBOS = layout_combos()
 @pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("kinds", COMBOS)
 def test_jit_forward_and_grad_match_numpy(kinds, method):
+    """Exact products and gradients; one_sided also moves exactly the bytes the plan predicts,
+    forward and backward (at these sizes the default ``chunk_bytes`` makes one chunk, sent
+    from the calling thread)."""
     plan = om.plan(*make_layouts(kinds, shifts=(0, 1, 2)))
     inputs = global_inputs()
-    results = product_and_grads(plan, method, *local_blocks(plan, inputs))
+    blocks = local_blocks(plan, inputs)
+    if method == "allreduce":
+        results = product_and_grads(plan, method, *blocks)
+    else:
+        *results, sent = product_grads_and_bytes(plan, *blocks, method=method)
+        assert sent == sum(_issued_as_run(p) for p in (plan, *plan.backward()))
     assert_product_and_grads_match(plan, inputs, results)
 
 
-@pytest.mark.parametrize("chunk_bytes", [0, 8], ids=["no-overlap", "chunk-per-row"])
 @pytest.mark.parametrize("kinds", COMBOS)
-def test_overlapped_chunks_give_the_same_products_and_bytes(kinds, chunk_bytes):
-    """chunk_bytes=8 sends every row of every partial as its own chunk (from the issuer
-    thread); 0 sends everything at once from the calling thread. Both must give the exact
-    products and move exactly the bytes the plan predicts, forward and backward."""
+def test_chunk_per_row_overlap_gives_the_same_products_and_bytes(kinds):
+    """chunk_bytes=8 sends every row of every partial as its own chunk, from the issuer
+    thread, while the next rows are computed: the exact products, and exactly the bytes the
+    plan predicts, forward and backward."""
     plan = om.plan(*make_layouts(kinds, shifts=(0, 1, 2)))
     inputs = global_inputs(seed=5)
-    *results, sent = product_grads_and_bytes(
-        plan, *local_blocks(plan, inputs), chunk_bytes=chunk_bytes
-    )
+    *results, sent = product_grads_and_bytes(plan, *local_blocks(plan, inputs), chunk_bytes=8)
     assert_product_and_grads_match(plan, inputs, results)
-    expected = sum(_issued_as_run(p) for p in (plan, *plan.backward()))
-    assert sent == expected
+    assert sent == sum(_issued_as_run(p) for p in (plan, *plan.backward()))
 
 
 def _issued_as_run(plan) -> int:
     """Bytes this rank's RMA operations move for ``plan`` as the default synchronisation runs
-    it: staged (``plan`` counts its gathers too), or a small replicated C summed directly."""
+    it: staged (gathered by gets, or sent to every rank in the notified mode), or a small
+    replicated C summed directly."""
     network = communicators.uses_network(plan.comm_key)
     waiting = communicators.accumulates_wait_for_target()
     sync = one_sided.Sync(config.resolve_sync(None, network, waiting), config.slot_budget())
     executed = one_sided.executed_plan(plan, sync)
-    return (plan if executed is plan.gather_stage else executed).bytes_issued(8, 8)[RANK]
+    if executed is not plan.gather_stage:
+        return executed.bytes_issued(8, 8)[RANK]
+    if sync.mode == "fence":  # its gets of the other blocks
+        return plan.bytes_issued(8, 8)[RANK]
+    # the notified all-gather: this rank's block to every other rank
+    return executed.bytes_issued(8, 8)[RANK] + 8 * (SIZE - 1) * int(
+        np.prod(executed.c.local_shape(RANK))
+    )
 
 
 @pytest.mark.parametrize("method", METHODS)
