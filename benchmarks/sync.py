@@ -8,7 +8,10 @@ Run under mpiexec (every rank runs it), on this host or across emulated hosts
 Entries, interleaved in shuffled rounds (medians of the slowest rank's time, after warm-up):
 ``notify`` (``sync="notify"``: per-origin slots and notifications, no collective per product),
 ``fence`` (``sync="fence"``: collective MPI_Win_fence epochs) and ``allreduce`` (the mpi4jax
-baseline). Cases (``name:size``):
+baseline); where C is replicated (``dp_grad``, ``mlp``, ``lm_dp``) also ``notify staged``: the
+notified mode with every replicated C staged (reduce-scatter, then the notified all-gather),
+which ``notify`` does only where that saves more than ``slots.DIRECT_EXTRA_ELEMENTS`` elements
+per rank (below it, every partial goes to every rank). Cases (``name:size``):
 
 ``k_split:n``   C[n x n] = A[n x n] @ B[n x n], A by columns, B and C by rows: every rank's
                 partials of every C block reduced onto its owner;
@@ -42,10 +45,22 @@ from flax import nnx
 import osmm_jax as om
 from benchmarks import common
 from benchmarks.common import COMM, RANK, SIZE
+from osmm_jax._src.runtime import slots
 
 ROWS = 512
 WIDTH = 256
-SYNCS = ("notify", "fence")
+STAGED = "notify staged"
+DIRECT_VARIABLE = "OSMM_BENCH_DIRECT_EXTRA_ELEMENTS"
+_direct = os.environ.get(DIRECT_VARIABLE)
+ONE_SIDED = {
+    "notify": ("notify", None if _direct is None else int(_direct)),
+    STAGED: ("notify", 0),
+    "fence": ("fence", None),
+}
+"""Each one_sided entry: its synchronisation and the ``slots.DIRECT_EXTRA_ELEMENTS`` it is
+traced with (None: the library's). ``OSMM_BENCH_DIRECT_EXTRA_ELEMENTS`` sets the ``notify``
+entry's, e.g. a very large value to time a large replicated C summed directly against
+``notify staged`` (``sync_report --env OSMM_BENCH_DIRECT_EXTRA_ELEMENTS=...``)."""
 
 
 def product_case(kind: str, size: int):
@@ -73,10 +88,13 @@ def product_case(kind: str, size: int):
 
 def product_entries(kind: str, size: int) -> tuple[dict, float]:
     plan, a, b, flops = product_case(kind, size)
-    fns = {
-        sync: (jax.jit(lambda x, y, s=sync: om.matmul(x, y, plan, sync=s)), (a, b))
-        for sync in SYNCS
-    }
+    fns = {}
+    for name in _one_sided_entries(plan.c.is_replicated):
+        sync, direct = ONE_SIDED[name]
+        fn = jax.jit(lambda x, y, s=sync: om.matmul(x, y, plan, sync=s))
+        with synchronisation(sync, direct):
+            jax.block_until_ready(fn(a, b))  # traced now, with this staging
+        fns[name] = (fn, (a, b))
     fns["allreduce"] = (jax.jit(lambda x, y: om.matmul(x, y, plan, method="allreduce")), (a, b))
     fns["floor (local GEMMs only)"] = common.local_floor(plan, jnp.float32)
     return fns, flops
@@ -114,28 +132,36 @@ def mlp_step(method: str):
     return step, (params, x, y)
 
 
+def _one_sided_entries(replicated: bool) -> list[str]:
+    """The one_sided entries of a case: ``notify staged`` only where C is replicated."""
+    return [name for name in ONE_SIDED if replicated or name != STAGED]
+
+
 @contextlib.contextmanager
-def synchronisation(sync: str):
-    """``OSMM_SYNC=sync`` while a step is traced (the layers' products read it then); the
-    caller's own value, if any, afterwards."""
-    before = os.environ.get("OSMM_SYNC")
+def synchronisation(sync: str, direct_elements: int | None = None):
+    """``OSMM_SYNC=sync`` (and ``slots.DIRECT_EXTRA_ELEMENTS=direct_elements`` unless None)
+    while a step is traced (the layers' products read them then); the caller's own values afterwards."""
+    before = os.environ.get("OSMM_SYNC"), slots.DIRECT_EXTRA_ELEMENTS
     os.environ["OSMM_SYNC"] = sync
+    if direct_elements is not None:
+        slots.DIRECT_EXTRA_ELEMENTS = direct_elements
     try:
         yield
     finally:
-        if before is None:
+        if before[0] is None:
             os.environ.pop("OSMM_SYNC")
         else:
-            os.environ["OSMM_SYNC"] = before
+            os.environ["OSMM_SYNC"] = before[0]
+        slots.DIRECT_EXTRA_ELEMENTS = before[1]
 
 
 def mlp_entries() -> tuple[dict, float]:
     fns = {}
-    for sync in SYNCS:
-        with synchronisation(sync):
+    for name in _one_sided_entries(True):
+        with synchronisation(*ONE_SIDED[name]):
             step, args = mlp_step("one_sided")
             jax.block_until_ready(step(*args))  # traced now, under this synchronisation
-        fns[sync] = (step, args)
+        fns[name] = (step, args)
     fns["allreduce"] = mlp_step("allreduce")
     return fns, 3 * 4 * 2 * ROWS * WIDTH * WIDTH
 
@@ -169,9 +195,9 @@ def lm_entries() -> tuple[dict, float]:
         return (fn, args), loss
 
     fns, losses = {}, {}
-    for sync in SYNCS:
-        with synchronisation(sync):
-            fns[sync], losses[sync] = step("one_sided")
+    for name in _one_sided_entries(True):
+        with synchronisation(*ONE_SIDED[name]):
+            fns[name], losses[name] = step("one_sided")
     fns["allreduce"], losses["allreduce"] = step("allreduce")
     if not all(
         abs(v - losses["allreduce"]) <= 1e-5 * abs(losses["allreduce"]) for v in losses.values()
@@ -190,7 +216,7 @@ def breakdown(fns: dict) -> dict:
     notifications sent and seconds in notified finishes (waiting included), and the wall
     time, from ``BREAKDOWN_CALLS`` more calls after the timed rounds."""
     out = {}
-    for sync in SYNCS:
+    for sync in (name for name in ONE_SIDED if name in fns):
         fn, args = fns[sync]
         before = om.stats()
         COMM.Barrier()
@@ -226,6 +252,9 @@ def run(case: str, repeats: int) -> dict:
         "notify_vs_allreduce": seconds["allreduce"] / seconds["notify"],
         "fence_vs_allreduce": seconds["allreduce"] / seconds["fence"],
         "notify_vs_fence": seconds["fence"] / seconds["notify"],
+        "staged_vs_allreduce": seconds["allreduce"] / seconds[STAGED]
+        if STAGED in seconds
+        else None,
         "counters": {
             k: after[k] - before[k]
             for k in ("notifications", "deferred_deliveries", "credit_reads", "fences")
@@ -233,7 +262,12 @@ def run(case: str, repeats: int) -> dict:
         "per_call_by_rank": per_call,
         "environment": {
             k: os.environ[k]
-            for k in ("MPIR_CVAR_CH4_NETMOD", "FI_PROVIDER", "MPIR_CVAR_ENABLE_HEAVY_YIELD")
+            for k in (
+                "MPIR_CVAR_CH4_NETMOD",
+                "FI_PROVIDER",
+                "MPIR_CVAR_ENABLE_HEAVY_YIELD",
+                DIRECT_VARIABLE,
+            )
             if k in os.environ
         },
     }

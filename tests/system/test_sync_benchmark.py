@@ -1,5 +1,5 @@
 """benchmarks/sync.py end to end on 2 ranks over shared memory: every case times the notified
-mode, the fence mode and the all-reduce method, and says what each mode spent waiting. The
+mode (also with a replicated C staged), the fence mode and the all-reduce method, and says what each mode spent waiting. The
 timings themselves are not checked (this machine is shared and noisy); the TCP configurations
 of benchmarks/sync_report.py need root and network namespaces."""
 
@@ -24,8 +24,12 @@ def test_every_case_times_both_modes_and_the_all_reduce():
     for r in records:
         names = {e["name"] for e in r["entries"]}
         assert {"notify", "fence", "allreduce"} <= names
+        # the notified mode with a replicated C staged, where C is replicated
+        assert ("notify staged" in names) == (r["case"] != "k_split:16")
+        assert (r["staged_vs_allreduce"] is None) == (r["case"] == "k_split:16")
         assert all(e["seconds"] > 0 for e in r["entries"])
         assert r["counters"]["notifications"] > 0
         for rank in r["per_call_by_rank"]:
             assert rank["notify"]["fences"] == 0  # no collective fence in the notified mode
+            assert rank.get("notify staged", {"fences": 0})["fences"] == 0
             assert rank["fence"]["notifications"] == 0

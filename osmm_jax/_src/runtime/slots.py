@@ -9,7 +9,8 @@ slot ``i % S`` in round ``i // S``. ``S`` is the most origins any rank has
 still in ascending rank order, so the result does not depend on the budget.
 
 :class:`Sync` is the synchronisation a product runs with, and :func:`executed_plan` the plan
-it then runs (a small replicated C is summed directly in the notified mode).
+it then runs (in the notified mode a replicated C is summed directly unless staging saves many
+bytes).
 """
 
 from __future__ import annotations
@@ -104,17 +105,28 @@ class Sync(NamedTuple):
 
 FENCE = Sync("fence")
 
-DIRECT_ELEMENTS = 1 << 18
-"""A replicated C of at most this many elements is summed directly in the notified mode, not
-staged: its gather stage's gets cost a fence epoch, which over TCP is milliseconds whatever the
-size (benchmarks/results/sync.md), while the direct sum's extra bytes are few."""
+DIRECT_EXTRA_ELEMENTS = 1 << 19
+"""In the notified mode a replicated C is summed directly (every rank's partial to every other
+rank, one notified round) rather than staged (reduce-scatter, then the notified all-gather:
+two rounds) while the direct sum sends at most this many elements per rank more than staging
+(:func:`direct_extra_elements`). Measured over TCP between 3 and 4 emulated hosts
+(benchmarks/results/sync_staged.md): the extra round costs about as much as 400-700 thousand
+extra elements; below that the direct sum was up to 2x faster, above it staging up to 1.4x."""
+
+
+def direct_extra_elements(plan: Plan) -> int:
+    """How many more elements each rank sends summing replicated C directly than staged, with
+    even blocks: ``(P - 1) * N`` against ``2 * (P - 1) / P * N`` (``N``: elements of C)."""
+    p, elements = plan.nranks, plan.c.shape[0] * plan.c.shape[1]
+    return elements * (p - 1) * (p - 2) // p
 
 
 def executed_plan(plan: Plan, sync: Sync) -> Plan:
-    """The plan :func:`forward` runs for ``plan``: its gather stage, the direct plan (a small
-    replicated C in the notified mode), or ``plan`` itself."""
+    """The plan :func:`forward` runs for ``plan``: its gather stage, the direct plan (a
+    replicated C in the notified mode whose direct sum costs few extra bytes, see
+    :data:`DIRECT_EXTRA_ELEMENTS`), or ``plan`` itself."""
     if plan.gather_stage is None:
         return plan
-    if sync.mode == "notify" and plan.c.shape[0] * plan.c.shape[1] <= DIRECT_ELEMENTS:
+    if sync.mode == "notify" and direct_extra_elements(plan) <= DIRECT_EXTRA_ELEMENTS:
         return direct_plan(plan)
     return plan.gather_stage

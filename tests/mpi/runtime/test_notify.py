@@ -66,7 +66,7 @@ def credits(request, monkeypatch):
 @pytest.fixture
 def staged(monkeypatch):
     """Every replicated C staged (reduce-scatter, then the notified all-gather), however small."""
-    monkeypatch.setattr(slots, "DIRECT_ELEMENTS", 0)
+    monkeypatch.setattr(slots, "DIRECT_EXTRA_ELEMENTS", 0)
 
 
 def _plan(case):
@@ -190,17 +190,18 @@ def test_sync_is_checked_on_every_rank():
 
 
 @pytest.mark.ranks(min=3, reason="a replicated C is staged from 3 ranks on")
-@pytest.mark.parametrize("side", [64, 520])
+@pytest.mark.parametrize("side", [64, 900])
 def test_a_small_replicated_result_is_summed_directly_a_large_one_staged(side):
-    """Small: summed directly (every partial to every rank, one notified round). Large:
-    reduce-scattered, then all-gathered (each rank's block to every other rank, a second
+    """Small: summed directly (every partial to every rank, one notified round). Large
+    (staging saves more than DIRECT_EXTRA_ELEMENTS per rank): reduce-scattered, then all-gathered (each rank's block to every other rank, a second
     notified round). Neither fences nor gets."""
     from osmm_jax._src.planning.plan import direct_plan
 
     layouts = (om.Layout.cols((side, 3 * SIZE)), om.Layout.rows((3 * SIZE, side)))
     plan = om.plan(*layouts, om.Layout.replicated((side, side)))
     assert plan.gather_stage is not None
-    direct = side * side <= slots.DIRECT_ELEMENTS
+    direct = slots.direct_extra_elements(plan) <= slots.DIRECT_EXTRA_ELEMENTS
+    assert direct == (side == 64)
     a, b, a_loc, b_loc = _blocks((*layouts, None))
     before = om.stats()
     c = np.asarray(jax.jit(lambda x, y: om.matmul(x, y, plan, sync="notify"))(a_loc, b_loc))

@@ -117,7 +117,7 @@ class Case(NamedTuple):
     grads: bool
     chunk_bytes: int | None
     verify: bool
-    staged: bool  # every replicated C staged (slots.DIRECT_ELEMENTS = 0), notified mode only
+    staged: bool  # notified mode: every replicated C staged (slots.DIRECT_EXTRA_ELEMENTS = 0)
     repeat_of: int | None = None  # the earlier case whose product this one runs again
 
 
@@ -238,12 +238,12 @@ def make_step(plan, method: str, chunk_bytes, verify: bool, grads: bool, staged:
             return product(x, y), None, None
 
     def step(x, y, g):
-        before = slots.DIRECT_ELEMENTS
-        slots.DIRECT_ELEMENTS = 0 if staged else before
+        before = slots.DIRECT_EXTRA_ELEMENTS
+        slots.DIRECT_EXTRA_ELEMENTS = 0 if staged else before
         try:
             return inner(x, y, g)
         finally:
-            slots.DIRECT_ELEMENTS = before
+            slots.DIRECT_EXTRA_ELEMENTS = before
 
     return step
 
