@@ -16,6 +16,9 @@ output and of the input gradient; value_and_grad (or sync_grads with
 summed_paths) must give each rank its shard of the stock parameter gradients
 and the whole row-parallel bias gradient, and the one-process gradient of a
 parameter outside the layers.
+
+Three ranks cover what these tests check (uneven splits, a rank with nothing); the 4-rank run
+keeps the two tests of replica groups (two groups of two ranks), which need four.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ SIZES_ZERO_FIRST = {1: [6], 2: [0, 6], 3: [3, 3, 0], 4: [0, 2, 2, 2]}[SIZE]
 BATCH = {1: [3], 2: [1, 2], 3: [2, 0, 1], 4: [1, 2, 0, 1]}[SIZE]
 BATCH_ZERO_FIRST = {1: [3], 2: [0, 3], 3: [0, 2, 1], 4: [0, 1, 2, 1]}[SIZE]
 T = 2
+# Nothing the tests marked with this check changes from three ranks to four (both split
+# unevenly, with a rank that holds nothing): the 4-rank run keeps the tests of replica groups,
+# which need four ranks.
+UP_TO_THREE = pytest.mark.ranks(1, 2, 3, reason="three ranks cover it; four run the replica groups")
 
 
 def _close(actual, expected):
@@ -94,6 +101,7 @@ def _stock_params(seed=0):
 # -- linen ---------------------------------------------------------------------------------
 
 
+@UP_TO_THREE
 @pytest.mark.parametrize("method", ["one_sided", "allreduce"])
 def test_linen_column_then_row_matches_stock(method):
     x, g = _data()
@@ -128,6 +136,7 @@ def test_linen_column_then_row_matches_stock(method):
     jax.tree.map(_close, d_params["params"], expected)
 
 
+@UP_TO_THREE
 def test_linen_column_parallel_alone_with_a_share_of_the_loss():
     """Each rank's loss covers its own output columns; the input gradient is their sum."""
     x, _ = _data(1)
@@ -154,6 +163,7 @@ def test_linen_column_parallel_alone_with_a_share_of_the_loss():
     )
 
 
+@UP_TO_THREE
 def test_linen_init_gives_the_stock_parameters_cut_and_gather_params_joins_them():
     x, _ = _data()
     params = _Block(tuple(SIZES)).init(jax.random.key(5), x)
@@ -189,6 +199,7 @@ class _NnxStock(nnx.Module):
         return self.down(jnp.tanh(self.up(x)))
 
 
+@UP_TO_THREE
 @pytest.mark.parametrize("method", ["one_sided", "allreduce"])
 def test_nnx_column_then_row_matches_stock(method):
     x, g = _data(4)
@@ -233,6 +244,7 @@ def _column(sizes, x):
     return om_flax.ColumnParallelDense(HID, sizes=sizes).init(jax.random.key(0), x)
 
 
+@UP_TO_THREE
 def test_bad_sizes_raise_on_every_rank():
     x, _ = _data()
     cases = [
@@ -262,6 +274,7 @@ def test_bad_sizes_raise_on_every_rank():
     _column(SIZES, x)
 
 
+@UP_TO_THREE
 @pytest.mark.ranks(min=2, reason="a rank cannot disagree with itself")
 def test_ranks_that_disagree_on_sizes():
     x, _ = _data()
@@ -309,6 +322,7 @@ class _DataParallel(nn.Module):
         return jnp.sum(dense(h) ** 2, axis=-1)
 
 
+@UP_TO_THREE
 def test_sync_grads_makes_data_parallel_training_match_one_process():
     sizes, tokens, mine = _tokens(9)
     stock, ours = _DataParallel(), _DataParallel(tuple(sizes))
@@ -341,6 +355,7 @@ def _nnx_models(sizes):
     return ours, _NnxNormDense(nnx.Linear(IN, OUT, rngs=nnx.Rngs(1)))
 
 
+@UP_TO_THREE
 def test_sync_grads_nnx_model_and_one_process():
     sizes, x, mine = _features(10)
     ours, stock = _nnx_models(sizes)
@@ -353,6 +368,7 @@ def test_sync_grads_nnx_model_and_one_process():
     jax.tree.map(_close, nnx.to_pure_dict(d_ours), nnx.to_pure_dict(d_ref))
 
 
+@UP_TO_THREE
 def test_sync_grads_sums_every_leaf_not_skipped_in_one_product_per_dtype():
     mine = float(RANK + 1)
     grads = {
@@ -377,6 +393,7 @@ def test_sync_grads_sums_every_leaf_not_skipped_in_one_product_per_dtype():
 # -- value_and_grad: the gradients of the global loss without naming the summed paths -----------
 
 
+@UP_TO_THREE
 def test_value_and_grad_linen_matches_one_process_inside_jit():
     sizes, tokens, mine = _tokens(11)
     stock, ours = _DataParallel(), _DataParallel(tuple(sizes))
@@ -399,6 +416,7 @@ def test_value_and_grad_linen_matches_one_process_inside_jit():
     jax.tree.map(_close, inner, ref["params"])
 
 
+@UP_TO_THREE
 def test_value_and_grad_nnx_with_aux_matches_one_process():
     sizes, x, mine = _features(12)
     ours, stock = _nnx_models(sizes)
@@ -413,6 +431,7 @@ def test_value_and_grad_nnx_with_aux_matches_one_process():
     jax.tree.map(_close, nnx.to_pure_dict(d_ours), nnx.to_pure_dict(d_ref))
 
 
+@UP_TO_THREE
 def test_applying_unsummed_gradients_warns_once_and_can_be_refused():
     from osmm_jax._src.nn import unsummed_grads
 
@@ -439,6 +458,7 @@ def test_applying_unsummed_gradients_warns_once_and_can_be_refused():
     unsummed_grads.reset()
 
 
+@UP_TO_THREE
 def test_value_and_grad_leaves_layers_it_does_not_differentiate_to_their_own_grad():
     sizes, tokens, mine = _tokens(14)
     ours, stock = _DataParallel(tuple(sizes)), _DataParallel()
@@ -533,6 +553,7 @@ def _shards(block, sizes):
     }
 
 
+@UP_TO_THREE
 @pytest.mark.parametrize("method", ["one_sided", "allreduce"])
 def test_linen_sequence_parallel_block_gives_this_ranks_batch_entries(method):
     batch, sizes = BATCH_ZERO_FIRST, SIZES
@@ -584,6 +605,7 @@ def _stock_loss(g):
     return lambda m, x: jnp.sum(m(x) * g)
 
 
+@UP_TO_THREE
 @pytest.mark.parametrize("method", ["one_sided", "allreduce"])
 def test_nnx_sequence_parallel_block_gives_this_ranks_batch_entries(method):
     batch, sizes = BATCH, SIZES_ZERO_FIRST
@@ -623,6 +645,7 @@ class _NormBlock(nn.Module):
         return _Block(self.sizes, stock=self.stock, batch_sizes=self.batch_sizes, name="block")(h)
 
 
+@UP_TO_THREE
 def test_linen_sequence_parallel_parameters_outside_the_layers_get_one_process_gradients():
     batch, sizes = BATCH, SIZES
     x, g = _seq_data(batch, 22)
@@ -660,6 +683,7 @@ class _NnxNormBlock(nnx.Module):
         return self.block(self.norm(x))
 
 
+@UP_TO_THREE
 def test_nnx_sequence_parallel_parameters_outside_the_layers_get_one_process_gradients():
     batch, sizes = BATCH, SIZES_ZERO_FIRST
     x, g = _seq_data(batch, 23)
@@ -681,6 +705,7 @@ def test_nnx_sequence_parallel_parameters_outside_the_layers_get_one_process_gra
         jax.tree.map(_close, nnx.to_pure_dict(grads), expected)
 
 
+@UP_TO_THREE
 def test_summed_paths_name_what_sequence_parallel_layers_complete():
     x = jnp.zeros((BATCH[RANK], T, IN))
     sp, _ = _nnx_pair(SIZES, batch_sizes=BATCH)
@@ -695,6 +720,7 @@ def test_summed_paths_name_what_sequence_parallel_layers_complete():
     assert om_flax.summed_paths(_Block(tuple(SIZES)), whole) == frozenset()
 
 
+@UP_TO_THREE
 def test_an_unsummed_row_parallel_bias_is_noticed():
     from osmm_jax._src.nn import unsummed_grads
 
@@ -739,6 +765,7 @@ def _sp_layers(batch_sizes, sizes=SIZES):
     yield lambda: om_flax.RowParallelLinear(HID, OUT, **kw)
 
 
+@UP_TO_THREE
 def test_bad_batch_sizes_raise_on_every_rank():
     cases = [
         ([*BATCH, 1], ValueError, rf"has {SIZE + 1} entries but the communicator has {SIZE} ranks"),
@@ -759,6 +786,7 @@ def test_bad_batch_sizes_raise_on_every_rank():
         build()
 
 
+@UP_TO_THREE
 def test_inputs_of_other_batch_entries_raise_on_every_rank():
     column = om_flax.ColumnParallelDense(HID, sizes=SIZES, batch_sizes=BATCH)
     row = om_flax.RowParallelDense(OUT, sizes=SIZES, batch_sizes=BATCH)
@@ -797,6 +825,7 @@ def test_inputs_of_other_batch_entries_raise_on_every_rank():
     assert column.apply(params, jnp.ones((BATCH[RANK], T, IN))).shape == y.shape
 
 
+@UP_TO_THREE
 @pytest.mark.ranks(min=2, reason="a rank cannot disagree with itself")
 def test_ranks_that_disagree_on_batch_sizes():
     key = jax.random.key(0)
