@@ -28,8 +28,6 @@ from osmm_jax._src.planning.plan import Plan
 from osmm_jax._src.runtime import native, primitives, slots
 from osmm_jax._src.runtime.slots import Sync
 
-_ALIGN = 64  # bytes; the window of the fenced gather is a multiple of it
-
 
 def gather_blocks(plan: Plan, rank: int, block, sync: Sync):
     """The whole C of staged ``plan`` on this rank, from this rank's ``block`` of its even split
@@ -44,13 +42,13 @@ def _got_from_owners(plan: Plan, rank: int, block):
     split = plan.gather_stage.c
     itemsize = np.dtype(block.dtype).itemsize
     largest = max(split.local_shape(r)[0] * split.local_shape(r)[1] for r in range(plan.nranks))
-    window_bytes = _aligned(largest * itemsize)
+    window_bytes = native.aligned(largest * itemsize)
     records, where, offset = [], {}, 0
     for t in plan.gathers_by(rank):
-        (r0, _), (c0, c1) = split.blocks[t.target]  # the whole block of its owner
-        rows, cols = t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]
-        records += [native.REGION_A, t.target, offset, rows, cols, t.rows[0] - r0, t.cols[0] - c0]
-        records.append(c1 - c0)  # the row stride of the owner's block
+        owner_block = split.blocks[t.target]
+        records += native.transfer_record(
+            native.REGION_A, t.target, t.rows, t.cols, owner_block, offset
+        )
         where[t.target] = offset
         offset += t.elements
     fetched = primitives.fetch(
@@ -80,30 +78,27 @@ def _sent_by_owners(plan: Plan, rank: int, block, sync: Sync):
     """Notified mode: this rank's block goes into a slot of every other rank's window, and the
     other owners' blocks arrive in this rank's slots (see the module docstring)."""
     acc = dtypes.accumulation_dtype(block.dtype)
-    notify, window_bytes = slots.gather_attribute(plan, rank, np.dtype(acc).itemsize, sync)
-    targets = notify[5 + notify[3] :]
-    (r0, r1), (c0, c1) = plan.gather_stage.c.blocks[rank]
+    spec = slots.gather_slots(plan, rank, np.dtype(acc).itemsize, sync)
+    rows, cols = plan.gather_stage.c.blocks[rank]
     m, n = plan.c.shape
-    mine = block.astype(acc)
+    whole = ((0, m), (0, n))  # every rank's block of the replicated C
     records = []
-    for target in targets:
-        records += [native.OP_ACCUMULATE, target, 0, r1 - r0, c1 - c0, r0, c0, n]
-    buffer = mine.reshape(-1) if targets else jnp.zeros((0,), acc)
+    for target in spec.targets:
+        records += native.transfer_record(native.OP_ACCUMULATE, target, rows, cols, whole, 0)
+    mine = block.astype(acc)
+    buffer = mine.reshape(-1) if spec.targets else jnp.zeros((0,), acc)
     primitives.reduce_start(
         buffer,
         comm=plan.comm_key,
-        call_id=primitives.call_id(plan.fingerprint, "gather", str(acc), sync.mode, notify[:3]),
-        window_bytes=window_bytes,
+        call_id=primitives.call_id(
+            plan.fingerprint, "gather", str(acc), sync.mode, spec.notify[:3]
+        ),
+        window_bytes=spec.window_bytes,
         local_elements=m * n,
         overlap=False,
         transfers=[records],
         chunk_sizes=[int(buffer.size)],
-        notify=notify,
+        notify=spec.notify,
     )
-    local = jnp.zeros((m, n), acc).at[r0:r1, c0:c1].set(mine)
+    local = jnp.zeros((m, n), acc).at[rows[0] : rows[1], cols[0] : cols[1]].set(mine)
     return primitives.reduce_finish(local, [buffer], comm=plan.comm_key).astype(block.dtype)
-
-
-def _aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to a multiple of :data:`_ALIGN`."""
-    return -(-nbytes // _ALIGN) * _ALIGN

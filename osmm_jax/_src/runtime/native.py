@@ -72,6 +72,24 @@ REGION_A: int = _osmm_ffi.REGION_A
 """``kind`` of a fetch record that reads the A region of the target's expose window."""
 REGION_B: int = _osmm_ffi.REGION_B
 """``kind`` of a fetch record that reads the B region of the target's expose window."""
+WINDOW_ALIGN = 64
+"""Bytes: window sizes, the B region of the expose window and every slot are multiples of it."""
+
+
+def transfer_record(kind: int, target: int, rows, cols, target_block, offset: int) -> list[int]:
+    """One transfer as the handlers' record (:data:`RECORD_FIELDS`): the rectangle ``rows x
+    cols`` (global ``(start, stop)`` intervals) of ``target``'s block ``target_block``
+    (``((r0, r1), (c0, c1))``), relative to that block (row stride ``ld``), at element
+    ``offset`` of this rank's buffer."""
+    (r0, _), (c0, c1) = target_block
+    height, width = rows[1] - rows[0], cols[1] - cols[0]
+    return [kind, target, offset, height, width, rows[0] - r0, cols[0] - c0, c1 - c0]
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to a multiple of :data:`WINDOW_ALIGN`."""
+    return -(-nbytes // WINDOW_ALIGN) * WINDOW_ALIGN
+
 
 # -- per-platform registration ------------------------------------------------------------------
 

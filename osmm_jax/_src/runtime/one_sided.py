@@ -50,8 +50,6 @@ from osmm_jax._src.planning.plan import Plan
 from osmm_jax._src.runtime import gather, native, primitives, slots
 from osmm_jax._src.runtime.slots import FENCE, Sync, executed_plan
 
-_ALIGN = 64  # bytes; the B region of the expose window starts on this boundary
-
 _OPS = {"accumulate": native.OP_ACCUMULATE, "put": native.OP_PUT}
 _REGIONS = {"A": native.REGION_A, "B": native.REGION_B}  # which region of the window a get reads
 
@@ -475,8 +473,8 @@ def _chunk_records(plan: Plan, chunks: list[list]) -> tuple[list[list[int]], lis
         records, offset = [], 0
         for cell, rows in pieces:
             for t in cell.deliveries:
-                records += _record(
-                    _OPS[t.op], dataclasses.replace(t, rows=rows), plan.c.blocks[t.target], offset
+                records += native.transfer_record(
+                    _OPS[t.op], t.target, rows, t.cols, plan.c.blocks[t.target], offset
                 )
             offset += (rows[1] - rows[0]) * (cell.cols[1] - cell.cols[0])
         transfers.append(records)
@@ -488,12 +486,14 @@ def _fetch_remote_pieces(plan: Plan, rank: int, a, b) -> dict:
     """Get every remote A/B piece this rank's multiplies need; ``{(matrix, rows, cols): array}``."""
     itemsize = np.dtype(a.dtype).itemsize
     a_elems, b_elems = plan.expose_elements
-    b_offset = _aligned(a_elems * itemsize)
+    b_offset = native.aligned(a_elems * itemsize)
     records, shapes, offset = [], {}, 0
     for t in plan.gets_by(rank):
         layout = plan.a if t.matrix == "A" else plan.b
         rows, cols = t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]
-        records += _record(_REGIONS[t.matrix], t, layout.blocks[t.target], offset)
+        records += native.transfer_record(
+            _REGIONS[t.matrix], t.target, t.rows, t.cols, layout.blocks[t.target], offset
+        )
         shapes[(t.matrix, t.rows, t.cols)] = (offset, rows, cols)
         offset += rows * cols
     expose_a, expose_b = plan.exposes(rank)
@@ -535,17 +535,3 @@ def _within(pieces: dict, matrix: str, rows, cols):
         if held == matrix and inside:
             return piece[rows[0] - r[0] : rows[1] - r[0], cols[0] - c[0] : cols[1] - c[0]]
     raise AssertionError(f"no fetched piece of {matrix} holds {rows} x {cols}")  # planner bug
-
-
-def _aligned(nbytes: int) -> int:
-    """``nbytes`` rounded up to the window's :data:`_ALIGN`-byte boundary."""
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
-def _record(kind: int, t, target_block, offset: int) -> list[int]:
-    """One transfer as the native handlers' record (fields :data:`native.RECORD_FIELDS`:
-    ``kind, target, offset, rows, cols, row0, col0, ld``), the rectangle relative to the
-    target's block (row stride ``ld``)."""
-    (r0, _), (c0, c1) = target_block
-    rows, cols = t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]
-    return [kind, t.target, offset, rows, cols, t.rows[0] - r0, t.cols[0] - c0, c1 - c0]

@@ -19,8 +19,7 @@ import math
 from typing import NamedTuple
 
 from osmm_jax._src.planning.plan import Plan, direct_plan
-
-_ALIGN = 64  # bytes; every slot starts on this boundary
+from osmm_jax._src.runtime import native
 
 
 def slot_bytes(plan: Plan, itemsize: int) -> int:
@@ -42,7 +41,8 @@ def _count(wanted: int, nbytes: int, budget: float) -> int:
 
 
 def _aligned(nbytes: int) -> int:
-    return max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+    """A slot's bytes: ``nbytes`` aligned, at least one alignment unit."""
+    return max(native.WINDOW_ALIGN, native.aligned(nbytes))
 
 
 def window_bytes(plan: Plan, itemsize: int, budget: float) -> int:
@@ -58,22 +58,29 @@ def notify_attribute(plan: Plan, rank: int, itemsize: int, sync: Sync) -> tuple[
     time the product runs.)"""
     origins = plan.for_rank(rank).origins
     targets = sorted({t.target for t in plan.deliveries_from(rank)})
-    return (
-        slot_count(plan, itemsize, sync.slot_budget),
-        slot_bytes(plan, itemsize),
-        int(sync.credits == "pull"),
-        len(origins),
-        *origins,
-        len(targets),
-        *targets,
-    )
+    count = slot_count(plan, itemsize, sync.slot_budget)
+    return _attribute(count, slot_bytes(plan, itemsize), sync, origins, targets)
 
 
-def gather_attribute(plan: Plan, rank: int, itemsize: int, sync: Sync) -> tuple[tuple, int]:
-    """The ``notify`` attribute and window bytes of staged ``plan``'s notified all-gather on
-    ``rank`` (:mod:`osmm_jax._src.runtime.gather`): every owner of a block of the even split
-    delivers it to every other rank, whose block is the whole C. ``itemsize``: of the
-    accumulation dtype."""
+def _attribute(count: int, nbytes: int, sync: Sync, origins, targets) -> tuple[int, ...]:
+    """The ``notify`` attribute's layout (see :func:`notify_attribute`)."""
+    pull = int(sync.credits == "pull")
+    return (count, nbytes, pull, len(origins), *origins, len(targets), *targets)
+
+
+class GatherSlots(NamedTuple):
+    """Staged ``plan``'s notified all-gather on one rank (:func:`gather_slots`)."""
+
+    notify: tuple[int, ...]  # the ``notify`` attribute of osmm_reduce_start
+    window_bytes: int  # every rank's slots window
+    targets: tuple[int, ...]  # the ranks this rank sends its block to (none if it owns none)
+
+
+def gather_slots(plan: Plan, rank: int, itemsize: int, sync: Sync) -> GatherSlots:
+    """The notified all-gather of staged ``plan`` on ``rank``
+    (:mod:`osmm_jax._src.runtime.gather`): every owner of a block of the even split delivers
+    it to every other rank, whose block is the whole C. ``itemsize``: of the accumulation
+    dtype."""
     split = plan.gather_stage.c
     owners = [r for r in range(plan.nranks) if split.local_shape(r)[0] * split.local_shape(r)[1]]
     origins = [o for o in owners if o != rank]
@@ -82,9 +89,8 @@ def gather_attribute(plan: Plan, rank: int, itemsize: int, sync: Sync) -> tuple[
     most = len(owners) - (len(owners) == plan.nranks)
     nbytes = _aligned(plan.c.shape[0] * plan.c.shape[1] * itemsize)
     count = _count(most, nbytes, sync.slot_budget)
-    pull = int(sync.credits == "pull")
-    notify = (count, nbytes, pull, len(origins), *origins, len(targets), *targets)
-    return notify, (1 + count) * nbytes
+    notify = _attribute(count, nbytes, sync, origins, targets)
+    return GatherSlots(notify, (1 + count) * nbytes, tuple(targets))
 
 
 class Sync(NamedTuple):
@@ -111,7 +117,7 @@ rank, one notified round) rather than staged (reduce-scatter, then the notified 
 two rounds) while the direct sum sends at most this many elements per rank more than staging
 (:func:`direct_extra_elements`). Measured over TCP between 3 and 4 emulated hosts
 (benchmarks/results/sync_staged.md): the extra round costs about as much as 400-700 thousand
-extra elements; below that the direct sum was up to 2x faster, above it staging up to 1.4x."""
+extra elements; below that the direct sum was up to 2x faster, above it staging up to 1.3x."""
 
 
 def direct_extra_elements(plan: Plan) -> int:
