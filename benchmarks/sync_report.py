@@ -117,9 +117,8 @@ def report(summaries: list[dict], records: list[dict], path: Path) -> None:
     lines += [
         "notify staged: the notified mode with every replicated C staged (reduce-scatter, "
         "then the notified all-gather), which notify does only where that saves more than "
-        "slots.DIRECT_EXTRA_ELEMENTS elements per rank. GEMMs alone: this rank's GEMMs of the plan, no communication (product "
-        "cases). In "
-        "closing fences / in finishes: ms per call on the rank that spent the most there "
+        "slots.DIRECT_EXTRA_ELEMENTS elements per rank. GEMMs alone: this rank's GEMMs of "
+        "the plan, no communication (product cases). In closing fences / in finishes: ms per call on the rank that spent the most there "
         "(stats() counters over 5 more calls): what the fences, or the notified finish (its "
         "waiting, flushes and sum), cost of the product's time.",
         "",

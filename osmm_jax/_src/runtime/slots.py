@@ -117,7 +117,7 @@ rank, one notified round) rather than staged (reduce-scatter, then the notified 
 two rounds) while the direct sum sends at most this many elements per rank more than staging
 (:func:`direct_extra_elements`). Measured over TCP between 3 and 4 emulated hosts
 (benchmarks/results/sync_staged.md): the extra round costs about as much as 400-700 thousand
-extra elements; below that the direct sum was up to 2x faster, above it staging up to 1.3x."""
+extra elements; below that the direct sum was up to 1.7x faster, above it staging up to 1.3x."""
 
 
 def direct_extra_elements(plan: Plan) -> int:
