@@ -145,6 +145,23 @@ def product_grads_and_bytes(plan, a_loc, b_loc, g_loc, **options):
     return c_loc, da, db, om.stats()["rma_bytes"] - before["rma_bytes"]
 
 
+def bytes_issued_as_run(plan, sync, itemsize: int) -> int:
+    """Bytes this rank's RMA operations move for ``plan`` run with ``sync``
+    (``runtime.slots.Sync``), inputs and accumulation both ``itemsize`` bytes: the plan
+    executed (its direct plan, a small replicated C in the notified mode), or a staged plan's
+    two stages, whose all-gather gets the other blocks (fence mode) or sends this rank's block
+    to every other rank (notified mode)."""
+    from osmm_jax._src.runtime import slots
+
+    executed = slots.executed_plan(plan, sync)
+    if executed is not plan.gather_stage:
+        return executed.bytes_issued(itemsize, itemsize)[RANK]
+    if sync.mode == "fence":  # plan counts its gathers' gets
+        return plan.bytes_issued(itemsize, itemsize)[RANK]
+    own = int(np.prod(executed.c.local_shape(RANK)))
+    return executed.bytes_issued(itemsize, itemsize)[RANK] + itemsize * (SIZE - 1) * own
+
+
 def local_blocks(plan, inputs):
     """This rank's blocks of the global ``inputs`` (A, B, G) under the layouts of ``plan``'s
     A, B and C."""

@@ -21,6 +21,7 @@ from product_cases import (
     M,
     N,
     assert_product_and_grads_match,
+    bytes_issued_as_run,
     global_inputs,
     layout_combos,
     local_blocks,
@@ -72,21 +73,12 @@ def test_chunk_per_row_overlap_gives_the_same_products_and_bytes(kinds):
 
 
 def _issued_as_run(plan) -> int:
-    """Bytes this rank's RMA operations move for ``plan`` as the default synchronisation runs
-    it: staged (gathered by gets, or sent to every rank in the notified mode), or a small
-    replicated C summed directly."""
+    """Bytes this rank's RMA operations move for ``plan`` (float64) as the default
+    synchronisation runs it."""
     network = communicators.uses_network(plan.comm_key)
     waiting = communicators.accumulates_wait_for_target()
     sync = one_sided.Sync(config.resolve_sync(None, network, waiting), config.slot_budget())
-    executed = one_sided.executed_plan(plan, sync)
-    if executed is not plan.gather_stage:
-        return executed.bytes_issued(8, 8)[RANK]
-    if sync.mode == "fence":  # its gets of the other blocks
-        return plan.bytes_issued(8, 8)[RANK]
-    # the notified all-gather: this rank's block to every other rank
-    return executed.bytes_issued(8, 8)[RANK] + 8 * (SIZE - 1) * int(
-        np.prod(executed.c.local_shape(RANK))
-    )
+    return bytes_issued_as_run(plan, sync, 8)
 
 
 @pytest.mark.parametrize("method", METHODS)
