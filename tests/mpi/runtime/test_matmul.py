@@ -22,6 +22,7 @@ from product_cases import (
     N,
     assert_product_and_grads_match,
     bytes_issued_as_run,
+    default_sync,
     global_inputs,
     layout_combos,
     local_blocks,
@@ -33,8 +34,6 @@ from product_cases import (
 )
 
 import osmm_jax as om
-from osmm_jax._src import config
-from osmm_jax._src.runtime import communicators, one_sided
 from osmm_jax._src.runtime import matmul as matmul_module
 
 jax.config.update("jax_enable_x64", True)
@@ -75,10 +74,7 @@ def test_chunk_per_row_overlap_gives_the_same_products_and_bytes(kinds):
 def _issued_as_run(plan) -> int:
     """Bytes this rank's RMA operations move for ``plan`` (float64) as the default
     synchronisation runs it."""
-    network = communicators.uses_network(plan.comm_key)
-    waiting = communicators.accumulates_wait_for_target()
-    sync = one_sided.Sync(config.resolve_sync(None, network, waiting), config.slot_budget())
-    return bytes_issued_as_run(plan, sync, 8)
+    return bytes_issued_as_run(plan, default_sync(plan), 8)
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -5,15 +5,16 @@ uneven and sometimes zero weights, so some blocks are empty), dimensions M, K, N
 of 1, small numbers and primes, a dtype, a method, eager or ``jax.jit``, forward only or
 forward and gradients, a chunk size (sometimes so small that a product is sent in many
 chunks), and in the notified mode (``OSMM_SYNC=notify``) whether a replicated C is staged
-(reduce-scatter, then the notified all-gather) however small it is. Each rank checks its own blocks of C, dA and dB against float64 numpy products of
-the same rounded inputs, within a bound that scales with the dtype's rounding and with K.
+(reduce-scatter, then the notified all-gather) however small it is. Each rank checks its own
+blocks of C, dA and dB against float64 numpy products of the same rounded inputs, within a
+bound that scales with the dtype's rounding and with K.
 
 The cases vary from run to run. Rank 0 picks the seed (``OSMM_TEST_SEED``, or a fresh one)
 and broadcasts it, so every rank draws the same cases; case ``i`` depends on the seed and
 ``i`` alone. The seed is printed and every failure names it with the case, so a failure
 replays with ``OSMM_TEST_SEED=<seed> OSMM_TEST_PRODUCTS=<i + 1>``. ``OSMM_TEST_PRODUCTS``
-(default 90: 6 batches, a new seed every run) sets how many products a run makes; they run in batches of 15, one test each,
-and a last test checks that all of them ran.
+(default 90: 6 batches, a new seed every run) sets how many products a run makes; they run in
+batches of 15, one test each, and a last test checks that all of them ran.
 
 Run on 3 ranks: ``mpiexec -n 3 .venv/bin/python tests/mpi/run.py tests/mpi/runtime/test_random_products.py -q -s``.
 """
@@ -34,11 +35,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 from mpi4py import MPI
-from product_cases import product_and_grads_step, rss_mib
+from product_cases import default_sync, product_and_grads_step, rss_mib
 
 import osmm_jax as om
-from osmm_jax._src import config
-from osmm_jax._src.runtime import communicators, slots
+from osmm_jax._src.runtime import slots
 
 jax.config.update("jax_enable_x64", True)
 
@@ -293,7 +293,8 @@ def run_case(seed: int, case: Case) -> tuple[str | None, int]:
     plan = om.plan(a_layout, b_layout, c_layout)
     a, b, g = global_operands(seed, case)
     a_loc, b_loc, g_loc = a_layout.shard(a, RANK), b_layout.shard(b, RANK), c_layout.shard(g, RANK)
-    staged = case.staged and _notified(plan)  # elsewhere it changes nothing: one compiled step
+    # Elsewhere staging changes nothing: one compiled step for both.
+    staged = case.staged and default_sync(plan).mode == "notify"
     options = (plan, case.method, case.chunk_bytes, case.verify, case.grads, staged)
     step = jitted(*options) if case.jit else make_step(*options)
     c_loc, da, db = jax.block_until_ready(step(a_loc, b_loc, g_loc))
@@ -309,15 +310,6 @@ def run_case(seed: int, case: Case) -> tuple[str | None, int]:
         )
     problems = [p for p in problems if p]
     return ("; ".join(problems) if problems else None), (3 if case.grads else 1)
-
-
-def _notified(plan) -> bool:
-    """Whether ``plan``'s products run in the notified mode by default (``OSMM_SYNC``, or
-    across nodes)."""
-    network = communicators.uses_network(plan.comm_key)
-    return (
-        config.resolve_sync(None, network, communicators.accumulates_wait_for_target()) == "notify"
-    )
 
 
 def describe_layouts(case: Case) -> str:
