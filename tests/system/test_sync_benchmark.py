@@ -13,14 +13,21 @@ from jobs import MPIEXEC, job_environment, mpiexec, run_job
 
 pytestmark = pytest.mark.skipif(not MPIEXEC.exists(), reason="needs the venv's mpiexec")
 
+try:  # the MLP case trains osmm_jax.flax layers (flax >= 0.12)
+    import osmm_jax.flax  # noqa: F401
+
+    CASES = ["k_split:16", "dp_grad:16", "mlp"]
+except ImportError:
+    CASES = ["k_split:16", "dp_grad:16"]
+
 
 def test_every_case_times_both_modes_and_the_all_reduce():
     command = [*mpiexec(2), sys.executable, "-m", "benchmarks.sync"]
-    command += ["--cases", "k_split:16,dp_grad:16,mlp", "--repeats", "2"]
+    command += ["--cases", ",".join(CASES), "--repeats", "2"]
     end = run_job(command, job_environment(drop=("OSMM_",), JAX_PLATFORMS="cpu"), 300)
     assert end.status == 0, end.stdout + end.stderr
     records = [json.loads(line) for line in end.stdout.splitlines() if line.startswith("{")]
-    assert [r["case"] for r in records] == ["k_split:16", "dp_grad:16", "mlp"]
+    assert [r["case"] for r in records] == CASES
     for r in records:
         names = {e["name"] for e in r["entries"]}
         assert {"notify", "fence", "allreduce"} <= names
