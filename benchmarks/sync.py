@@ -17,6 +17,9 @@ per rank (below it, every partial goes to every rank). Cases (``name:size``):
                 partials of every C block reduced onto its owner;
 ``dp_grad:d``   the weight gradient of a data-parallel layer, dW[d x d] = X.T @ dY over 512
                 rows split evenly: summed onto every rank (a replicated C);
+``fetch:n``     C[n x n] = A[n x n] @ B[n x n], A and C by rows, B by columns: every rank gets
+                the B columns it lacks (pushed by their owners in the notified mode, a fence
+                epoch of gets in the fence mode), nothing is delivered;
 ``mlp``         one jitted SGD step of a 4-layer MLP of :class:`osmm_jax.flax.Dense` (width
                 256, 512 rows split evenly), gradients summed by the layers themselves;
 ``lm_dp``       one data-parallel adam step of the character-level Transformer of
@@ -64,10 +67,14 @@ entry's, e.g. a very large value to time a large replicated C summed directly ag
 
 
 def product_case(kind: str, size: int):
-    """(plan, a, b, flops) of a ``k_split`` or ``dp_grad`` case."""
+    """(plan, a, b, flops) of a ``k_split``, ``fetch`` or ``dp_grad`` case."""
     if kind == "k_split":
         n = size
         layouts = (om.Layout.cols((n, n)), om.Layout.rows((n, n)), om.Layout.rows((n, n)))
+        flops = 2 * n**3
+    elif kind == "fetch":
+        n = size
+        layouts = (om.Layout.rows((n, n)), om.Layout.cols((n, n)), om.Layout.rows((n, n)))
         flops = 2 * n**3
     elif kind == "dp_grad":
         d = size

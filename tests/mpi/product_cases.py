@@ -161,16 +161,22 @@ def bytes_issued_as_run(plan, sync, itemsize: int) -> int:
     (``runtime.slots.Sync``), inputs and accumulation both ``itemsize`` bytes: the plan
     executed (its direct plan, a small replicated C in the notified mode), or a staged plan's
     two stages, whose all-gather gets the other blocks (fence mode) or sends this rank's block
-    to every other rank (notified mode)."""
-    from osmm_jax._src.runtime import slots
+    to every other rank (notified mode). Where the A and B pieces are pushed by their owners
+    (``runtime.fetch.fetch_sync``), a rank issues the pieces it serves, not those it gets."""
+    from osmm_jax._src.runtime import fetch, slots
 
     executed = slots.executed_plan(plan, sync)
+    issued = executed.bytes_issued(itemsize, itemsize)[RANK]
+    if fetch.fetch_sync(executed, sync).mode == "notify":
+        part = executed.for_rank(RANK)
+        issued += itemsize * sum(t.elements for t in part.served)
+        issued -= itemsize * sum(t.elements for t in part.gets)
     if executed is not plan.gather_stage:
-        return executed.bytes_issued(itemsize, itemsize)[RANK]
+        return issued
     if sync.mode == "fence":  # plan counts its gathers' gets
         return plan.bytes_issued(itemsize, itemsize)[RANK]
     own = int(np.prod(executed.c.local_shape(RANK)))
-    return executed.bytes_issued(itemsize, itemsize)[RANK] + itemsize * (SIZE - 1) * own
+    return issued + itemsize * (SIZE - 1) * own
 
 
 def local_blocks(plan, inputs):

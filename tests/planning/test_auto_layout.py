@@ -226,6 +226,28 @@ def test_the_slots_count_only_in_the_notified_mode_and_within_their_budget(monke
     assert k_split_memory() == fence + (1 + 1) * block  # never fewer than one slot
 
 
+def test_the_notified_fetch_counts_its_slots(monkeypatch):
+    """On a 2 x 2 grid each rank fetches the halves of its A rows and B columns that its grid
+    neighbours hold (2 x 2048 x 2048 elements) and delivers nothing: in the notified mode its
+    window holds an accumulator and a slot of that size per owner it could get from."""
+    from osmm_jax._src import config
+
+    M = K = N = 4096
+    fetched = 2 * 2048 * 2048 * 4  # float32 bytes
+
+    def grid_memory():
+        choice = auto_layouts(M, K, N, [1.0] * 4, replication="free", memory_budget=math.inf)
+        return {c.name: c for c in choice.candidates}["grid 2x2"].memory_bytes
+
+    monkeypatch.setenv(config.SYNC, "fence")
+    fence = grid_memory()
+    monkeypatch.setenv(config.SYNC, "notify")
+    monkeypatch.setenv(config.SLOT_BUDGET, "none")
+    assert grid_memory() == fence + (1 + 3) * fetched
+    monkeypatch.setenv(config.SLOT_BUDGET, "1")
+    assert grid_memory() == fence + (1 + 1) * fetched
+
+
 def test_the_memory_budget_defaults_to_the_environment_or_a_share_of_the_host(monkeypatch):
     from osmm_jax._src import config
 

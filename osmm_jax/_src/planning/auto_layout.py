@@ -515,17 +515,28 @@ def _memory_bytes(layouts, totals: PlanTotals, itemsize: int, accum: int) -> int
 
 
 def _slots_bytes(c: Layout, totals: PlanTotals, accum: int) -> int:
-    """The notified reduce's slots window, the same on every rank (``OSMM_SYNC=notify``, the
+    """The notified mode's slots window, the same on every rank (``OSMM_SYNC=notify``, the
     default across nodes, counted unless ``OSMM_SYNC=fence``: the layouts do not know where
     their ranks run): an accumulator and a slot per origin, each the size of the largest C
-    block, at most ``P - 1`` slots and no more than ``OSMM_SLOT_BUDGET`` holds (at least one).
-    0 in the fence mode, or when no rank delivers anything."""
-    if config.resolve_sync(None) != "notify" or not any(totals.totals.received_partials):
+    block (the reduce) or, where nothing is delivered, of the most A and B elements a rank
+    fetches (the notified fetch, :mod:`osmm_jax._src.runtime.fetch`), at most ``P - 1`` slots
+    and no more than ``OSMM_SLOT_BUDGET`` holds (at least one). 0 in the fence mode, or when
+    no rank delivers or fetches anything."""
+    if config.resolve_sync(None) != "notify":
         return 0
-    block = max(block_area(c, r) for r in range(c.nranks)) * accum
+    t = totals.totals
+    if any(t.received_partials):
+        return _window(max(block_area(c, r) for r in range(c.nranks)) * accum, c.nranks)
+    return _window(max(t.received_inputs, default=0) * accum, c.nranks)
+
+
+def _window(slot: int, nranks: int) -> int:
+    """Bytes of a slots window of ``slot``-byte slots (0: no window) on ``nranks`` ranks."""
+    if slot == 0:
+        return 0
     budget = config.slot_budget()
-    slots = c.nranks - 1 if math.isinf(budget) else min(c.nranks - 1, int(budget // block))
-    return (1 + max(1, slots)) * block
+    slots = nranks - 1 if math.isinf(budget) else min(nranks - 1, int(budget // slot))
+    return (1 + max(1, slots)) * slot
 
 
 def _bound_ratio(M, K, N, speeds, best: Candidate, itemsize, accum, replication) -> float:

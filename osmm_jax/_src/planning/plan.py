@@ -138,6 +138,8 @@ class RankPlan:
                 block_area(target.b, self.rank) if expose_b else 0,
             ),
             len(self.origins),
+            sum(t.elements for t in self.gets),
+            len({t.target for t in self.gets}),
         )
 
     @functools.cached_property

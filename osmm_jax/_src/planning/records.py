@@ -109,13 +109,17 @@ class PlanFacts(NamedTuple):
     ``expose_elements``: the largest A block and the largest B block any rank exposes to gets
     (sizes every rank's fetch window, so that B starts at the same offset everywhere);
     ``max_origins``: the most ranks that deliver into one rank's C block (sizes every rank's
-    slots window in the notified reduce).
+    slots window in the notified reduce);
+    ``fetched_elements``: the most A and B elements one rank gets, and ``max_owners``: the most
+    ranks one rank gets them from (size every rank's slots window in the notified fetch).
     """
 
     has_gets: bool
     has_deliveries: bool
     expose_elements: tuple[int, int]
     max_origins: int = 0
+    fetched_elements: int = 0
+    max_owners: int = 0
 
 
 def combine_facts(facts: Iterable[PlanFacts]) -> PlanFacts:
@@ -129,4 +133,6 @@ def combine_facts(facts: Iterable[PlanFacts]) -> PlanFacts:
             max((f.expose_elements[1] for f in facts), default=0),
         ),
         max((f.max_origins for f in facts), default=0),
+        max((f.fetched_elements for f in facts), default=0),
+        max((f.max_owners for f in facts), default=0),
     )

@@ -83,14 +83,21 @@ def transfers_facts(transfers: Sequence[Transfer], a: Layout, b: Layout) -> Plan
         exposed = [block_area(layout, r) for r in range(nranks) if served[r]]
         largest.append(max(exposed, default=0))
     origins: dict[int, set[int]] = {}
+    owners: dict[int, set[int]] = {}
+    fetched = [0] * nranks
     for t in transfers:
         if t.op != "get":
             origins.setdefault(t.target, set()).add(t.origin)
+        elif t.matrix != "C":
+            owners.setdefault(t.origin, set()).add(t.target)
+            fetched[t.origin] += t.elements
     return PlanFacts(
         any(t.op == "get" and t.matrix != "C" for t in transfers),
         any(t.op != "get" for t in transfers),
         (largest[0], largest[1]),
         max((len(o) for o in origins.values()), default=0),
+        max(fetched, default=0),
+        max((len(o) for o in owners.values()), default=0),
     )
 
 

@@ -8,9 +8,9 @@ supported dtype. It returns this rank's C block, shape
 static slices of the blocks; the data moves in the native custom calls of
 :mod:`osmm_jax._src.runtime.primitives`:
 
-1. ``osmm_fetch`` (only if the plan gets any input): MPI_Get of the remote A
-   and B pieces this rank's multiplies need, from windows exposing the owners'
-   blocks (B starts on a 64-byte boundary after A).
+1. The remote A and B pieces this rank's multiplies need (only if the plan gets
+   any input, :mod:`osmm_jax._src.runtime.fetch`): got from windows exposing the
+   owners' blocks (``osmm_fetch``), or, notified, pushed by their owners.
 2. The partials other ranks own, summed per C rectangle over the inner ranges
    and delivered by ``osmm_reduce_start`` / ``_issue`` / ``_finish`` (only if
    the plan delivers any): MPI_Accumulate (or MPI_Put, for a rectangle's only
@@ -47,11 +47,10 @@ import numpy as np
 
 from osmm_jax._src import dtypes
 from osmm_jax._src.planning.plan import Plan
-from osmm_jax._src.runtime import gather, native, primitives, slots
+from osmm_jax._src.runtime import fetch, gather, native, primitives, slots
 from osmm_jax._src.runtime.slots import FENCE, Sync, executed_plan
 
 _OPS = {"accumulate": native.OP_ACCUMULATE, "put": native.OP_PUT}
-_REGIONS = {"A": native.REGION_A, "B": native.REGION_B}  # which region of the window a get reads
 
 
 def forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0, sync: Sync = FENCE):
@@ -62,7 +61,7 @@ def forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0, sync: Sync = FENC
         if executed is plan.gather_stage:
             return gather.gather_blocks(plan, rank, block, sync)
         return block
-    operands = _operands(plan, rank, a, b)
+    operands = _operands(plan, rank, a, b, sync)
     local = jnp.zeros(plan.c.local_shape(rank), operands.acc)
     cells = _cells(plan, rank)
     own = [(cell, cell.rows) for cell in cells if cell.local and not cell.deliveries]
@@ -223,10 +222,13 @@ class _Operands(NamedTuple):
     acc: np.dtype  # the accumulation dtype
 
 
-def _operands(plan: Plan, rank: int, a, b) -> _Operands:
+def _operands(plan: Plan, rank: int, a, b, sync: Sync) -> _Operands:
     """This rank's operands, after getting the remote pieces (if the plan has any)."""
     acc = dtypes.accumulation_dtype(a.dtype)
-    remote = _fetch_remote_pieces(plan, rank, a, b) if plan.has_gets else {}
+    remote = {}
+    if plan.has_gets:
+        pieces = fetch.fetch_pieces(plan, rank, a, b, fetch.fetch_sync(plan, sync))
+        remote = _cut_to_multiplies(plan, rank, pieces)
     multiplies = {(m.rows, m.inner, m.cols): m for m in plan.multiplies_on(rank)}
     return _Operands(plan, rank, a, b, remote, multiplies, acc)
 
@@ -480,37 +482,6 @@ def _chunk_records(plan: Plan, chunks: list[list]) -> tuple[list[list[int]], lis
         transfers.append(records)
         sizes.append(offset)
     return transfers, sizes
-
-
-def _fetch_remote_pieces(plan: Plan, rank: int, a, b) -> dict:
-    """Get every remote A/B piece this rank's multiplies need; ``{(matrix, rows, cols): array}``."""
-    itemsize = np.dtype(a.dtype).itemsize
-    a_elems, b_elems = plan.expose_elements
-    b_offset = native.aligned(a_elems * itemsize)
-    records, shapes, offset = [], {}, 0
-    for t in plan.gets_by(rank):
-        layout = plan.a if t.matrix == "A" else plan.b
-        rows, cols = t.rows[1] - t.rows[0], t.cols[1] - t.cols[0]
-        records += native.transfer_record(
-            _REGIONS[t.matrix], t.target, t.rows, t.cols, layout.blocks[t.target], offset
-        )
-        shapes[(t.matrix, t.rows, t.cols)] = (offset, rows, cols)
-        offset += rows * cols
-    expose_a, expose_b = plan.exposes(rank)
-    fetched = primitives.fetch(
-        a,
-        b,
-        comm=plan.comm_key,
-        call_id=primitives.call_id(plan.fingerprint, "fetch", str(a.dtype)),
-        window_bytes=b_offset + b_elems * itemsize,
-        b_offset=b_offset,
-        expose_a=expose_a,
-        expose_b=expose_b,
-        gets=records,
-        fetched_elements=offset,
-    )
-    pieces = {key: fetched[off : off + r * c].reshape(r, c) for key, (off, r, c) in shapes.items()}
-    return _cut_to_multiplies(plan, rank, pieces)
 
 
 def _cut_to_multiplies(plan: Plan, rank: int, pieces: dict) -> dict:

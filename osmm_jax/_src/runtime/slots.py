@@ -68,6 +68,24 @@ def _attribute(count: int, nbytes: int, sync: Sync, origins, targets) -> tuple[i
     return (count, nbytes, pull, len(origins), *origins, len(targets), *targets)
 
 
+def attribute_window_bytes(notify: tuple[int, ...]) -> int:
+    """Bytes of every rank's slots window for a ``notify`` attribute: the accumulator and its
+    ``S`` slots."""
+    return (1 + notify[0]) * notify[1]
+
+
+def fetch_attribute(plan: Plan, itemsize: int, sync: Sync, owners, getters) -> tuple[int, ...]:
+    """The ``notify`` attribute of the notified fetch (:mod:`osmm_jax._src.runtime.fetch`) on one
+    rank: its ``owners`` (the ranks it gets pieces from) are its origins, its ``getters`` (the
+    ranks that get pieces from it) its targets. A slot holds the most A and B elements any rank
+    gets, in ``itemsize``-byte elements; ``S`` is the most owners any rank gets from, capped by
+    the slot budget."""
+    facts = plan.facts
+    nbytes = _aligned(facts.fetched_elements * itemsize)
+    count = _count(facts.max_owners, nbytes, sync.slot_budget)
+    return _attribute(count, nbytes, sync, owners, getters)
+
+
 class GatherSlots(NamedTuple):
     """Staged ``plan``'s notified all-gather on one rank (:func:`gather_slots`)."""
 

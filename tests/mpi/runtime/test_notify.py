@@ -1,7 +1,8 @@
 """The notified reduce (``sync="notify"``, xla_ffi/notify.h): bit-identical results run to run
 and on every rank holding a copy, the same bits whatever the slot budget, slots reused safely
 by products back to back with one rank late (credits pushed by targets or pulled by origins),
-and the same values as the fence mode.
+and the same values as the fence mode; and the notified fetch (A and B pieces pushed by their
+owners, runtime/fetch.py): the fenced product's bits, without a fence or a get.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from mpi4py import MPI
 from product_cases import bytes_issued_as_run
 
 import osmm_jax as om
-from osmm_jax._src import config
+from osmm_jax._src import config, dtypes
 from osmm_jax._src.runtime import communicators, slots
+
+jax.config.update("jax_enable_x64", True)
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
@@ -45,6 +48,8 @@ def _cases():
     }
     if SIZE == 4:  # boxes of a 1 x 2 x 2 grid: each C slice summed over two ranks
         cases["three_d"] = om.three_d_layouts((M, K, N), (1, 2, 2))
+    # B's pieces pushed by their owners; the gradient of B is a K-split, that of A fetches too.
+    cases["fetch"] = _fetch_case("rows")
     return cases
 
 
@@ -77,7 +82,7 @@ def _plan(case):
 
 
 @pytest.mark.ranks(min=2, reason="partials from several ranks")
-@pytest.mark.parametrize("name", ["k_split", "grid", "data_parallel", "staged", "three_d"])
+@pytest.mark.parametrize("name", ["k_split", "grid", "data_parallel", "staged", "three_d", "fetch"])
 def test_repeated_products_and_gradients_are_bit_identical(name, request):
     cases = _cases()
     if name == "staged":  # the data-parallel product, reduce-scattered then gathered
@@ -234,3 +239,82 @@ def test_the_notified_all_gather_gives_every_rank_the_same_whole_result(staged, 
     np.testing.assert_allclose(np.asarray(c, np.float32), a @ b, rtol=1e-2, atol=5e-2)
     assert len(set(COMM.allgather(np.asarray(c).tobytes()))) == 1
     assert after["fences"] == before["fences"] and after["gets"] == before["gets"]
+
+
+def _fetch_case(c_kind: str):
+    """A product whose ranks get pieces of A or B from several others: A by rows, B by
+    columns, C by rows (B's pieces fetched, nothing delivered), columns or a grid (the planner
+    also computes some of C where the inputs are, and delivers it)."""
+    M, K, N = 30, 24, 4 * SIZE + 2
+    c = {
+        "rows": om.Layout.rows((M, N)),
+        "cols": om.Layout.cols((M, N)),
+        "grid": om.Layout.grid((M, N), (SIZE // 2, 2) if SIZE % 2 == 0 else (1, SIZE)),
+    }[c_kind]
+    return om.Layout.rows((M, K)), om.Layout.cols((K, N)), c, None
+
+
+@pytest.mark.ranks(min=2, reason="pieces owned by other ranks")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float64])
+def test_notified_fetch_pushes_the_pieces_without_a_fence_or_a_get(dtype):
+    """The owners push the B pieces their getters need: no fence, no get, each rank sends the
+    pieces it serves (in the accumulation dtype), and the product is the fenced one bit for bit
+    (the pieces arrive unchanged, 16-bit ones through float32)."""
+    case = _fetch_case("rows")
+    plan = _plan(case)
+    assert plan.has_gets and not plan.has_deliveries
+    a, b, a_loc, b_loc = _blocks(case)
+    a_loc, b_loc = (jnp.asarray(x, dtype) for x in (a_loc, b_loc))
+    fenced = np.asarray(jax.jit(lambda x, y: om.matmul(x, y, plan, sync="fence"))(a_loc, b_loc))
+    before = om.stats()
+    notified = jax.jit(lambda x, y: om.matmul(x, y, plan, sync="notify"))(a_loc, b_loc)
+    notified = np.asarray(notified)
+    after = om.stats()
+    assert notified.dtype == dtype and notified.tobytes() == fenced.tobytes()
+    a, b = (np.asarray(jnp.asarray(x, dtype), np.float64) for x in (a, b))
+    tolerance = 1e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(
+        notified.astype(np.float64), plan.c.shard(a @ b, RANK), rtol=tolerance, atol=tolerance
+    )
+    assert after["fences"] == before["fences"] and after["gets"] == before["gets"]
+    acc = np.dtype(dtypes.accumulation_dtype(dtype)).itemsize
+    sent = after["sent_bytes"] - before["sent_bytes"]
+    assert sent == acc * sum(t.elements for t in plan.for_rank(RANK).served)
+
+
+@pytest.mark.ranks(min=2, reason="pieces owned by other ranks")
+@pytest.mark.parametrize("c_kind", ["cols", "grid"])
+def test_a_product_that_fetches_and_delivers_keeps_its_fetch_fenced(c_kind):
+    """With partials to deliver after the fetch, the fetch keeps its fence epoch of gets
+    (fetch.fetch_sync: one notified call per product) and the partials go notified."""
+    case = _fetch_case(c_kind)
+    plan = _plan(case)
+    assert plan.has_gets and plan.has_deliveries
+    a, b, a_loc, b_loc = _blocks(case)
+    before = om.stats()
+    c = np.asarray(jax.jit(lambda x, y: om.matmul(x, y, plan, sync="notify"))(a_loc, b_loc))
+    after = om.stats()
+    np.testing.assert_allclose(c, plan.c.shard(a @ b, RANK), rtol=1e-4, atol=1e-4)
+    assert after["fences"] - before["fences"] == 2  # the fetch's opening and closing fences
+    assert (after["gets"] > before["gets"]) == bool(plan.gets_by(RANK))
+    assert after["rma_bytes"] - before["rma_bytes"] == bytes_issued_as_run(plan, _NOTIFY, 4)
+
+
+@pytest.mark.ranks(min=3, reason="several owners per getter")
+def test_notified_fetch_through_one_slot_gives_the_same_bits(monkeypatch, credits):
+    """A slot budget of one slot: a getter takes its owners' pieces in rounds, one owner at a
+    time (in ascending rank order), and the product and its gradients keep their bits."""
+    case = _fetch_case("rows")
+    plan = _plan(case)
+    _, _, a_loc, b_loc = _blocks(case)
+
+    def step(x, y):
+        return jax.value_and_grad(
+            lambda x, y: jnp.sum(jnp.sin(om.matmul(x, y, plan, sync="notify"))), (0, 1)
+        )(x, y)
+
+    unlimited = jax.tree.map(np.asarray, jax.jit(step)(a_loc, b_loc))
+    monkeypatch.setenv(config.SLOT_BUDGET, "1")
+    rounds = jax.tree.map(np.asarray, jax.jit(step)(a_loc, b_loc))
+    for x, y in zip(jax.tree.leaves(unlimited), jax.tree.leaves(rounds)):
+        assert x.tobytes() == y.tobytes()

@@ -1,0 +1,146 @@
+"""The A and B pieces a rank's multiplies need from other ranks, in the product's synchronisation.
+
+Every rank of a plan that gets anything (``plan.has_gets``) calls :func:`fetch_pieces` at the
+same point. The pieces this rank gets (:meth:`~osmm_jax._src.planning.plan.Plan.gets_by`) come
+back keyed ``(matrix, rows, cols)``, each as the planner asked for it (adjacent pieces from one
+owner joined into one):
+
+- fence mode: this rank reads them (``MPI_Get`` in one fence epoch of the owners' exposed
+  blocks, ``osmm_fetch``);
+- notified mode (where the fetch is the product's only notified call, :func:`fetch_sync`):
+  their owners push them, through the notified reduce (``osmm_reduce_*`` with
+  slots and notifications, as the staged plan's all-gather does, :mod:`.gather`): each owner
+  sends, into its slot at every rank that gets from it, the pieces that rank needs, at the
+  places they take in that rank's fetched buffer; each rank waits for exactly its owners'
+  notifications. No fence, no get: over a network a fence epoch of gets costs several
+  milliseconds whatever its size, a notified round a fraction of that
+  (benchmarks/results/sync_latency.md). A rank's "partial" is zeros the size of its fetched
+  buffer, so the sum in ascending owner order puts every value in place unchanged (a ``-0.0``
+  arrives as ``0.0``); 16-bit pieces travel as float32 (exactly) and are cast back.
+
+The fetched buffer holds every piece row-major, one after another in the order of
+``plan.gets_by(rank)``, in both modes.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from osmm_jax._src import dtypes
+from osmm_jax._src.planning.plan import Plan
+from osmm_jax._src.runtime import native, primitives, slots
+from osmm_jax._src.runtime.slots import FENCE, Sync
+
+_REGIONS = {"A": native.REGION_A, "B": native.REGION_B}  # which region of the window a get reads
+
+
+def fetch_sync(plan: Plan, sync: Sync) -> Sync:
+    """How a product of ``plan`` run with ``sync`` fetches: notified only where the fetch is
+    the product's only notified call (the plan delivers no partial). With a notified reduce
+    after it, a rank whose program stopped inside the fetch would leave the ranks that do not
+    wait for its pieces one call ahead of it, in the reduce, where its next product's first
+    call would find them out of step; fenced, the fetch keeps every rank at the same call, and
+    a product abandoned in its reduce is recovered (README, "Failure behaviour")."""
+    return sync if sync.mode == "notify" and not plan.has_deliveries else FENCE
+
+
+def fetch_pieces(plan: Plan, rank: int, a, b, sync: Sync) -> dict:
+    """Every A and B piece ``rank`` gets from other ranks, ``{(matrix, rows, cols): array}``
+    (global intervals), in the input dtype; ``a`` and ``b`` are this rank's blocks."""
+    shapes, total = _layout(plan, rank)
+    if sync.mode == "notify":
+        fetched = _pushed_by_owners(plan, rank, a, b, total, sync)
+    else:
+        fetched = _got_from_owners(plan, rank, a, b, shapes, total)
+    return {
+        (matrix, rows, cols): fetched[offset : offset + _area(rows, cols)].reshape(
+            rows[1] - rows[0], cols[1] - cols[0]
+        )
+        for (_, matrix, rows, cols), offset in shapes.items()
+    }
+
+
+def _layout(plan: Plan, rank: int) -> tuple[dict, int]:
+    """Where each get of ``rank`` lands in its fetched buffer: ``{(owner, matrix, rows, cols):
+    element offset}``, and the buffer's length in elements."""
+    where, offset = {}, 0
+    for t in plan.gets_by(rank):
+        where[(t.target, t.matrix, t.rows, t.cols)] = offset
+        offset += t.elements
+    return where, offset
+
+
+def _area(rows, cols) -> int:
+    return (rows[1] - rows[0]) * (cols[1] - cols[0])
+
+
+def _got_from_owners(plan: Plan, rank: int, a, b, where: dict, total: int):
+    """Fence mode: MPI_Get of every piece from its owner's exposed block (``osmm_fetch``) to
+    its place ``where`` (:func:`_layout`)."""
+    itemsize = np.dtype(a.dtype).itemsize
+    a_elems, b_elems = plan.expose_elements
+    b_offset = native.aligned(a_elems * itemsize)
+    records = []
+    for t in plan.gets_by(rank):
+        layout = plan.a if t.matrix == "A" else plan.b
+        at = where[(t.target, t.matrix, t.rows, t.cols)]
+        records += native.transfer_record(
+            _REGIONS[t.matrix], t.target, t.rows, t.cols, layout.blocks[t.target], at
+        )
+    expose_a, expose_b = plan.exposes(rank)
+    return primitives.fetch(
+        a,
+        b,
+        comm=plan.comm_key,
+        call_id=primitives.call_id(plan.fingerprint, "fetch", str(a.dtype)),
+        window_bytes=b_offset + b_elems * itemsize,
+        b_offset=b_offset,
+        expose_a=expose_a,
+        expose_b=expose_b,
+        gets=records,
+        fetched_elements=total,
+    )
+
+
+def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync):
+    """Notified mode: this rank sends every rank that gets from it its pieces, and receives its
+    own from their owners (see the module docstring)."""
+    acc = dtypes.accumulation_dtype(a.dtype)
+    served = sorted(plan.for_rank(rank).served, key=lambda t: t.origin)
+    getters = sorted({t.origin for t in served})
+    pieces, records, offset = [], [], 0
+    for getter in getters:
+        where, length = _layout(plan, getter)
+        mine = [t for t in served if t.origin == getter]
+        for t in sorted(mine, key=lambda t: where[(rank, t.matrix, t.rows, t.cols)]):
+            at = where[(rank, t.matrix, t.rows, t.cols)]
+            n = t.elements
+            records += native.transfer_record(
+                native.OP_ACCUMULATE, getter, (0, 1), (at, at + n), ((0, 1), (0, length)), offset
+            )
+            pieces.append(_cut(plan, rank, a if t.matrix == "A" else b, t).reshape(-1))
+            offset += n
+    buffer = jnp.concatenate(pieces).astype(acc) if pieces else jnp.zeros((0,), acc)
+    owners = sorted({t.target for t in plan.gets_by(rank)})
+    notify = slots.fetch_attribute(plan, np.dtype(acc).itemsize, sync, owners, getters)
+    primitives.reduce_start(
+        buffer,
+        comm=plan.comm_key,
+        call_id=primitives.call_id(plan.fingerprint, "fetch", str(acc), sync.mode, notify[:3]),
+        window_bytes=slots.attribute_window_bytes(notify),
+        local_elements=total,
+        overlap=False,
+        transfers=[records],
+        chunk_sizes=[int(buffer.size)],
+        notify=notify,
+    )
+    local = jnp.zeros((total,), acc)
+    return primitives.reduce_finish(local, [buffer], comm=plan.comm_key).astype(a.dtype)
+
+
+def _cut(plan: Plan, rank: int, block, t):
+    """The piece ``t.rows x t.cols`` (global) of ``rank``'s block of ``t.matrix``."""
+    layout = plan.a if t.matrix == "A" else plan.b
+    (r0, _), (c0, _) = layout.blocks[rank]
+    return block[t.rows[0] - r0 : t.rows[1] - r0, t.cols[0] - c0 : t.cols[1] - c0]
