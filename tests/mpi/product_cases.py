@@ -161,13 +161,13 @@ def bytes_issued_as_run(plan, sync, itemsize: int) -> int:
     (``runtime.slots.Sync``), inputs and accumulation both ``itemsize`` bytes: the plan
     executed (its direct plan, a small replicated C in the notified mode), or a staged plan's
     two stages, whose all-gather gets the other blocks (fence mode) or sends this rank's block
-    to every other rank (notified mode). Where the A and B pieces are pushed by their owners
-    (``runtime.fetch.fetch_sync``), a rank issues the pieces it serves, not those it gets."""
-    from osmm_jax._src.runtime import fetch, slots
+    to every other rank (notified mode). In the notified mode the A and B pieces are pushed by
+    their owners: a rank issues the pieces it serves, not those it gets."""
+    from osmm_jax._src.runtime import slots
 
     executed = slots.executed_plan(plan, sync)
     issued = executed.bytes_issued(itemsize, itemsize)[RANK]
-    if fetch.fetch_sync(executed, sync).mode == "notify":
+    if sync.mode == "notify":
         part = executed.for_rank(RANK)
         issued += itemsize * sum(t.elements for t in part.served)
         issued -= itemsize * sum(t.elements for t in part.gets)

@@ -517,17 +517,18 @@ def _memory_bytes(layouts, totals: PlanTotals, itemsize: int, accum: int) -> int
 def _slots_bytes(c: Layout, totals: PlanTotals, accum: int) -> int:
     """The notified mode's slots window, the same on every rank (``OSMM_SYNC=notify``, the
     default across nodes, counted unless ``OSMM_SYNC=fence``: the layouts do not know where
-    their ranks run): an accumulator and a slot per origin, each the size of the largest C
-    block (the reduce) or, where nothing is delivered, of the most A and B elements a rank
-    fetches (the notified fetch, :mod:`osmm_jax._src.runtime.fetch`), at most ``P - 1`` slots
-    and no more than ``OSMM_SLOT_BUDGET`` holds (at least one). 0 in the fence mode, or when
-    no rank delivers or fetches anything."""
+    their ranks run). One window serves the reduce and the fetch, so it is the larger of
+    theirs: an accumulator and a slot per origin, each the size of the largest C block (the
+    reduce) or of the most A and B elements a rank fetches (the notified fetch,
+    :mod:`osmm_jax._src.runtime.fetch`), at most ``P - 1`` slots and no more than
+    ``OSMM_SLOT_BUDGET`` holds (at least one). 0 in the fence mode, or when no rank delivers
+    or fetches anything."""
     if config.resolve_sync(None) != "notify":
         return 0
     t = totals.totals
-    if any(t.received_partials):
-        return _window(max(block_area(c, r) for r in range(c.nranks)) * accum, c.nranks)
-    return _window(max(t.received_inputs, default=0) * accum, c.nranks)
+    reduce = max(block_area(c, r) for r in range(c.nranks)) if any(t.received_partials) else 0
+    fetch = max(t.received_inputs, default=0)
+    return max(_window(reduce * accum, c.nranks), _window(fetch * accum, c.nranks))
 
 
 def _window(slot: int, nranks: int) -> int:

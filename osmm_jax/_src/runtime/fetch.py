@@ -7,8 +7,7 @@ owner joined into one):
 
 - fence mode: this rank reads them (``MPI_Get`` in one fence epoch of the owners' exposed
   blocks, ``osmm_fetch``);
-- notified mode (where the fetch is the product's only notified call, :func:`fetch_sync`):
-  their owners push them, through the notified reduce (``osmm_reduce_*`` with
+- notified mode: their owners push them, through the notified reduce (``osmm_reduce_*`` with
   slots and notifications, as the staged plan's all-gather does, :mod:`.gather`): each owner
   sends, into its slot at every rank that gets from it, the pieces that rank needs, at the
   places they take in that rank's fetched buffer; each rank waits for exactly its owners'
@@ -17,6 +16,14 @@ owner joined into one):
   (benchmarks/results/sync_latency.md). A rank's "partial" is zeros the size of its fetched
   buffer, so the sum in ascending owner order puts every value in place unchanged (a ``-0.0``
   arrives as ``0.0``); 16-bit pieces travel as float32 (exactly) and are cast back.
+
+  Where the product then delivers partials (a second notified call), every rank counts every
+  other as an owner and a getter, sending empty deliveries where it has no pieces, so that no
+  rank leaves the fetch before every rank has entered it, as with the fence epoch. Otherwise
+  a rank whose program stopped inside the fetch would leave the ranks that do not get from it
+  one call ahead, in the reduce, where its next product would find them out of step; with
+  every rank waiting for it, its next call marks the fetch abandoned on all of them and every
+  rank recovers (README, "Failure behaviour").
 
 The fetched buffer holds every piece row-major, one after another in the order of
 ``plan.gets_by(rank)``, in both modes.
@@ -30,19 +37,9 @@ import numpy as np
 from osmm_jax._src import dtypes
 from osmm_jax._src.planning.plan import Plan
 from osmm_jax._src.runtime import native, primitives, slots
-from osmm_jax._src.runtime.slots import FENCE, Sync
+from osmm_jax._src.runtime.slots import Sync
 
 _REGIONS = {"A": native.REGION_A, "B": native.REGION_B}  # which region of the window a get reads
-
-
-def fetch_sync(plan: Plan, sync: Sync) -> Sync:
-    """How a product of ``plan`` run with ``sync`` fetches: notified only where the fetch is
-    the product's only notified call (the plan delivers no partial). With a notified reduce
-    after it, a rank whose program stopped inside the fetch would leave the ranks that do not
-    wait for its pieces one call ahead of it, in the reduce, where its next product's first
-    call would find them out of step; fenced, the fetch keeps every rank at the same call, and
-    a product abandoned in its reduce is recovered (README, "Failure behaviour")."""
-    return sync if sync.mode == "notify" and not plan.has_deliveries else FENCE
 
 
 def fetch_pieces(plan: Plan, rank: int, a, b, sync: Sync) -> dict:
@@ -109,6 +106,9 @@ def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync):
     acc = dtypes.accumulation_dtype(a.dtype)
     served = sorted(plan.for_rank(rank).served, key=lambda t: t.origin)
     getters = sorted({t.origin for t in served})
+    owners = sorted({t.target for t in plan.gets_by(rank)})
+    if plan.has_deliveries:  # no rank leaves the fetch before all entered it (module docstring)
+        owners = getters = [r for r in range(plan.nranks) if r != rank]
     pieces, records, offset = [], [], 0
     for getter in getters:
         where, length = _layout(plan, getter)
@@ -122,7 +122,6 @@ def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync):
             pieces.append(_cut(plan, rank, a if t.matrix == "A" else b, t).reshape(-1))
             offset += n
     buffer = jnp.concatenate(pieces).astype(acc) if pieces else jnp.zeros((0,), acc)
-    owners = sorted({t.target for t in plan.gets_by(rank)})
     notify = slots.fetch_attribute(plan, np.dtype(acc).itemsize, sync, owners, getters)
     primitives.reduce_start(
         buffer,

@@ -227,8 +227,7 @@ def _operands(plan: Plan, rank: int, a, b, sync: Sync) -> _Operands:
     acc = dtypes.accumulation_dtype(a.dtype)
     remote = {}
     if plan.has_gets:
-        pieces = fetch.fetch_pieces(plan, rank, a, b, fetch.fetch_sync(plan, sync))
-        remote = _cut_to_multiplies(plan, rank, pieces)
+        remote = _cut_to_multiplies(plan, rank, fetch.fetch_pieces(plan, rank, a, b, sync))
     multiplies = {(m.rows, m.inner, m.cols): m for m in plan.multiplies_on(rank)}
     return _Operands(plan, rank, a, b, remote, multiplies, acc)
 

@@ -76,13 +76,14 @@ def attribute_window_bytes(notify: tuple[int, ...]) -> int:
 
 def fetch_attribute(plan: Plan, itemsize: int, sync: Sync, owners, getters) -> tuple[int, ...]:
     """The ``notify`` attribute of the notified fetch (:mod:`osmm_jax._src.runtime.fetch`) on one
-    rank: its ``owners`` (the ranks it gets pieces from) are its origins, its ``getters`` (the
-    ranks that get pieces from it) its targets. A slot holds the most A and B elements any rank
-    gets, in ``itemsize``-byte elements; ``S`` is the most owners any rank gets from, capped by
-    the slot budget."""
+    rank: its ``owners`` (the ranks it gets pieces from; every other rank where the plan
+    delivers partials too) are its origins, its ``getters`` its targets. A slot holds the most
+    A and B elements any rank gets, in ``itemsize``-byte elements; ``S`` is the most owners any
+    rank has, capped by the slot budget."""
     facts = plan.facts
     nbytes = _aligned(facts.fetched_elements * itemsize)
-    count = _count(facts.max_owners, nbytes, sync.slot_budget)
+    most = plan.nranks - 1 if facts.has_deliveries else facts.max_owners
+    count = _count(most, nbytes, sync.slot_budget)
     return _attribute(count, nbytes, sync, owners, getters)
 
 

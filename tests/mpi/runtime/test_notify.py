@@ -284,9 +284,10 @@ def test_notified_fetch_pushes_the_pieces_without_a_fence_or_a_get(dtype):
 
 @pytest.mark.ranks(min=2, reason="pieces owned by other ranks")
 @pytest.mark.parametrize("c_kind", ["cols", "grid"])
-def test_a_product_that_fetches_and_delivers_keeps_its_fetch_fenced(c_kind):
-    """With partials to deliver after the fetch, the fetch keeps its fence epoch of gets
-    (fetch.fetch_sync: one notified call per product) and the partials go notified."""
+def test_a_fetch_before_a_notified_reduce_hears_from_every_rank(c_kind):
+    """With partials to deliver after it, the notified fetch has every rank notify every other
+    (empty deliveries where it has no pieces for it), so that no rank leaves it before all have
+    entered it; no fence and no get either way."""
     case = _fetch_case(c_kind)
     plan = _plan(case)
     assert plan.has_gets and plan.has_deliveries
@@ -295,9 +296,11 @@ def test_a_product_that_fetches_and_delivers_keeps_its_fetch_fenced(c_kind):
     c = np.asarray(jax.jit(lambda x, y: om.matmul(x, y, plan, sync="notify"))(a_loc, b_loc))
     after = om.stats()
     np.testing.assert_allclose(c, plan.c.shard(a @ b, RANK), rtol=1e-4, atol=1e-4)
-    assert after["fences"] - before["fences"] == 2  # the fetch's opening and closing fences
-    assert (after["gets"] > before["gets"]) == bool(plan.gets_by(RANK))
-    assert after["rma_bytes"] - before["rma_bytes"] == bytes_issued_as_run(plan, _NOTIFY, 4)
+    assert after["fences"] == before["fences"] and after["gets"] == before["gets"]
+    reduce_targets = {t.target for t in plan.deliveries_from(RANK)}
+    notified = after["notifications"] - before["notifications"]
+    assert notified == (SIZE - 1) + len(reduce_targets)
+    assert after["sent_bytes"] - before["sent_bytes"] == bytes_issued_as_run(plan, _NOTIFY, 4)
 
 
 @pytest.mark.ranks(min=3, reason="several owners per getter")
