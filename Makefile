@@ -259,8 +259,10 @@ endif
 # first use, 6-8 minutes each): `make test` on Open MPI and on Intel MPI (MATRIX_MPIS), then
 # `make test` on the oldest JAX osmm_jax supports (MATRIX_OLD_JAX, with MPICH) with the MPI
 # suite on MATRIX_JAX_RANKS ranks (its notified and heterogeneity runs as always; the Flax
-# layers need flax >= 0.12, hence jax >= 0.7.1, and skip there, saying so). Two to three hours
-# on a 2-core machine: not part of `make test`.
+# layers need flax >= 0.12, hence jax >= 0.7.1, and skip there, saying so). 69 minutes on an
+# otherwise idle 2-core machine from a clean clone, environments included: not part of
+# `make test`, which has no room left for even a smoke test of another MPI (building its
+# environment alone takes 6-8 minutes, and `make test` takes about 39 of its 40).
 MATRIX_MPIS ?= openmpi impi
 MATRIX_OLD_JAX ?= 0.6.2
 MATRIX_JAX_RANKS ?= 2
