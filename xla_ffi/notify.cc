@@ -219,8 +219,14 @@ std::string ParseNotifySpec(ffi::Span<const int64_t> flat, int rank, int size, i
   out->origins.assign(v + at, v + at + v[3]);
   at += v[3];
   const int64_t ntargets = v[at++];
-  if (ntargets < 0 || at + ntargets != count) return "notify: malformed attribute";
+  if (ntargets < 0 || at + ntargets > count) return "notify: malformed attribute";
   out->targets.assign(v + at, v + at + ntargets);
+  at += ntargets;
+  out->origin_bases.assign(out->origins.size(), 0);
+  if (at < count) {  // the bases
+    if (v[at] != v[3] || at + 1 + v[3] != count) return "notify: malformed attribute";
+    out->origin_bases.assign(v + at + 1, v + count);
+  }
   int64_t expected = 0;
   if (out->slots < 1 || out->slot_bytes < block_bytes || out->slot_bytes % 64 != 0 ||
       !MulOk(out->slots + 1, out->slot_bytes, &expected) || expected != window_bytes) {
@@ -228,6 +234,12 @@ std::string ParseNotifySpec(ffi::Span<const int64_t> flat, int rank, int size, i
            std::to_string(out->slot_bytes) + ") do not match the window (" +
            std::to_string(window_bytes) + " bytes) or this rank's C block (" +
            std::to_string(block_bytes) + " bytes)";
+  }
+  for (int64_t base : out->origin_bases) {
+    if (base < 0 || base >= out->slot_bytes) {
+      return "notify: a base (" + std::to_string(base) + ") outside the " +
+             std::to_string(out->slot_bytes) + "-byte slot";
+    }
   }
   std::string problem = CheckRanks(out->origins, rank, size, "origins");
   if (problem.empty()) problem = CheckRanks(out->targets, rank, size, "targets");
@@ -240,14 +252,15 @@ std::string ParseNotifySpec(ffi::Span<const int64_t> flat, int rank, int size, i
 ffi::Error ResolvePositions(MPI_Comm comm, uint64_t signature, NotifySpec* spec,
                             std::string* problem) {
   static std::mutex* mu = new std::mutex();
-  static auto* known =
-      new std::vector<std::pair<std::pair<uint64_t, uint64_t>, std::vector<int64_t>>>();
+  using Learnt = std::pair<std::vector<int64_t>, std::vector<int64_t>>;  // positions, bases
+  static auto* known = new std::vector<std::pair<std::pair<uint64_t, uint64_t>, Learnt>>();
   const std::pair<uint64_t, uint64_t> key(CommKey(comm), signature);
   {
     std::lock_guard<std::mutex> lock(*mu);
     for (const auto& entry : *known) {
       if (entry.first == key) {
-        spec->positions = entry.second;
+        spec->positions = entry.second.first;
+        spec->bases = entry.second.second;
         return ffi::Error::Success();
       }
     }
@@ -256,15 +269,16 @@ ffi::Error ResolvePositions(MPI_Comm comm, uint64_t signature, NotifySpec* spec,
   int rank = 0;
   MPI_Comm_size(comm, &size);
   MPI_Comm_rank(comm, &rank);
-  // To each rank: its number among this rank's origins (-1: not an origin); back from each:
-  // this rank's number among its origins.
-  std::vector<int64_t> send(static_cast<size_t>(size), -1);
-  std::vector<int64_t> received(static_cast<size_t>(size), -1);
+  // To each rank: its number among this rank's origins (-1: not an origin) and where its
+  // records land in its slot here; back from each: the same of this rank there.
+  std::vector<int64_t> send(2 * static_cast<size_t>(size), -1);
+  std::vector<int64_t> received(2 * static_cast<size_t>(size), -1);
   for (size_t i = 0; i < spec->origins.size(); ++i) {
-    send[static_cast<size_t>(spec->origins[i])] = static_cast<int64_t>(i);
+    send[2 * static_cast<size_t>(spec->origins[i])] = static_cast<int64_t>(i);
+    send[2 * static_cast<size_t>(spec->origins[i]) + 1] = spec->origin_bases[i];
   }
   MPI_Request request = MPI_REQUEST_NULL;
-  if (int rc = MPI_Ialltoall(send.data(), 1, MPI_INT64_T, received.data(), 1, MPI_INT64_T, comm,
+  if (int rc = MPI_Ialltoall(send.data(), 2, MPI_INT64_T, received.data(), 2, MPI_INT64_T, comm,
                              &request);
       rc != MPI_SUCCESS) {
     return MpiError(rc, "osmm_reduce_start: MPI_Ialltoall (slot positions)");
@@ -275,20 +289,23 @@ ffi::Error ResolvePositions(MPI_Comm comm, uint64_t signature, NotifySpec* spec,
     return err;
   }
   std::vector<int64_t> positions;
+  std::vector<int64_t> bases;
   for (int r = 0; r < size && problem->empty(); ++r) {
     const bool target = std::binary_search(spec->targets.begin(), spec->targets.end(), r);
-    if (target != (received[static_cast<size_t>(r)] >= 0)) {
+    if (target != (received[2 * static_cast<size_t>(r)] >= 0)) {
       *problem = "notify: rank " + std::to_string(rank) +
                  (target ? " delivers to" : " does not deliver to") + " rank " + std::to_string(r) +
                  ", but that rank's plan says otherwise";
     } else if (target) {
-      positions.push_back(received[static_cast<size_t>(r)]);
+      positions.push_back(received[2 * static_cast<size_t>(r)]);
+      bases.push_back(received[2 * static_cast<size_t>(r) + 1]);
     }
   }
   if (!problem->empty()) return ffi::Error::Success();
   spec->positions = positions;
+  spec->bases = bases;
   std::lock_guard<std::mutex> lock(*mu);
-  known->emplace_back(key, std::move(positions));
+  known->emplace_back(key, Learnt(std::move(positions), std::move(bases)));
   return ffi::Error::Success();
 }
 
@@ -342,8 +359,9 @@ ffi::Error OpenNotified(BufferOps& ops, MPI_Comm comm, const NotifySpec& spec, i
 
 MPI_Aint SlotDisplacement(const NotifiedReduce& n, int64_t target) {
   const auto it = std::lower_bound(n.spec.targets.begin(), n.spec.targets.end(), target);
-  const int64_t position = n.spec.positions[static_cast<size_t>(it - n.spec.targets.begin())];
-  return static_cast<MPI_Aint>((1 + position % n.spec.slots) * n.spec.slot_bytes);
+  const size_t i = static_cast<size_t>(it - n.spec.targets.begin());
+  const int64_t position = n.spec.positions[i];
+  return static_cast<MPI_Aint>((1 + position % n.spec.slots) * n.spec.slot_bytes + n.spec.bases[i]);
 }
 
 bool MayDeliverNow(NotifiedReduce& n, int64_t target) {

@@ -46,15 +46,21 @@
 namespace osmm {
 
 // This rank's part of a notified reduce, from the "notify" attribute of osmm_reduce_start:
-// [slots, slot_bytes, pull_credits, n_origins, origins..., n_targets, targets...]; empty means
-// the fence mode. The positions are learnt from the targets (ResolvePositions).
+// [slots, slot_bytes, pull_credits, n_origins, origins..., n_targets, targets...], optionally
+// followed by [n_origins, bases...]; empty means the fence mode. A base is where, in bytes from
+// the start of this rank's slot for that origin, the origin's records land (0 without them):
+// the notified fetch lays each owner's pieces out in the getter's buffer, which only the getter
+// knows. The positions and the bases at each target are learnt from the targets
+// (ResolvePositions).
 struct NotifySpec {
-  int64_t slots = 0;               // slots per target window (identical on every rank)
-  int64_t slot_bytes = 0;          // bytes of a slot (identical on every rank)
-  bool pull_credits = false;       // origins read targets' progress; targets push none
-  std::vector<int64_t> origins;    // ranks that deliver into this rank's block, ascending
-  std::vector<int64_t> targets;    // ranks this rank delivers to, ascending
-  std::vector<int64_t> positions;  // this rank's index among each target's origins
+  int64_t slots = 0;                  // slots per target window (identical on every rank)
+  int64_t slot_bytes = 0;             // bytes of a slot (identical on every rank)
+  bool pull_credits = false;          // origins read targets' progress; targets push none
+  std::vector<int64_t> origins;       // ranks that deliver into this rank's block, ascending
+  std::vector<int64_t> targets;       // ranks this rank delivers to, ascending
+  std::vector<int64_t> origin_bases;  // per origin: where its records land in its slot here
+  std::vector<int64_t> positions;     // this rank's index among each target's origins
+  std::vector<int64_t> bases;         // per target: where this rank's records land in its slot
   bool enabled() const { return slots > 0; }
 };
 
@@ -96,7 +102,8 @@ struct NotifiedReduce {
 ffi::Error OpenNotified(BufferOps& ops, MPI_Comm comm, const NotifySpec& spec, int64_t call_id,
                         int64_t window_bytes, NotifiedReduce* out, ffi::Error* local);
 
-// Byte displacement in `target`'s slots window of the slot this rank delivers into.
+// Byte displacement in `target`'s slots window of where this rank's records land: its slot
+// there, plus its base (NotifySpec::bases).
 MPI_Aint SlotDisplacement(const NotifiedReduce& n, int64_t target);
 
 // Whether this rank may deliver to `target` now (its slot is free), deciding once per product:

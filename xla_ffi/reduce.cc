@@ -380,6 +380,7 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
     if (!inconsistent.empty()) {
       // Deliver nothing (every target is told of the failure): the positions are unknown.
       spec.positions.assign(spec.targets.size(), 0);
+      spec.bases.assign(spec.targets.size(), 0);
       local = ffi::Error::Internal(inconsistent);
     }
     epoch.notified = std::make_unique<NotifiedReduce>();

@@ -9,8 +9,10 @@ owner joined into one):
   blocks, ``osmm_fetch``);
 - notified mode: their owners push them, through the notified reduce (``osmm_reduce_*`` with
   slots and notifications, as the staged plan's all-gather does, :mod:`.gather`): each owner
-  sends, into its slot at every rank that gets from it, the pieces that rank needs, at the
-  places they take in that rank's fetched buffer; each rank waits for exactly its owners'
+  sends, into its slot at every rank that gets from it, the pieces that rank needs, one after
+  another from where the getter's buffer holds that owner's pieces (the getter's "base" for
+  it, which the native layer passes on to the owner the first time the product runs, so that
+  neither side reads the other's part of the plan); each rank waits for exactly its owners'
   notifications. No fence, no get: over a network a fence epoch of gets costs several
   milliseconds whatever its size, a notified round a fraction of that
   (benchmarks/results/sync_latency.md). A rank's "partial" is zeros the size of its fetched
@@ -25,8 +27,8 @@ owner joined into one):
   every rank waiting for it, its next call marks the fetch abandoned on all of them and every
   rank recovers (README, "Failure behaviour").
 
-The fetched buffer holds every piece row-major, one after another in the order of
-``plan.gets_by(rank)``, in both modes.
+The fetched buffer holds every piece row-major, one after another, by owner in ascending rank
+order and, from one owner, in the order of :func:`_piece_key`, in both modes.
 """
 
 from __future__ import annotations
@@ -58,11 +60,16 @@ def fetch_pieces(plan: Plan, rank: int, a, b, sync: Sync) -> dict:
     }
 
 
+def _piece_key(t):
+    """The order of the pieces one owner sends one getter: the same on both sides."""
+    return (t.matrix, t.rows, t.cols)
+
+
 def _layout(plan: Plan, rank: int) -> tuple[dict, int]:
     """Where each get of ``rank`` lands in its fetched buffer: ``{(owner, matrix, rows, cols):
     element offset}``, and the buffer's length in elements."""
     where, offset = {}, 0
-    for t in plan.gets_by(rank):
+    for t in sorted(plan.gets_by(rank), key=lambda t: (t.target, _piece_key(t))):
         where[(t.target, t.matrix, t.rows, t.cols)] = offset
         offset += t.elements
     return where, offset
@@ -104,25 +111,36 @@ def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync):
     """Notified mode: this rank sends every rank that gets from it its pieces, and receives its
     own from their owners (see the module docstring)."""
     acc = dtypes.accumulation_dtype(a.dtype)
-    served = sorted(plan.for_rank(rank).served, key=lambda t: t.origin)
+    itemsize = np.dtype(acc).itemsize
+    served = plan.for_rank(rank).served
     getters = sorted({t.origin for t in served})
-    owners = sorted({t.target for t in plan.gets_by(rank)})
+    where, _ = _layout(plan, rank)
+    starts = {}  # where each owner's pieces start in this rank's buffer
+    for (owner, *_), offset in where.items():
+        starts[owner] = min(offset, starts.get(owner, offset))
+    owners = sorted(starts)
     if plan.has_deliveries:  # no rank leaves the fetch before all entered it (module docstring)
         owners = getters = [r for r in range(plan.nranks) if r != rank]
     pieces, records, offset = [], [], 0
     for getter in getters:
-        where, length = _layout(plan, getter)
-        mine = [t for t in served if t.origin == getter]
-        for t in sorted(mine, key=lambda t: where[(rank, t.matrix, t.rows, t.cols)]):
-            at = where[(rank, t.matrix, t.rows, t.cols)]
-            n = t.elements
+        mine = sorted((t for t in served if t.origin == getter), key=_piece_key)
+        width = sum(t.elements for t in mine)  # from the getter's base for this rank
+        at = 0
+        for t in mine:
             records += native.transfer_record(
-                native.OP_ACCUMULATE, getter, (0, 1), (at, at + n), ((0, 1), (0, length)), offset
+                native.OP_ACCUMULATE,
+                getter,
+                (0, 1),
+                (at, at + t.elements),
+                ((0, 1), (0, width)),
+                offset + at,
             )
             pieces.append(_cut(plan, rank, a if t.matrix == "A" else b, t).reshape(-1))
-            offset += n
+            at += t.elements
+        offset += width
     buffer = jnp.concatenate(pieces).astype(acc) if pieces else jnp.zeros((0,), acc)
-    notify = slots.fetch_attribute(plan, np.dtype(acc).itemsize, sync, owners, getters)
+    bases = [starts.get(owner, 0) * itemsize for owner in owners]
+    notify = slots.fetch_attribute(plan, itemsize, sync, owners, getters, bases)
     primitives.reduce_start(
         buffer,
         comm=plan.comm_key,

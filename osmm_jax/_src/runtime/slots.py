@@ -62,10 +62,12 @@ def notify_attribute(plan: Plan, rank: int, itemsize: int, sync: Sync) -> tuple[
     return _attribute(count, slot_bytes(plan, itemsize), sync, origins, targets)
 
 
-def _attribute(count: int, nbytes: int, sync: Sync, origins, targets) -> tuple[int, ...]:
-    """The ``notify`` attribute's layout (see :func:`notify_attribute`)."""
+def _attribute(count: int, nbytes: int, sync: Sync, origins, targets, bases=None):
+    """The ``notify`` attribute's layout (see :func:`notify_attribute`), with ``bases`` (bytes
+    into this rank's slot for each origin where that origin's records land) if given."""
     pull = int(sync.credits == "pull")
-    return (count, nbytes, pull, len(origins), *origins, len(targets), *targets)
+    tail = () if bases is None else (len(bases), *bases)
+    return (count, nbytes, pull, len(origins), *origins, len(targets), *targets, *tail)
 
 
 def attribute_window_bytes(notify: tuple[int, ...]) -> int:
@@ -74,17 +76,20 @@ def attribute_window_bytes(notify: tuple[int, ...]) -> int:
     return (1 + notify[0]) * notify[1]
 
 
-def fetch_attribute(plan: Plan, itemsize: int, sync: Sync, owners, getters) -> tuple[int, ...]:
+def fetch_attribute(
+    plan: Plan, itemsize: int, sync: Sync, owners, getters, bases
+) -> tuple[int, ...]:
     """The ``notify`` attribute of the notified fetch (:mod:`osmm_jax._src.runtime.fetch`) on one
     rank: its ``owners`` (the ranks it gets pieces from; every other rank where the plan
-    delivers partials too) are its origins, its ``getters`` its targets. A slot holds the most
-    A and B elements any rank gets, in ``itemsize``-byte elements; ``S`` is the most owners any
-    rank has, capped by the slot budget."""
+    delivers partials too) are its origins, its ``getters`` its targets, and ``bases`` says
+    where in this rank's fetched buffer each owner's pieces start (bytes). A slot holds the
+    most A and B elements any rank gets, in ``itemsize``-byte elements; ``S`` is the most
+    owners any rank has, capped by the slot budget."""
     facts = plan.facts
     nbytes = _aligned(facts.fetched_elements * itemsize)
     most = plan.nranks - 1 if facts.has_deliveries else facts.max_owners
     count = _count(most, nbytes, sync.slot_budget)
-    return _attribute(count, nbytes, sync, owners, getters)
+    return _attribute(count, nbytes, sync, owners, getters, bases)
 
 
 class GatherSlots(NamedTuple):
