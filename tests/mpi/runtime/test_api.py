@@ -31,11 +31,15 @@ def test_plan_is_identical_on_every_rank_and_cached():
     assert "rank 0" in plan.describe()
 
 
-@pytest.mark.parametrize("method, extra", [("one_sided", 3), ("allreduce", 5)])
-def test_a_product_builds_only_this_ranks_part_of_its_plans(method, extra):
+@pytest.mark.parametrize(
+    "method, sync, extra",
+    [("one_sided", "fence", 3), ("one_sided", "notify", 4), ("allreduce", None, 5)],
+)
+def test_a_product_builds_only_this_ranks_part_of_its_plans(method, sync, extra):
     # Layouts never used by another test here, so that the plan is fresh: running the product
     # and its gradient builds this rank's part of each plan and agrees on the shared facts,
-    # never the whole schedule, with either method.
+    # never the whole schedule, with either method and synchronisation (the notified fetch's
+    # owners learn where their pieces go from the getters, not from the getters' plans).
     n = 8 * SIZE + extra
     plan = om.plan(
         om.Layout.cols((n, n)), om.Layout.rows((n, n)), om.Layout.grid((n, n), (SIZE, 1))
@@ -43,7 +47,7 @@ def test_a_product_builds_only_this_ranks_part_of_its_plans(method, extra):
     rng = np.random.default_rng(RANK)
     a = rng.standard_normal(plan.a.local_shape(RANK)).astype(np.float32)
     b = rng.standard_normal(plan.b.local_shape(RANK)).astype(np.float32)
-    loss = lambda x, y: jnp.sum(om.matmul(x, y, plan, method=method) ** 2)  # noqa: E731
+    loss = lambda x, y: jnp.sum(om.matmul(x, y, plan, method=method, sync=sync) ** 2)  # noqa: E731
     jax.block_until_ready(jax.jit(jax.grad(loss, argnums=(0, 1)))(a, b))
     for p in (plan, *plan.backward()):
         assert "_schedule" not in p.__dict__, "the whole schedule was built"
