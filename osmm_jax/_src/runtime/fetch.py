@@ -115,9 +115,9 @@ def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync):
     served = plan.for_rank(rank).served
     getters = sorted({t.origin for t in served})
     where, _ = _layout(plan, rank)
-    starts = {}  # where each owner's pieces start in this rank's buffer
+    starts = {}  # where each owner's pieces start in this rank's buffer (laid out by owner)
     for (owner, *_), offset in where.items():
-        starts[owner] = min(offset, starts.get(owner, offset))
+        starts.setdefault(owner, offset)
     owners = sorted(starts)
     if plan.has_deliveries:  # no rank leaves the fetch before all entered it (module docstring)
         owners = getters = [r for r in range(plan.nranks) if r != rank]
@@ -141,19 +141,12 @@ def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync):
     buffer = jnp.concatenate(pieces).astype(acc) if pieces else jnp.zeros((0,), acc)
     bases = [starts.get(owner, 0) * itemsize for owner in owners]
     notify = slots.fetch_attribute(plan, itemsize, sync, owners, getters, bases)
-    primitives.reduce_start(
-        buffer,
-        comm=plan.comm_key,
-        call_id=primitives.call_id(plan.fingerprint, "fetch", str(acc), sync.mode, notify[:3]),
-        window_bytes=slots.attribute_window_bytes(notify),
-        local_elements=total,
-        overlap=False,
-        transfers=[records],
-        chunk_sizes=[int(buffer.size)],
-        notify=notify,
-    )
+    call_id = primitives.call_id(plan.fingerprint, "fetch", str(acc), sync.mode, notify[:3])
     local = jnp.zeros((total,), acc)
-    return primitives.reduce_finish(local, [buffer], comm=plan.comm_key).astype(a.dtype)
+    summed = primitives.notified_round(
+        buffer, records, local, comm=plan.comm_key, call_id=call_id, notify=notify
+    )
+    return summed.astype(a.dtype)
 
 
 def _cut(plan: Plan, rank: int, block, t):

@@ -87,18 +87,9 @@ def _sent_by_owners(plan: Plan, rank: int, block, sync: Sync):
         records += native.transfer_record(native.OP_ACCUMULATE, target, rows, cols, whole, 0)
     mine = block.astype(acc)
     buffer = mine.reshape(-1) if spec.targets else jnp.zeros((0,), acc)
-    primitives.reduce_start(
-        buffer,
-        comm=plan.comm_key,
-        call_id=primitives.call_id(
-            plan.fingerprint, "gather", str(acc), sync.mode, spec.notify[:3]
-        ),
-        window_bytes=spec.window_bytes,
-        local_elements=m * n,
-        overlap=False,
-        transfers=[records],
-        chunk_sizes=[int(buffer.size)],
-        notify=spec.notify,
-    )
     local = jnp.zeros((m, n), acc).at[rows[0] : rows[1], cols[0] : cols[1]].set(mine)
-    return primitives.reduce_finish(local, [buffer], comm=plan.comm_key).astype(block.dtype)
+    call_id = primitives.call_id(plan.fingerprint, "gather", str(acc), sync.mode, spec.notify[:3])
+    summed = primitives.notified_round(
+        buffer, records, local, comm=plan.comm_key, call_id=call_id, notify=spec.notify
+    )
+    return summed.astype(block.dtype)

@@ -147,6 +147,26 @@ def reduce_start(
     )
 
 
+def notified_round(buffer, records, local, *, comm, call_id, notify):
+    """One notified reduce sent in one piece: this rank delivers ``buffer`` (1-D, the
+    accumulation dtype) by ``records`` and returns ``local`` plus what its origins delivered,
+    summed in ascending rank order. ``notify``: this rank's attribute (``runtime.slots``), whose
+    first two entries size every rank's slots window. The staged plan's all-gather and the
+    notified fetch are such rounds."""
+    reduce_start(
+        buffer,
+        comm=comm,
+        call_id=call_id,
+        window_bytes=(1 + notify[0]) * notify[1],
+        local_elements=local.size,
+        overlap=False,
+        transfers=[records],
+        chunk_sizes=[int(buffer.size)],
+        notify=notify,
+    )
+    return reduce_finish(local, [buffer], comm=comm)
+
+
 def reduce_issue(chunk, *, comm, index):
     """Bind ``osmm_reduce_issue``: send chunk ``index`` (1, 2, ...); returns a ticket."""
     return osmm_reduce_issue_p.bind(chunk, comm=int(comm), index=int(index))

@@ -70,12 +70,6 @@ def _attribute(count: int, nbytes: int, sync: Sync, origins, targets, bases=None
     return (count, nbytes, pull, len(origins), *origins, len(targets), *targets, *tail)
 
 
-def attribute_window_bytes(notify: tuple[int, ...]) -> int:
-    """Bytes of every rank's slots window for a ``notify`` attribute: the accumulator and its
-    ``S`` slots."""
-    return (1 + notify[0]) * notify[1]
-
-
 def fetch_attribute(
     plan: Plan, itemsize: int, sync: Sync, owners, getters, bases
 ) -> tuple[int, ...]:
@@ -96,7 +90,6 @@ class GatherSlots(NamedTuple):
     """Staged ``plan``'s notified all-gather on one rank (:func:`gather_slots`)."""
 
     notify: tuple[int, ...]  # the ``notify`` attribute of osmm_reduce_start
-    window_bytes: int  # every rank's slots window
     targets: tuple[int, ...]  # the ranks this rank sends its block to (none if it owns none)
 
 
@@ -114,7 +107,7 @@ def gather_slots(plan: Plan, rank: int, itemsize: int, sync: Sync) -> GatherSlot
     nbytes = _aligned(plan.c.shape[0] * plan.c.shape[1] * itemsize)
     count = _count(most, nbytes, sync.slot_budget)
     notify = _attribute(count, nbytes, sync, origins, targets)
-    return GatherSlots(notify, (1 + count) * nbytes, tuple(targets))
+    return GatherSlots(notify, tuple(targets))
 
 
 class Sync(NamedTuple):
