@@ -249,18 +249,21 @@ std::string ParseNotifySpec(ffi::Span<const int64_t> flat, int rank, int size, i
   return problem;
 }
 
-ffi::Error ResolvePositions(MPI_Comm comm, uint64_t signature, NotifySpec* spec,
-                            std::string* problem) {
+ffi::Error ResolvePositions(MPI_Comm comm, uint64_t signature, int64_t block_bytes,
+                            NotifySpec* spec, std::string* problem) {
   static std::mutex* mu = new std::mutex();
-  using Learnt = std::pair<std::vector<int64_t>, std::vector<int64_t>>;  // positions, bases
+  struct Learnt {
+    std::vector<int64_t> positions, bases, target_bytes;
+  };
   static auto* known = new std::vector<std::pair<std::pair<uint64_t, uint64_t>, Learnt>>();
   const std::pair<uint64_t, uint64_t> key(CommKey(comm), signature);
   {
     std::lock_guard<std::mutex> lock(*mu);
     for (const auto& entry : *known) {
       if (entry.first == key) {
-        spec->positions = entry.second.first;
-        spec->bases = entry.second.second;
+        spec->positions = entry.second.positions;
+        spec->bases = entry.second.bases;
+        spec->target_bytes = entry.second.target_bytes;
         return ffi::Error::Success();
       }
     }
@@ -269,17 +272,21 @@ ffi::Error ResolvePositions(MPI_Comm comm, uint64_t signature, NotifySpec* spec,
   int rank = 0;
   MPI_Comm_size(comm, &size);
   MPI_Comm_rank(comm, &rank);
-  // To each rank: its number among this rank's origins (-1: not an origin) and where its
-  // records land in its slot here; back from each: the same of this rank there.
-  std::vector<int64_t> send(2 * static_cast<size_t>(size), -1);
-  std::vector<int64_t> received(2 * static_cast<size_t>(size), -1);
+  // To each rank: its number among this rank's origins (-1: not an origin), where its records
+  // land in its slot here and the bytes of this rank's block; back from each: the same of
+  // this rank there.
+  constexpr size_t kEntries = 3;
+  std::vector<int64_t> send(kEntries * static_cast<size_t>(size), -1);
+  std::vector<int64_t> received(kEntries * static_cast<size_t>(size), -1);
   for (size_t i = 0; i < spec->origins.size(); ++i) {
-    send[2 * static_cast<size_t>(spec->origins[i])] = static_cast<int64_t>(i);
-    send[2 * static_cast<size_t>(spec->origins[i]) + 1] = spec->origin_bases[i];
+    int64_t* entry = send.data() + kEntries * static_cast<size_t>(spec->origins[i]);
+    entry[0] = static_cast<int64_t>(i);
+    entry[1] = spec->origin_bases[i];
+    entry[2] = block_bytes;
   }
   MPI_Request request = MPI_REQUEST_NULL;
-  if (int rc = MPI_Ialltoall(send.data(), 2, MPI_INT64_T, received.data(), 2, MPI_INT64_T, comm,
-                             &request);
+  if (int rc = MPI_Ialltoall(send.data(), kEntries, MPI_INT64_T, received.data(), kEntries,
+                             MPI_INT64_T, comm, &request);
       rc != MPI_SUCCESS) {
     return MpiError(rc, "osmm_reduce_start: MPI_Ialltoall (slot positions)");
   }
@@ -288,25 +295,45 @@ ffi::Error ResolvePositions(MPI_Comm comm, uint64_t signature, NotifySpec* spec,
       err.failure()) {
     return err;
   }
-  std::vector<int64_t> positions;
-  std::vector<int64_t> bases;
+  Learnt learnt;
   for (int r = 0; r < size && problem->empty(); ++r) {
+    const int64_t* entry = received.data() + kEntries * static_cast<size_t>(r);
     const bool target = std::binary_search(spec->targets.begin(), spec->targets.end(), r);
-    if (target != (received[2 * static_cast<size_t>(r)] >= 0)) {
+    if (target != (entry[0] >= 0)) {
       *problem = "notify: rank " + std::to_string(rank) +
                  (target ? " delivers to" : " does not deliver to") + " rank " + std::to_string(r) +
                  ", but that rank's plan says otherwise";
     } else if (target) {
-      positions.push_back(received[2 * static_cast<size_t>(r)]);
-      bases.push_back(received[2 * static_cast<size_t>(r) + 1]);
+      learnt.positions.push_back(entry[0]);
+      learnt.bases.push_back(entry[1]);
+      learnt.target_bytes.push_back(entry[2]);
     }
   }
   if (!problem->empty()) return ffi::Error::Success();
-  spec->positions = positions;
-  spec->bases = bases;
+  spec->positions = learnt.positions;
+  spec->bases = learnt.bases;
+  spec->target_bytes = learnt.target_bytes;
   std::lock_guard<std::mutex> lock(*mu);
-  known->emplace_back(key, Learnt(std::move(positions), std::move(bases)));
+  known->emplace_back(key, std::move(learnt));
   return ffi::Error::Success();
+}
+
+std::string CheckSlotExtents(const NotifySpec& spec, const std::vector<Record>& records,
+                             int64_t itemsize) {
+  for (const Record& r : records) {
+    if (r.rows == 0 || r.cols == 0) continue;
+    const auto it = std::lower_bound(spec.targets.begin(), spec.targets.end(), r.target);
+    const size_t i = static_cast<size_t>(it - spec.targets.begin());
+    // The record's last byte at the target, exclusive (ValidateRecords bounded it already).
+    const int64_t end = ((r.row0 + r.rows - 1) * r.ld + r.col0 + r.cols) * itemsize;
+    if (spec.bases[i] + end > spec.target_bytes[i]) {
+      return "notify: rank " + std::to_string(r.target) + " places this rank's records " +
+             std::to_string(spec.bases[i]) + " bytes into its " +
+             std::to_string(spec.target_bytes[i]) + "-byte block, where a record ending at " +
+             "byte " + std::to_string(end) + " does not fit: nothing was delivered";
+    }
+  }
+  return std::string();
 }
 
 ffi::Error OpenNotified(BufferOps& ops, MPI_Comm comm, const NotifySpec& spec, int64_t call_id,

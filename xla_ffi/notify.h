@@ -42,6 +42,7 @@
 
 #include "buffer_ops.h"
 #include "common.h"
+#include "records.h"
 
 namespace osmm {
 
@@ -61,17 +62,25 @@ struct NotifySpec {
   std::vector<int64_t> origin_bases;  // per origin: where its records land in its slot here
   std::vector<int64_t> positions;     // this rank's index among each target's origins
   std::vector<int64_t> bases;         // per target: where this rank's records land in its slot
+  std::vector<int64_t> target_bytes;  // per target: bytes of its block (what it sums and clears)
   bool enabled() const { return slots > 0; }
 };
 
-// Learns this rank's position among each target's origins: from the targets themselves, in
+// Learns this rank's position among each target's origins, its base there and the bytes of
+// the target's block (`block_bytes`: this rank's): from the targets themselves, in
 // one MPI_Alltoall over `comm` (the private communicator) the first time a call with this
 // `signature` runs on it, then from a cache (every rank meets a signature for the first time
 // at the same call, as in agreement.h). A target that does not count this rank among its
 // origins, or an origin a rank does not deliver to, is a problem (*problem), which the
 // finish reports to every rank concerned.
-ffi::Error ResolvePositions(MPI_Comm comm, uint64_t signature, NotifySpec* spec,
-                            std::string* problem);
+ffi::Error ResolvePositions(MPI_Comm comm, uint64_t signature, int64_t block_bytes,
+                            NotifySpec* spec, std::string* problem);
+
+// Whether every record, from the base its target gave (ResolvePositions), ends within that
+// target's block (the part of the slot the target sums and clears): "" if so, else why not (a
+// target's layout of its slot that does not match this rank's records).
+std::string CheckSlotExtents(const NotifySpec& spec, const std::vector<Record>& records,
+                             int64_t itemsize);
 
 // Parses and checks the attribute (local checks, before the agreement). Returns the problem,
 // or "". `block_bytes`: this rank's C block; `window_bytes` must be (1 + slots) * slot_bytes.

@@ -373,12 +373,14 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
   if (spec.enabled()) {
     // No epoch to open: the slots window stays locked (notify.h).
     std::string inconsistent;
-    if (ffi::Error err = ResolvePositions(private_comm, signature, &spec, &inconsistent);
+    if (ffi::Error err = ResolvePositions(private_comm, signature, local_elements * itemsize, &spec,
+                                          &inconsistent);
         err.failure()) {
       return err;
     }
+    if (inconsistent.empty()) inconsistent = CheckSlotExtents(spec, epoch.records, itemsize);
     if (!inconsistent.empty()) {
-      // Deliver nothing (every target is told of the failure): the positions are unknown.
+      // Deliver nothing (every target is told of the failure): no usable slot position.
       spec.positions.assign(spec.targets.size(), 0);
       spec.bases.assign(spec.targets.size(), 0);
       local = ffi::Error::Internal(inconsistent);

@@ -95,3 +95,42 @@ def test_a_signature_is_agreed_on_once_then_runs_without_the_collective(key):
     jax.block_until_ready(f(a, b))
     assert second - first == (1 if plan.has_deliveries else 0)
     assert om.stats()["agreements"] == second
+
+
+def _notified_ring(key: int, base_on_rank1: int):
+    """A jitted notified reduce: every rank adds ones into the next rank's 3x4 block, through
+    one 64-byte slot per rank; rank 1 tells its origin (rank 0) to write ``base_on_rank1``
+    bytes into the slot (the base the notified fetch uses to lay out its pieces)."""
+    target, origin = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+    record = [native.OP_ACCUMULATE, target, 0, ROWS, COLS, 0, 0, COLS]
+    base = base_on_rank1 if RANK == 1 else 0
+    notify = (1, 64, 0, 1, origin, 1, target, 1, base)
+
+    @jax.jit
+    def run(local):
+        chunk = jnp.ones((ROWS * COLS,), jnp.float32)
+        call_id = primitives.call_id("ring", base_on_rank1)
+        return primitives.notified_round(
+            chunk, record, local, comm=key, call_id=call_id, notify=notify
+        )
+
+    return run
+
+
+@pytest.mark.ranks(min=2, reason="a rank needs a neighbour to send to")
+def test_a_base_that_would_write_past_the_targets_block_delivers_nothing(key):
+    local = jnp.zeros((ROWS, COLS), jnp.float32)
+    # 16 + the 48-byte block > 48: inside the 64-byte slot, but past what rank 1 sums and
+    # clears, so it would be left over for the next product there.
+    run = _notified_ring(key, base_on_rank1=16)
+    if RANK == 0:
+        with pytest.raises(Exception, match="48-byte block.*does not fit: nothing was delivered"):
+            jax.block_until_ready(run(local))
+    elif RANK == 1:
+        with pytest.raises(Exception, match="rank 0 could not deliver"):
+            jax.block_until_ready(run(local))
+    else:
+        np.testing.assert_array_equal(np.asarray(run(local)), np.ones((ROWS, COLS)))
+    # Nothing was left in any slot: the same reduce with every base 0 gives exactly ones.
+    out = jax.block_until_ready(_notified_ring(key, base_on_rank1=0)(local))
+    np.testing.assert_array_equal(np.asarray(out), np.ones((ROWS, COLS)))
