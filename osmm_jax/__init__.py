@@ -68,6 +68,7 @@ _PUBLIC = {
     "write_metrics": "osmm_jax._src.runtime.metrics",
     "METHODS": "osmm_jax._src.config",
     "matmul": "osmm_jax._src.runtime.matmul",
+    "rma_bytes": "osmm_jax._src.runtime.matmul",
 }
 
 __all__ = [
@@ -97,6 +98,7 @@ __all__ = [
     "plot_layout",
     "plot_plan",
     "profile_speeds",
+    "rma_bytes",
     "split_sizes",
     "start_metrics",
     "stats",
@@ -133,7 +135,7 @@ if TYPE_CHECKING:
     from osmm_jax._src.planning.work import Work, three_d_layouts
     from osmm_jax._src.runtime.api import gather, plan, stats
     from osmm_jax._src.runtime.checksum import ChecksumError
-    from osmm_jax._src.runtime.matmul import matmul
+    from osmm_jax._src.runtime.matmul import matmul, rma_bytes
     from osmm_jax._src.runtime.metrics import start_metrics, write_metrics
     from osmm_jax._src.runtime.watchdog import WatchdogTimeout, timeout
     from osmm_jax._src.tuning.fallback import MethodSelector

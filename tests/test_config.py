@@ -87,13 +87,12 @@ def test_garbage_speeds_name_the_variable_and_the_value(monkeypatch, text):
         speeds.declared_speeds(2)
 
 
-def test_sync_defaults_by_the_communicator_and_reads_the_environment(monkeypatch):
+def test_sync_defaults_by_the_mpi_and_reads_the_environment(monkeypatch):
     monkeypatch.delenv(config.SYNC, raising=False)
     monkeypatch.delenv(config.CUDA_AWARE, raising=False)
-    assert config.resolve_sync(None, network=True) == "notify"  # ranks on other nodes
-    assert config.resolve_sync(None, network=False) == "fence"  # one node
-    # Open MPI's accumulates wait for the target: fences across nodes too.
-    assert config.resolve_sync(None, network=True, waiting_accumulates=True) == "fence"
+    assert config.resolve_sync(None) == "notify"
+    # Open MPI's accumulates wait for the target: fences there.
+    assert config.resolve_sync(None, waiting_accumulates=True) == "fence"
     monkeypatch.setenv(config.SYNC, " Fence ")
     assert config.resolve_sync(None) == "fence"
     assert config.resolve_sync("notify") == "notify"  # the argument wins

@@ -153,10 +153,10 @@ partials it delivers. ``notify``: each partial goes into a slot of its owner's w
 for its origin, and the owner waits for exactly the notifications the plan says it will get,
 then sums in ascending rank order (no collective per product; bit-identical results run to
 run). ``fence``: every product is bracketed by collective ``MPI_Win_fence`` epochs and partials
-are accumulated in arrival order. Any other value is a ValueError. Default, per communicator:
-``notify`` when it has ranks on other nodes (1.6-4.9x faster than fences over TCP between 3-4
-hosts, benchmarks/results/sync.md), ``fence`` within one node (the two tie there), under an MPI
-whose accumulates wait for the target (Open MPI, where fences measured 1.02-2.5x faster over
+are accumulated in arrival order. Any other value is a ValueError. Default: ``notify`` (over
+TCP between 3-4 hosts 1.6-4.9x faster than fences; within one node a tie on 2 ranks and
+1.0-2.3x faster for a training step on 3, benchmarks/results/sync.md), except ``fence`` under an
+MPI whose accumulates wait for the target (Open MPI, where fences measured 1.02-2.5x faster over
 TCP: benchmarks/results/sync_openmpi.md, ``communicators.accumulates_wait_for_target``) and
 whenever ``OSMM_CUDA_AWARE=1`` puts the GPU handlers' windows in device memory, which the
 notified mode does not use."""
@@ -168,15 +168,14 @@ CUDA_AWARE = "OSMM_CUDA_AWARE"
 layer; see BUILD.md, "GPUs"). Anything else: host-staged through pinned memory."""
 
 
-def resolve_sync(sync: str | None, network: bool = True, waiting_accumulates: bool = False) -> str:
-    """The synchronisation to use: the argument if given, else ``OSMM_SYNC``, else notify on a
-    communicator with ranks on other nodes (``network``), fence otherwise, under an MPI whose
-    accumulates wait for the target's progress (``waiting_accumulates``) and under
-    ``OSMM_CUDA_AWARE=1``."""
+def resolve_sync(sync: str | None, waiting_accumulates: bool = False) -> str:
+    """The synchronisation to use: the argument if given, else ``OSMM_SYNC``, else notify but
+    under an MPI whose accumulates wait for the target's progress (``waiting_accumulates``)
+    and under ``OSMM_CUDA_AWARE=1`` (see ``SYNC``)."""
     source = "sync"
     if sync is None:
         aware = os.environ.get(CUDA_AWARE) == "1"
-        default = "notify" if network and not aware and not waiting_accumulates else "fence"
+        default = "fence" if aware or waiting_accumulates else "notify"
         sync = os.environ.get(SYNC, "").strip().lower() or default
         source = SYNC
     if sync not in SYNC_MODES:

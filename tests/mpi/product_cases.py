@@ -145,15 +145,14 @@ def product_grads_and_bytes(plan, a_loc, b_loc, g_loc, **options):
     return c_loc, da, db, om.stats()["rma_bytes"] - before["rma_bytes"]
 
 
-def default_sync(plan):
-    """The ``runtime.slots.Sync`` ``plan``'s products run with when no ``sync`` is given
-    (``OSMM_SYNC``, else notified across nodes and fenced within one)."""
+def default_sync():
+    """The ``runtime.slots.Sync`` products run with when no ``sync`` is given
+    (``OSMM_SYNC``, else notified but under an MPI whose accumulates wait for the target)."""
     from osmm_jax._src import config
     from osmm_jax._src.runtime import communicators, slots
 
-    network = communicators.uses_network(plan.comm_key)
     waiting = communicators.accumulates_wait_for_target()
-    return slots.Sync(config.resolve_sync(None, network, waiting), config.slot_budget())
+    return slots.Sync(config.resolve_sync(None, waiting), config.slot_budget())
 
 
 def bytes_issued_as_run(plan, sync, itemsize: int) -> int:

@@ -347,10 +347,11 @@ class Plan:
 
         A rank is charged for its own gets (the pieces it reads from other ranks) and for
         the C partials it accumulates or puts; nothing for what others get from it. This is
-        what ``osmm_jax.stats()['rma_bytes']`` measures per product in the fence mode (the
-        notified mode sends a staged plan's gathered blocks from their owners, or sums a
-        replicated C directly: ``runtime.slots.executed_plan``). Item sizes as in
-        :meth:`bytes_sent`, whose totals over all ranks are the same.
+        what ``osmm_jax.stats()['rma_bytes']`` measures per product in the fence mode;
+        :func:`osmm_jax.rma_bytes` gives it for either mode (the notified mode pushes the
+        pieces and a staged plan's gathered blocks from their owners, and sums a small
+        replicated C directly). Item sizes as in :meth:`bytes_sent`, whose totals over all
+        ranks are the same.
         """
         nbytes = transfer_bytes(input_itemsize, accum_itemsize)
         return per_rank_totals(self.transfers, self.nranks, "origin", nbytes)

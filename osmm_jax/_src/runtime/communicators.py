@@ -25,7 +25,6 @@ _lock = threading.Lock()
 _private: dict[int, tuple] = {}  # handle of the user's comm -> (that comm, private duplicate)
 _by_key: dict[int, MPI.Intracomm] = {}  # handle of a private duplicate -> itself
 _in_graph: dict[int, MPI.Intracomm] = {}  # handle of a private duplicate -> its in-graph twin
-_network: dict[int, bool] = {}  # handle of a private duplicate -> has ranks on other nodes
 
 
 def check_thread_level() -> None:
@@ -70,7 +69,7 @@ def private_comm(comm=None) -> MPI.Intracomm:
         dup = comm.Dup()
         # The native layer's own duplicate, made here on the calling thread, so no
         # collective on `dup` ever runs from an XLA worker thread.
-        _network[comm_key(dup)] = native.prepare_comm(dup.handle)
+        native.prepare_comm(dup.handle)
         _private[handle] = (comm, dup)
         _by_key[comm_key(dup)] = dup
         _in_graph[comm_key(dup)] = dup.Dup()
@@ -113,13 +112,6 @@ def comm_for_key(key: int) -> MPI.Intracomm:
             "this plan was not made by osmm_jax.plan() in this process (unknown communicator); "
             "build plans with osmm_jax.plan(a_layout, b_layout, c_layout, comm=...)"
         ) from None
-
-
-def uses_network(key: int) -> bool:
-    """Whether plan ``key``'s communicator has ranks on other nodes (the same on every rank):
-    where the notified reduce is the default (config.resolve_sync)."""
-    comm_for_key(key)  # a clear error for unknown keys
-    return _network[key]
 
 
 @functools.cache

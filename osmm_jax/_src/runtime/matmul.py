@@ -1,6 +1,6 @@
 """``osmm_jax.matmul``: a distributed product as a differentiable JAX operation.
 
-Section order: public function, input checks, batching, differentiation.
+Section order: public functions, input checks, batching, differentiation.
 
 Every rank calls :func:`matmul` with the same plan and its own local blocks
 (SPMD). After every rank has checked its inputs and all have agreed on the plan
@@ -39,7 +39,15 @@ from osmm_jax._src import config, dtypes
 from osmm_jax._src.compat import HAVE_MPI4JAX
 from osmm_jax._src.planning.plan import Plan, backward_plans
 from osmm_jax._src.planning.records import PlanFacts, combine_facts
-from osmm_jax._src.runtime import allreduce, checksum, communicators, metrics, one_sided, watchdog
+from osmm_jax._src.runtime import (
+    allreduce,
+    checksum,
+    communicators,
+    metrics,
+    one_sided,
+    slots,
+    watchdog,
+)
 
 # -- public function ------------------------------------------------------------------
 
@@ -91,9 +99,8 @@ def matmul(
             on every run and on every rank that holds a copy. ``"fence"``
             brackets every product by collective ``MPI_Win_fence`` epochs and
             sums in arrival order. ``None`` reads ``OSMM_SYNC``, else takes
-            ``"notify"`` on a communicator with ranks on other nodes and
-            ``"fence"`` within one node and under Open MPI (whose accumulates
-            wait for the target); the slots' memory is capped by
+            ``"notify"``, but ``"fence"`` under Open MPI (whose accumulates
+            wait for the target) and ``OSMM_CUDA_AWARE=1``; the slots' memory is capped by
             ``OSMM_SLOT_BUDGET``.
 
     Returns:
@@ -117,8 +124,7 @@ def matmul(
     # A bad option (an argument, or an OSMM_* variable set on some ranks only) is agreed on
     # like a bad block, so that every rank raises it instead of the others waiting.
     try:
-        network = communicators.uses_network(plan.comm_key)
-        options, error = _resolve_options(method, verify, chunk_bytes, sync, network), None
+        options, error = _resolve_options(method, verify, chunk_bytes, sync), None
     except (TypeError, ValueError) as exc:
         options, error = None, exc
     if error is None:
@@ -164,24 +170,42 @@ def _adopt_facts(plan: Plan, options: _Options, shared: list[tuple[PlanFacts, ..
         plan.adopt_facts(executed[0].facts)
 
 
+def rma_bytes(
+    plan: Plan, input_itemsize: int = 4, accum_itemsize: int = 4, *, sync: str | None = None
+) -> tuple[int, ...]:
+    """Bytes each rank's RMA operations move per product of ``plan``, as :func:`matmul` runs
+    it with ``sync`` (``None``: its default here, see :func:`matmul`): what this rank's
+    ``osmm_jax.stats()["rma_bytes"]`` grows by, per rank. ``input_itemsize``: bytes of an A
+    or B element; ``accum_itemsize``: of the accumulation dtype (4 for float32, bfloat16 and
+    float16, 8 for float64). The fence mode's figure is :meth:`Plan.bytes_issued`; the
+    notified mode pushes what the fence mode gets, so its ranks issue what leaves them."""
+    return slots.bytes_issued(plan, _resolve_sync(sync), input_itemsize, accum_itemsize)
+
+
 # -- input checks -----------------------------------------------------------------------
 
 
-def _resolve_options(method, verify, chunk_bytes, sync, network: bool) -> _Options:
+def _resolve_sync(sync) -> one_sided.Sync:
+    """``sync`` (or ``OSMM_SYNC``, or the default for this MPI), the slot budget and how the
+    credits travel, as a product runs them."""
+    waiting = communicators.accumulates_wait_for_target()
+    return one_sided.Sync(
+        config.resolve_sync(sync, waiting),
+        config.slot_budget(),
+        credits="pull" if waiting else "push",
+    )
+
+
+def _resolve_options(method, verify, chunk_bytes, sync) -> _Options:
     """The options of one product: the arguments, or the ``OSMM_*`` defaults (config.py).
     ``OSMM_ALLREDUCE`` is only checked here, with the other variables, so that a bad value is
     agreed on before any MPI traffic; primitives.allreduce_sum reads it where it is used."""
     config.allreduce_implementation(HAVE_MPI4JAX)
-    waiting = communicators.accumulates_wait_for_target()
     return _Options(
         config.resolve_method(method),
         config.resolve_verify(verify),
         config.resolve_chunk_bytes(chunk_bytes),
-        one_sided.Sync(
-            config.resolve_sync(sync, network, waiting),
-            config.slot_budget(),
-            credits="pull" if waiting else "push",
-        ),
+        _resolve_sync(sync),
     )
 
 

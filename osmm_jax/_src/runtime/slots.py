@@ -153,3 +153,19 @@ def executed_plan(plan: Plan, sync: Sync) -> Plan:
     if sync.mode == "notify" and direct_extra_elements(plan) <= DIRECT_EXTRA_ELEMENTS:
         return direct_plan(plan)
     return plan.gather_stage
+
+
+def bytes_issued(
+    plan: Plan, sync: Sync, input_itemsize: int, accum_itemsize: int
+) -> tuple[int, ...]:
+    """Bytes each rank's RMA operations move per product of ``plan`` run with ``sync``: what
+    ``stats()["rma_bytes"]`` grows by. Fenced, the plan's own figure (its gets, and its
+    partials and gathered blocks by accumulate or put: :meth:`Plan.bytes_issued`). Notified,
+    every rank sends instead of getting: the owners push the A and B pieces (in the
+    accumulation dtype) and a staged plan's gathered blocks, so a rank issues what leaves it
+    (:meth:`Plan.bytes_sent`) of the plan it runs (:func:`executed_plan`)."""
+    if sync.mode != "notify":
+        return plan.bytes_issued(input_itemsize, accum_itemsize)
+    executed = executed_plan(plan, sync)
+    sending = plan if executed is plan.gather_stage else executed
+    return sending.bytes_sent(accum_itemsize, accum_itemsize)

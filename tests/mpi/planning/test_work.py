@@ -67,7 +67,7 @@ def test_a_work_split_over_ordinary_layouts_moves_what_its_plan_says(kinds):
     inputs = global_inputs(seed=12)
     *results, sent = product_grads_and_bytes(plan, *local_blocks(plan, inputs))
     assert_product_and_grads_match(plan, inputs, results)
-    issued = (bytes_issued_as_run(p, default_sync(p), 8) for p in (plan, *plan.backward()))
+    issued = (bytes_issued_as_run(p, default_sync(), 8) for p in (plan, *plan.backward()))
     assert sent == sum(issued)
 
 

@@ -74,7 +74,7 @@ def test_chunk_per_row_overlap_gives_the_same_products_and_bytes(kinds):
 def _issued_as_run(plan) -> int:
     """Bytes this rank's RMA operations move for ``plan`` (float64) as the default
     synchronisation runs it."""
-    return bytes_issued_as_run(plan, default_sync(plan), 8)
+    return bytes_issued_as_run(plan, default_sync(), 8)
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -321,3 +321,27 @@ def test_notified_fetch_through_one_slot_gives_the_same_bits(monkeypatch, credit
     rounds = jax.tree.map(np.asarray, jax.jit(step)(a_loc, b_loc))
     for x, y in zip(jax.tree.leaves(unlimited), jax.tree.leaves(rounds)):
         assert x.tobytes() == y.tobytes()
+
+
+@pytest.mark.parametrize("sync", config.SYNC_MODES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("name", ["k_split", "data_parallel", "staged", "fetch"])
+def test_rma_bytes_predicts_the_bytes_each_mode_moves(name, dtype, sync, monkeypatch):
+    """``osmm_jax.rma_bytes`` is what ``stats()["rma_bytes"]`` grows by per product on every
+    rank, fenced (the plan's gets and deliveries) and notified (pushed pieces in the
+    accumulation dtype, a small replicated C summed directly, a staged one's blocks pushed by
+    their owners)."""
+    if name == "staged":
+        monkeypatch.setattr(slots, "DIRECT_EXTRA_ELEMENTS", 0)
+    plan = _plan(_cases()["data_parallel" if name == "staged" else name])
+    _, _, a_loc, b_loc = _blocks(_cases()["data_parallel" if name == "staged" else name])
+    a_loc, b_loc = (jnp.asarray(x, dtype) for x in (a_loc, b_loc))
+    product = jax.jit(lambda x, y: om.matmul(x, y, plan, sync=sync))
+    jax.block_until_ready(product(a_loc, b_loc))  # compiled, windows made
+    before = om.stats()["rma_bytes"]
+    jax.block_until_ready(product(a_loc, b_loc))
+    moved = om.stats()["rma_bytes"] - before
+    itemsize = np.dtype(dtype).itemsize
+    acc = np.dtype(dtypes.accumulation_dtype(dtype)).itemsize
+    assert moved == om.rma_bytes(plan, itemsize, acc, sync=sync)[RANK]
+    assert om.rma_bytes(plan, itemsize, acc, sync="fence") == plan.bytes_issued(itemsize, acc)

@@ -294,7 +294,7 @@ def run_case(seed: int, case: Case) -> tuple[str | None, int]:
     a, b, g = global_operands(seed, case)
     a_loc, b_loc, g_loc = a_layout.shard(a, RANK), b_layout.shard(b, RANK), c_layout.shard(g, RANK)
     # Elsewhere staging changes nothing: one compiled step for both.
-    staged = case.staged and default_sync(plan).mode == "notify"
+    staged = case.staged and default_sync().mode == "notify"
     options = (plan, case.method, case.chunk_bytes, case.verify, case.grads, staged)
     step = jitted(*options) if case.jit else make_step(*options)
     c_loc, da, db = jax.block_until_ready(step(a_loc, b_loc, g_loc))
