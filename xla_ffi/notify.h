@@ -46,6 +46,9 @@
 
 namespace osmm {
 
+// Progress = (product - 1) * this + rounds consumed (see above); also bounds the rounds.
+constexpr int64_t kNotifyRoundScale = int64_t{1} << 16;
+
 // This rank's part of a notified reduce, from the "notify" attribute of osmm_reduce_start:
 // [slots, slot_bytes, pull_credits, n_origins, origins..., n_targets, targets...], optionally
 // followed by [n_origins, bases...]; empty means the fence mode. A base is where, in bytes from
