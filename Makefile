@@ -261,11 +261,11 @@ endif
 # make test-matrix: the other tested configurations, each in an environment of its own (built on
 # first use, 6-8 minutes each): `make test` on Open MPI and on Intel MPI (MATRIX_MPIS), then
 # `make test` on the oldest JAX osmm_jax supports (MATRIX_OLD_JAX, with MPICH) with the MPI
-# suite on MATRIX_JAX_RANKS ranks (its other-synchronisation and heterogeneity runs as always; the Flax
-# layers need flax >= 0.12, hence jax >= 0.7.1, and skip there, saying so). 69 minutes on an
-# otherwise idle 2-core machine from a clean clone, environments included: not part of
-# `make test`, which has no room left for even a smoke test of another MPI (building its
-# environment alone takes 6-8 minutes, and `make test` takes about 39 of its 40).
+# suite on MATRIX_JAX_RANKS ranks (its other-synchronisation and heterogeneity runs as always;
+# the Flax layers need flax >= 0.12, hence jax >= 0.7.1, and skip there, saying so). 69 minutes
+# on an otherwise idle 2-core machine from a clean clone, environments included: not part of
+# `make test` (21-45 minutes from a clean clone on this 2-core machine, depending on its load;
+# building another MPI's environment alone takes 3-8 minutes).
 MATRIX_MPIS ?= openmpi impi
 MATRIX_OLD_JAX ?= 0.6.2
 MATRIX_JAX_RANKS ?= 2

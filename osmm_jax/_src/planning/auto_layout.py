@@ -517,8 +517,9 @@ def _memory_bytes(layouts, totals: PlanTotals, itemsize: int, accum: int) -> int
 def _slots_bytes(c: Layout, totals: PlanTotals, accum: int) -> int:
     """The notified mode's slots window, the same on every rank (``OSMM_SYNC=notify``, the
     default, counted unless ``OSMM_SYNC=fence``: the layouts do not know which MPI runs
-    them). One window serves the reduce and the fetch, so it is the larger of theirs: an accumulator and a slot per origin, each the size of the largest C block (the
-    reduce) or of the most A and B elements a rank fetches (the notified fetch,
+    them). One window serves the reduce and the fetch, so it is the larger of theirs: an
+    accumulator and a slot per origin, each the size of the largest C block (the reduce) or
+    of the most A and B elements a rank fetches (the notified fetch,
     :mod:`osmm_jax._src.runtime.fetch`), at most ``P - 1`` slots and no more than
     ``OSMM_SLOT_BUDGET`` holds (at least one). 0 in the fence mode, or when no rank delivers
     or fetches anything."""

@@ -100,8 +100,8 @@ def matmul(
             brackets every product by collective ``MPI_Win_fence`` epochs and
             sums in arrival order. ``None`` reads ``OSMM_SYNC``, else takes
             ``"notify"``, but ``"fence"`` under Open MPI (whose accumulates
-            wait for the target) and ``OSMM_CUDA_AWARE=1``; the slots' memory is capped by
-            ``OSMM_SLOT_BUDGET``.
+            wait for the target) and ``OSMM_CUDA_AWARE=1``; the slots' memory
+            is capped by ``OSMM_SLOT_BUDGET``.
 
     Returns:
         A JAX array of shape ``plan.c.local_shape(rank)`` and the input dtype.
