@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from mpi4py import MPI
-from product_cases import bytes_issued_as_run
+from product_cases import bytes_issued_as_run, default_sync
 
 import osmm_jax as om
 from osmm_jax._src import config, dtypes
@@ -333,8 +333,9 @@ def test_rma_bytes_predicts_the_bytes_each_mode_moves(name, dtype, sync, monkeyp
     their owners)."""
     if name == "staged":
         monkeypatch.setattr(slots, "DIRECT_EXTRA_ELEMENTS", 0)
-    plan = _plan(_cases()["data_parallel" if name == "staged" else name])
-    _, _, a_loc, b_loc = _blocks(_cases()["data_parallel" if name == "staged" else name])
+    case = _cases()["data_parallel" if name == "staged" else name]
+    plan = _plan(case)
+    _, _, a_loc, b_loc = _blocks(case)
     a_loc, b_loc = (jnp.asarray(x, dtype) for x in (a_loc, b_loc))
     product = jax.jit(lambda x, y: om.matmul(x, y, plan, sync=sync))
     jax.block_until_ready(product(a_loc, b_loc))  # compiled, windows made
@@ -345,3 +346,5 @@ def test_rma_bytes_predicts_the_bytes_each_mode_moves(name, dtype, sync, monkeyp
     acc = np.dtype(dtypes.accumulation_dtype(dtype)).itemsize
     assert moved == om.rma_bytes(plan, itemsize, acc, sync=sync)[RANK]
     assert om.rma_bytes(plan, itemsize, acc, sync="fence") == plan.bytes_issued(itemsize, acc)
+    default = default_sync().mode  # OSMM_SYNC, else this MPI's default
+    assert om.rma_bytes(plan, itemsize, acc) == om.rma_bytes(plan, itemsize, acc, sync=default)
