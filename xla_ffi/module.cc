@@ -50,6 +50,7 @@ nb::dict Stats() {
   d["credit_reads"] = c.credit_reads.load();
   d["credit_pushes"] = c.credit_pushes.load();
   d["slot_window_bytes"] = c.slot_window_bytes.load();
+  d["resyncs"] = c.resyncs.load();
   d["progress_polls"] = osmm::ProgressPolls();
   d["windows"] = osmm::LiveWindowCount();
   d["window_bytes"] = osmm::LiveWindowBytes();
@@ -166,7 +167,8 @@ NB_MODULE(OSMM_FFI_MODULE, m) {
         "This process's counters since start: rma_ops, rma_bytes, sent_bytes, accumulates, "
         "puts, gets, fences, calls (RMA epochs), agreements; closing_fence_seconds (time in reduce "
         "epochs' closing fences); notifications, notify_wait_seconds, deferred_deliveries, "
-        "credit_reads, credit_pushes and slot_window_bytes (the notified mode); progress_polls "
+        "credit_reads, credit_pushes, slot_window_bytes and resyncs (the notified mode); "
+        "progress_polls "
         "(MPI polls of the progress thread); staged_bytes and staging_seconds "
         "(device <-> host copies of the GPU handlers); the live windows and their window_bytes.");
   m.def("latency_histogram", &LatencyHistogram,

@@ -18,6 +18,7 @@ constexpr int64_t kIdMask = (int64_t{1} << 22) - 1;
 constexpr int64_t kFailed = 1;     // status: the origin could not deliver (an error there)
 constexpr int64_t kAbandoned = 2;  // status: the origin abandoned the product
 constexpr double kRemoteReadSeconds = 1e-3;  // how often a missing credit is read remotely
+constexpr int kNoticeShift = 20;  // notice = (generation + 1) << this | (abandoning rank + 1)
 
 // Per private communicator: the number of notified products run, and the origin buffers of
 // the stamps and credits this rank sends (an MPI_Accumulate's origin buffer must stay
@@ -26,9 +27,12 @@ struct SyncState {
   uint64_t key = 0;
   uint64_t window = 0;  // the sync window's generation (windows.h) the state belongs to
   int64_t products = 0;
+  int64_t generation = 0;        // how many times the ranks started again together (Resync)
+  bool resync = false;           // failed a product for an abandonment: start again at the next
   std::vector<int64_t> stamps;   // per target rank
   std::vector<int64_t> credits;  // per origin rank
   int64_t own = 0;               // this rank's own progress, written into its window
+  int64_t notice = 0;            // the notice this rank sends (AnnounceAbandoned)
 };
 
 SyncState& StateOf(MPI_Comm comm, int size) {
@@ -66,6 +70,83 @@ ffi::Error WriteEntry(const NotifiedReduce& n, int rank, int64_t index, int64_t 
       rc != MPI_SUCCESS) {
     return MpiError(rc, what);
   }
+  return ffi::Error::Success();
+}
+
+// The generation of the newest notice in this rank's sync window (0: none).
+int64_t NoticeGeneration(const NotifiedReduce& n) {
+  MPI_Win_sync(n.sync_win);
+  return ReadEntry(n, 2 * n.size + 1) >> kNoticeShift;
+}
+
+// Tells every rank that this rank abandoned a product (`state.notice`, MPI_MAX into entry 2P+1
+// of every sync window, this rank's own included), completed before any stamp of the abandoned
+// product goes out: a rank that hears of the abandonment through a stamp has the notice too.
+ffi::Error AnnounceAbandoned(const NotifiedReduce& n, SyncState& state) {
+  const char* what = "osmm_reduce (notified): MPI_Accumulate (abandonment notice)";
+  state.notice = ((state.generation + 1) << kNoticeShift) | (n.rank + 1);
+  RmaIssueStep issuing(n.comm);
+  const MPI_Aint disp = static_cast<MPI_Aint>((2 * n.size + 1) * 8);
+  for (int r = 0; r < n.size; ++r) {
+    if (int rc = MPI_Accumulate(&state.notice, 1, MPI_INT64_T, r, disp, 1, MPI_INT64_T, MPI_MAX,
+                                n.sync_win);
+        rc != MPI_SUCCESS) {
+      return MpiError(rc, what);
+    }
+  }
+  if (int rc = MPI_Win_flush_all(n.sync_win); rc != MPI_SUCCESS) return MpiError(rc, what);
+  state.resync = true;
+  return ffi::Error::Success();
+}
+
+// Why a rank that reads a notice while it waits gives its product up.
+std::string VoidedBy(const NotifiedReduce& n) {
+  const int64_t rank = (ReadEntry(n, 2 * n.size + 1) & ((int64_t{1} << kNoticeShift) - 1)) - 1;
+  return "osmm_reduce (notified): rank " + std::to_string(rank) +
+         " abandoned a product (an error stopped its program between the start and the finish "
+         "of a reduce; its own error says why), so this rank's product cannot complete and was "
+         "discarded. Every rank starts again together at its next product.";
+}
+
+// Starts the ranks again together after a product abandoned by one of them (every rank calls
+// it at its next notified product, having abandoned, or read the notice: AnnounceAbandoned):
+// every rank completes what it sent, then, between two barriers, zeroes its slots window and
+// its stamps and credits, so that nothing of the abandoned products remains and numbering
+// starts again from 1 on every rank.
+ffi::Error Resync(const NotifiedReduce& n, SyncState& state, int64_t slot_bytes) {
+  {
+    RmaIssueStep issuing(n.comm);
+    int rc = MPI_Win_flush_all(n.slot_win);
+    if (rc == MPI_SUCCESS) rc = MPI_Win_flush_all(n.sync_win);
+    if (rc != MPI_SUCCESS) return MpiError(rc, "osmm_reduce (notified): starting again: flush");
+  }
+  for (int round = 0; round < 2; ++round) {
+    if (round == 1) {
+      MPI_Win_sync(n.slot_win);
+      MPI_Win_sync(n.sync_win);
+      std::memset(n.slot_base, 0, static_cast<size_t>(slot_bytes));
+      for (int64_t i = 0; i <= 2 * n.size; ++i) {
+        __atomic_store_n(n.sync_base + i, int64_t{0}, __ATOMIC_RELEASE);
+      }
+      MPI_Win_sync(n.slot_win);
+      MPI_Win_sync(n.sync_win);
+    }
+    MPI_Request request = MPI_REQUEST_NULL;
+    if (int rc = MPI_Ibarrier(n.comm, &request); rc != MPI_SUCCESS) {
+      return MpiError(rc, "osmm_reduce (notified): starting again: MPI_Ibarrier");
+    }
+    if (ffi::Error err = WaitBounded(&request, n.comm, Step::kBarrier,
+                                     "osmm_reduce (notified): every rank starting again after "
+                                     "an abandoned product (MPI_Ibarrier)");
+        err.failure()) {
+      return err;
+    }
+  }
+  state.products = 0;
+  state.own = 0;
+  state.generation += 1;
+  state.resync = false;
+  GlobalCounters().resyncs.fetch_add(1, std::memory_order_relaxed);
   return ffi::Error::Success();
 }
 
@@ -198,6 +279,7 @@ ffi::Error OpenNotified(BufferOps& ops, MPI_Comm comm, const NotifySpec& spec, i
   out->comm = comm;
   MPI_Comm_rank(comm, &out->rank);
   MPI_Comm_size(comm, &out->size);
+  int64_t slot_bytes = 0;  // of the whole slots window
   {
     WindowLease lease;
     if (ffi::Error err = AcquireWindow(comm, WindowSlot::kSlots, window_bytes, &lease);
@@ -209,11 +291,12 @@ ffi::Error OpenNotified(BufferOps& ops, MPI_Comm comm, const NotifySpec& spec, i
     }
     out->slot_win = lease.win();
     out->slot_base = lease.base();
+    slot_bytes = lease.bytes();
   }
   {
     WindowLease lease;
     if (ffi::Error err =
-            AcquireWindow(comm, WindowSlot::kSync, (2 * int64_t{out->size} + 1) * 8, &lease);
+            AcquireWindow(comm, WindowSlot::kSync, (2 * int64_t{out->size} + 2) * 8, &lease);
         err.failure()) {
       return err;
     }
@@ -229,9 +312,18 @@ ffi::Error OpenNotified(BufferOps& ops, MPI_Comm comm, const NotifySpec& spec, i
       // numbering starts again.
       state.window = lease.generation();
       state.products = 0;
+      state.generation = 0;
+      state.resync = false;
     }
   }
   SyncState& state = StateOf(comm, out->size);
+  if (state.resync || NoticeGeneration(*out) > state.generation) {
+    // A rank that hears of the abandonment only now has not failed a product for it yet:
+    // this one, which the others do not run, is its failure.
+    const bool failed_already = state.resync;
+    if (ffi::Error err = Resync(*out, state, slot_bytes); err.failure()) return err;
+    if (!failed_already) return ffi::Error::Internal(VoidedBy(*out));
+  }
   out->product = ++state.products;
   out->stamp = (out->product << kStampShift) | ((call_id & kIdMask) << 2);
   out->target_state.assign(spec.targets.size(), 0);
@@ -316,8 +408,8 @@ struct Deliveries {
 
 // Whether every origin of `round` has stamped this product: nothing to wait for any more
 // (*arrived), or the ranks are out of step (an error); *failed names an origin that failed.
-ffi::Error RoundArrived(const NotifiedReduce& n, const std::vector<int64_t>& round, bool* arrived,
-                        std::string* failed) {
+ffi::Error RoundArrived(const NotifiedReduce& n, SyncState& state,
+                        const std::vector<int64_t>& round, bool* arrived, std::string* failed) {
   MPI_Win_sync(n.sync_win);
   *arrived = true;
   for (int64_t origin : round) {
@@ -337,6 +429,7 @@ ffi::Error RoundArrived(const NotifiedReduce& n, const std::vector<int64_t>& rou
                                         std::to_string(product) + " (id bits " +
                                         std::to_string((stamp >> 2) & kIdMask) + ")");
     }
+    if ((stamp & kAbandoned) != 0) state.resync = true;  // the ranks start again next product
     if ((stamp & kAbandoned) != 0 && failed->empty()) {
       *failed = "osmm_reduce_finish: rank " + std::to_string(origin) +
                 " abandoned this product (an error stopped its program between the start and "
@@ -359,6 +452,9 @@ ffi::Error FinishNotified(BufferOps& ops, NotifiedReduce& n,
                           const std::string& problem, bool abandoned, ffi::DataType dtype,
                           const void* local, void* out, int64_t elements, std::string* failure) {
   SyncState& state = StateOf(n.comm, n.size);
+  if (abandoned) {
+    if (ffi::Error err = AnnounceAbandoned(n, state); err.failure()) return err;
+  }
   Deliveries targets{n, state, deliver, problem, abandoned, {}, 0};
   for (int s : n.target_state) targets.phase.push_back(s == 1 ? 1 : 0);
   const std::vector<int64_t>& origins = n.spec.origins;
@@ -377,7 +473,8 @@ ffi::Error FinishNotified(BufferOps& ops, NotifiedReduce& n,
     if (!arrived) {
       const size_t end = std::min(origins.size(), next_origin + slots);
       round.assign(origins.begin() + next_origin, origins.begin() + end);
-      if (ffi::Error err = RoundArrived(n, round, &arrived, failure); err.failure()) return err;
+      if (ffi::Error err = RoundArrived(n, state, round, &arrived, failure); err.failure())
+        return err;
       if (arrived) {
         MPI_Win_sync(n.slot_win);
         for (size_t k = 0; k < round.size(); ++k) {
@@ -405,6 +502,12 @@ ffi::Error FinishNotified(BufferOps& ops, NotifiedReduce& n,
       }
     }
     if (next_origin >= origins.size() && targets.notified == targets.phase.size()) break;
+    if (!progressed && NoticeGeneration(n) > state.generation) {
+      // A product was abandoned: some of what this one waits for will never come.
+      if (failure->empty()) *failure = VoidedBy(n);
+      state.resync = true;
+      return ffi::Error::Success();
+    }
     if (!progressed) {
       int flag = 0;  // drives MPI's progress engine (the origins' operations into this rank)
       MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, n.comm, &flag, MPI_STATUS_IGNORE);

@@ -23,9 +23,21 @@
 // wait in another library's collective): there targets push nothing, and origins always read
 // (spec.pull_credits), so a rank only ever waits for what it needs itself.
 //
+// Abandoned products: no rank waits for the others at a product, so when one rank's program
+// stops between a reduce's start and finish, a rank that does not wait for it there may go on
+// into the program's next product, which the others will never run. The abandoning rank's next
+// call therefore tells every rank (a notice, before its abandoned stamps); every rank fails
+// one product for it (the abandoned one, through the stamp; or the one it waits in when it
+// reads the notice; or, if it hears only at its next product's start, that one) and at its
+// next notified product all ranks start again together (Resync: complete every RMA call,
+// barrier, zero the slots and the stamps and credits, barrier, numbering from 1). Every rank's
+// program stopped at the product it failed, so their next products are the same call again.
+//
 // Sync window layout (int64 entries, P = communicator size): [0, P) the stamp each origin last
 // sent this rank; [P, 2P) the progress each target last pushed to this rank; [2P] this rank's
-// own progress as a target. A stamp is (product << 24) | (22 bits of the call id << 2) |
+// own progress as a target; [2P + 1] the newest abandonment notice ((generation + 1) << 20 |
+// (abandoning rank + 1), MPI_MAX; generation: the number of times the ranks started again).
+// A stamp is (product << 24) | (22 bits of the call id << 2) |
 // status: a mismatched call id means the ranks are out of step; the status says that the
 // origin could not deliver (an error on that rank) or abandoned the product. Progress is
 // (product - 1) * 2^16 + rounds consumed, and product * 2^16 once a product is consumed.

@@ -131,7 +131,11 @@ def stats() -> dict:
     put), ``accumulates``, ``puts``, ``gets``, ``fences``, ``calls`` (fetch
     and reduce epochs run), ``agreements`` (all-ranks checks the native layer
     ran: one per new compiled signature, none in a steady loop), ``windows``
-    (live persistent windows) and ``window_bytes`` (their total size).
+    (live persistent windows) and ``window_bytes`` (their total size); in the
+    notified mode ``notifications`` (stamps sent), ``notify_wait_seconds``,
+    ``deferred_deliveries``, ``credit_reads``, ``credit_pushes``,
+    ``slot_window_bytes`` and ``resyncs`` (times the ranks started again
+    together after a product abandoned by one of them).
     """
     from osmm_jax._src.runtime import native
 

@@ -4,10 +4,11 @@ rank runs and is right.
 Two errors are injected: a checksum failure (``verify=True``, raised on every rank by a host
 callback after the product), and a failure between a reduce's start and its finish on one rank
 only (the native test hook ``inject_failure("osmm_reduce_finish")``: that rank's program stops
-with the reduce epoch open while the others wait in its closing fence). The second is
-recovered by the rank's next call, which closes the abandoned epoch with the others and marks
-it abandoned in their windows, so that their product fails too instead of returning a
-partial sum.
+with the reduce epoch open while the others wait for it). The second is recovered by the
+rank's next call, which closes the abandoned product with the others and marks it abandoned,
+so that their product fails too instead of returning a partial sum; in the notified mode it
+also sends every rank a notice, so that a rank that did not wait for it and went on into the
+step's next product fails that one, and at their next product all ranks start again together.
 """
 
 from __future__ import annotations
@@ -67,13 +68,56 @@ def test_a_product_abandoned_by_one_rank_fails_everywhere_then_the_next_is_right
             run()
     else:
         # Waits in the closing fence until rank 0's next call closes the epoch with it.
-        with pytest.raises(jax.errors.JaxRuntimeError, match="rank 0 abandoned this product"):
+        with pytest.raises(jax.errors.JaxRuntimeError, match="rank 0 abandoned"):
             run()
     for _ in range(3):
         np.testing.assert_allclose(run(), expected, rtol=1e-12, atol=1e-12)
     after = om.stats()
     assert after["windows"] == before["windows"]
     assert after["window_bytes"] == before["window_bytes"]
+
+
+def _two_product_step():
+    """A jitted step of two products: the first delivers to ranks 0 and 1 only (rank 2 owns no
+    C rows, so it waits for nobody there), the second is a K-split over every rank. Returns
+    the step and its expected results on this rank."""
+    rows = (M // 2, M - M // 2) + (0,) * (SIZE - 2)
+    first = om.plan(
+        om.Layout.cols((M, K)), om.Layout.rows((K, N)), om.Layout.rows((M, N), sizes=rows)
+    )
+    second = _plans()["k_split"]
+    rng = np.random.default_rng(11)
+    a, b = rng.standard_normal((M, K)), rng.standard_normal((K, N))
+    a_loc, b_loc = first.a.shard(a, RANK), first.b.shard(b, RANK)
+    step = jax.jit(lambda x, y: (om.matmul(x, y, first), om.matmul(x, y, second)))
+    expected = (first.c.shard(a @ b, RANK), second.c.shard(a @ b, RANK))
+    return (lambda: jax.tree.map(np.asarray, jax.block_until_ready(step(a_loc, b_loc)))), expected
+
+
+@pytest.mark.ranks(min=3, reason="a rank that waits for nobody in the abandoned product")
+def test_a_step_abandoned_by_one_rank_fails_everywhere_then_every_rank_starts_again():
+    """Rank 0 abandons the step's first product. Rank 1 waits for it there and fails; rank 2
+    waits for nobody there, goes on into the second product, and fails there when it reads
+    rank 0's notice (notified mode), or waits in the first product's closing fence (fence
+    mode). At their next step every rank starts again together and the steps are right."""
+    jax.config.update("jax_enable_x64", True)
+    step, expected = _two_product_step()
+    step()
+    before = om.stats()
+    if RANK == 0:
+        native.inject_failure("osmm_reduce_finish")
+        with pytest.raises(jax.errors.JaxRuntimeError, match="injected failure"):
+            step()
+    else:
+        with pytest.raises(jax.errors.JaxRuntimeError, match="rank 0 abandoned"):
+            step()
+    for _ in range(3):
+        for got, want in zip(step(), expected):
+            np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    after = om.stats()
+    assert after["windows"] == before["windows"]
+    notified = after["notifications"] > before["notifications"]
+    assert after["resyncs"] - before["resyncs"] == (1 if notified else 0)
 
 
 def test_inject_failure_refuses_other_calls():
