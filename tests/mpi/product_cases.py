@@ -155,29 +155,6 @@ def default_sync():
     return slots.Sync(config.resolve_sync(None, waiting), config.slot_budget())
 
 
-def bytes_issued_as_run(plan, sync, itemsize: int) -> int:
-    """Bytes this rank's RMA operations move for ``plan`` run with ``sync``
-    (``runtime.slots.Sync``), inputs and accumulation both ``itemsize`` bytes: the plan
-    executed (its direct plan, a small replicated C in the notified mode), or a staged plan's
-    two stages, whose all-gather gets the other blocks (fence mode) or sends this rank's block
-    to every other rank (notified mode). In the notified mode the A and B pieces are pushed by
-    their owners: a rank issues the pieces it serves, not those it gets."""
-    from osmm_jax._src.runtime import slots
-
-    executed = slots.executed_plan(plan, sync)
-    issued = executed.bytes_issued(itemsize, itemsize)[RANK]
-    if sync.mode == "notify":
-        part = executed.for_rank(RANK)
-        issued += itemsize * sum(t.elements for t in part.served)
-        issued -= itemsize * sum(t.elements for t in part.gets)
-    if executed is not plan.gather_stage:
-        return issued
-    if sync.mode == "fence":  # plan counts its gathers' gets
-        return plan.bytes_issued(itemsize, itemsize)[RANK]
-    own = int(np.prod(executed.c.local_shape(RANK)))
-    return issued + itemsize * (SIZE - 1) * own
-
-
 def local_blocks(plan, inputs):
     """This rank's blocks of the global ``inputs`` (A, B, G) under the layouts of ``plan``'s
     A, B and C."""

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from mpi4py import MPI
-from product_cases import bytes_issued_as_run, default_sync
+from product_cases import default_sync
 
 import osmm_jax as om
 from osmm_jax._src import config, dtypes
@@ -213,7 +213,7 @@ def test_a_small_replicated_result_is_summed_directly_a_large_one_staged(side):
     assert len(set(COMM.allgather(c.tobytes()))) == 1
     assert after["fences"] == before["fences"] and after["gets"] == before["gets"]
     sent = after["sent_bytes"] - before["sent_bytes"]
-    assert sent == bytes_issued_as_run(plan, _NOTIFY, 4)
+    assert sent == om.rma_bytes(plan, 4, 4, sync="notify")[RANK]
 
 
 @pytest.mark.ranks(min=3, reason="a replicated C is staged from 3 ranks on")
@@ -300,7 +300,9 @@ def test_a_fetch_before_a_notified_reduce_hears_from_every_rank(c_kind):
     reduce_targets = {t.target for t in plan.deliveries_from(RANK)}
     notified = after["notifications"] - before["notifications"]
     assert notified == (SIZE - 1) + len(reduce_targets)
-    assert after["sent_bytes"] - before["sent_bytes"] == bytes_issued_as_run(plan, _NOTIFY, 4)
+    assert (
+        after["sent_bytes"] - before["sent_bytes"] == om.rma_bytes(plan, 4, 4, sync="notify")[RANK]
+    )
 
 
 @pytest.mark.ranks(min=3, reason="several owners per getter")
