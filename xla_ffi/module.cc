@@ -79,19 +79,16 @@ void FreeWindows() {
   if (!message.empty()) throw std::runtime_error(message);
 }
 
-bool PrepareComm(int64_t handle) {
+void PrepareComm(int64_t handle) {
   std::string message;
-  bool network = false;
   {
     nb::gil_scoped_release release;
     xla::ffi::Error err = osmm::RequireMpiReady();
     MPI_Comm dup = MPI_COMM_NULL;
     if (err.success()) err = osmm::PrivateComm(osmm::CommFromHandle(handle), &dup);
     if (err.failure()) message = err.message();
-    network = err.success() && osmm::CommUsesNetwork(dup);
   }
   if (!message.empty()) throw std::runtime_error(message);
-  return network;
 }
 
 void SetWatchdog(double timeout_seconds, bool raise) {
@@ -180,8 +177,7 @@ NB_MODULE(OSMM_FFI_MODULE, m) {
         "Create the native layer's private duplicate of the communicator with handle `comm` "
         "(signed int64, as passed to the handlers). Collective over that communicator; "
         "optional (the first handler call does it otherwise), but calling it from the thread "
-        "that owns the communicator keeps every collective on it on that thread. Returns whether "
-        "the communicator has ranks this rank reaches through the network (other nodes).");
+        "that owns the communicator keeps every collective on it on that thread.");
   m.def("set_watchdog", &SetWatchdog, nb::arg("timeout_seconds"), nb::arg("raise_error"),
         "Bound every blocking MPI step of the native layer to `timeout_seconds` (<= 0: no "
         "bound); `raise_error`: fail the call where the step allows it instead of ending the "

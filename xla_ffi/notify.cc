@@ -120,28 +120,25 @@ ffi::Error Resync(const NotifiedReduce& n, SyncState& state, int64_t slot_bytes)
     if (rc == MPI_SUCCESS) rc = MPI_Win_flush_all(n.sync_win);
     if (rc != MPI_SUCCESS) return MpiError(rc, "osmm_reduce (notified): starting again: flush");
   }
-  for (int round = 0; round < 2; ++round) {
-    if (round == 1) {
-      MPI_Win_sync(n.slot_win);
-      MPI_Win_sync(n.sync_win);
-      std::memset(n.slot_base, 0, static_cast<size_t>(slot_bytes));
-      for (int64_t i = 0; i <= 2 * n.size; ++i) {
-        __atomic_store_n(n.sync_base + i, int64_t{0}, __ATOMIC_RELEASE);
-      }
-      MPI_Win_sync(n.slot_win);
-      MPI_Win_sync(n.sync_win);
-    }
+  auto barrier = [&n]() {
     MPI_Request request = MPI_REQUEST_NULL;
     if (int rc = MPI_Ibarrier(n.comm, &request); rc != MPI_SUCCESS) {
       return MpiError(rc, "osmm_reduce (notified): starting again: MPI_Ibarrier");
     }
-    if (ffi::Error err = WaitBounded(&request, n.comm, Step::kBarrier,
-                                     "osmm_reduce (notified): every rank starting again after "
-                                     "an abandoned product (MPI_Ibarrier)");
-        err.failure()) {
-      return err;
-    }
+    return WaitBounded(&request, n.comm, Step::kBarrier,
+                       "osmm_reduce (notified): every rank starting again after an abandoned "
+                       "product (MPI_Ibarrier)");
+  };
+  if (ffi::Error err = barrier(); err.failure()) return err;  // nothing more will arrive
+  MPI_Win_sync(n.slot_win);
+  MPI_Win_sync(n.sync_win);
+  std::memset(n.slot_base, 0, static_cast<size_t>(slot_bytes));
+  for (int64_t i = 0; i <= 2 * n.size; ++i) {
+    __atomic_store_n(n.sync_base + i, int64_t{0}, __ATOMIC_RELEASE);
   }
+  MPI_Win_sync(n.slot_win);
+  MPI_Win_sync(n.sync_win);
+  if (ffi::Error err = barrier(); err.failure()) return err;  // nobody writes before all cleared
   state.products = 0;
   state.own = 0;
   state.generation += 1;

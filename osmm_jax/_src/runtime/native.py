@@ -148,16 +148,16 @@ def comm_attribute(handle: int) -> int:
     return handle - (1 << 64) if handle >= (1 << 63) else handle
 
 
-def prepare_comm(handle: int) -> bool:
-    """Create the native layer's private duplicate of the communicator ``handle`` now; return
-    whether it has ranks on other nodes (reached through the network module, also under
-    MPICH's ``MPIR_CVAR_NOLOCAL=1``), the same on every rank.
+def prepare_comm(handle: int) -> None:
+    """Create the native layer's private duplicate of the communicator ``handle`` now (and
+    learn there whether it has ranks on other nodes, which the progress thread's ``auto`` mode
+    and the choice of puts for slots read later).
 
     Collective over that communicator. Optional: the first ``osmm_fetch``/``osmm_reduce_start`` call
     on a communicator does it otherwise, but then from whichever thread XLA runs the call on.
     Calling it when the communicator is set up keeps every collective on it on one thread.
     """
-    return bool(_osmm_ffi.prepare_comm(comm_attribute(handle)))
+    _osmm_ffi.prepare_comm(comm_attribute(handle))
 
 
 def stats() -> dict[str, int | float]:
