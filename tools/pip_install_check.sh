@@ -16,8 +16,9 @@
 # `module load`), so the build must use that MPI and must not add the MPICH wheel.
 # A wheel (SOURCE ending in .whl) is installed with --only-binary :all: on a PATH with no
 # compiler and no CMake at all (and with the `mpich` extra unless SYSTEM_MPI is given): it must
-# run as built. JAX_VERSION=v installs jax==v and jaxlib==v alongside (another jaxlib the pin
-# admits).
+# run as built. JAX_VERSION=v installs jax==v and jaxlib==v first, as a user who has JAX already,
+# and osmm_jax's install must keep them (checked). PYTHON: the interpreter of the venv (default
+# python3).
 # MPIEXEC_FLAGS: what that MPI's mpiexec needs here (Open MPI as root: --oversubscribe
 # --allow-run-as-root).
 # Logs: OUT/install.log, OUT/report.txt, OUT/smoke-N.log. Exits non-zero on any failure.
@@ -26,7 +27,7 @@ set -euo pipefail
 out=$(realpath -m "${1:?usage: $0 OUT [SOURCE]}")
 repo=$(cd "$(dirname "$0")/.." && pwd)
 source_spec=${2:-$repo}
-python=${PYTHON:-python3}
+python=$("$repo/tools/find_python.sh" "${PYTHON:-python3}") || { echo "PYTHON=${PYTHON:-python3}: no working Python interpreter"; exit 1; }
 
 rm -rf "$out"
 mkdir -p "$out"
@@ -47,7 +48,7 @@ if [[ $source_spec == *.whl ]]; then
   install_args=(--only-binary :all: "$source_spec$([ -n "${SYSTEM_MPI:-}" ] || echo "[mpich]")")
 fi
 if [ -n "${JAX_VERSION:-}" ]; then
-  install_args+=("jax==$JAX_VERSION" "jaxlib==$JAX_VERSION")
+  "$out/venv/bin/pip" install --disable-pip-version-check -q "jax==$JAX_VERSION" "jaxlib==$JAX_VERSION"
 fi
 build_path=$clean_path
 if [ -n "${SYSTEM_MPI:-}" ]; then
@@ -69,6 +70,16 @@ if ! env -u VIRTUAL_ENV -u MPI_CXX_COMPILER -u MPICXX PATH="$build_path" \
 fi
 echo "pip install $source_spec: $(($(date +%s) - start)) s"
 requires=$("$out/venv/bin/pip" show osmm_jax | sed -n 's/^Requires: //p')
+if [ -n "${JAX_VERSION:-}" ]; then
+  for package in jax jaxlib; do
+    kept=$("$out/venv/bin/pip" show "$package" | sed -n 's/^Version: //p')
+    if [ "$kept" != "$JAX_VERSION" ]; then
+      echo "$package $JAX_VERSION was installed first, but installing osmm_jax left $package $kept"
+      exit 1
+    fi
+  done
+  echo "jax and jaxlib $JAX_VERSION kept"
+fi
 echo "osmm_jax requires: $requires"
 if [ -n "${SYSTEM_MPI:-}" ] && [[ ", $requires," == *", mpich,"* ]]; then
   echo "built on a machine with $SYSTEM_MPI, but osmm_jax requires the MPICH wheel too"
