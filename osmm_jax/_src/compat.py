@@ -1,48 +1,123 @@
-"""Every private JAX and mpi4jax name osmm_jax uses, in one place.
+"""Every JAX and mpi4jax name osmm_jax uses that is not public API, in one place.
 
-osmm_jax pins ``jax`` and ``mpi4jax`` to version ranges (pyproject.toml), but the names below
-are not public API and may move between releases. When one does, this module is the only
-place to change. Nothing else in osmm_jax imports from ``jax._src`` or ``mpi4jax._src``.
+osmm_jax admits every jax from :data:`TESTED_JAX`'s first release on (pyproject.toml), but the
+names below are not public and may move in any release. Nothing else in osmm_jax imports from
+``jax._src`` or ``mpi4jax._src``; every name is resolved here, at import, by :func:`_require`,
+so a JAX that moved one fails at ``import osmm_jax`` with one ImportError naming the name and
+the releases osmm_jax was tested on, not with an AttributeError deep inside a trace.
 
-The ordered effect: osmm_jax's collectives carry one ordered effect, so that XLA runs them in
-program order on every rank. When mpi4jax is installed it is mpi4jax's own effect, so that
-osmm_jax's calls and mpi4jax's (the allreduce method's baseline, or a user's own) share one
-token chain and can never be reordered against each other. Without mpi4jax, osmm_jax registers
-an ordered effect of its own.
+Where a public equivalent exists in the JAX running, it is used instead (``jax.ffi``'s
+abstract token, ``jax.extend.core.Effect``, both public from jax 0.7); the private name is
+then only the older releases' fallback. What stays private, and why no public API serves
+(tests/test_compat.py checks, on every JAX of the test matrix, that each still means what
+osmm_jax assumes):
+
+* the ordered-effect registries (``effects.ordered_effects`` and three more): JAX has no public
+  way to declare an effect *ordered*. ``jax.ffi.ffi_call(has_side_effect=True)`` only keeps a
+  call from being removed; XLA may still run two such calls concurrently or reorder them,
+  while osmm_jax's collectives must run in program order on every rank.
+* ``mpi4jax._src.utils.ordered_effect``: with mpi4jax installed, osmm_jax's collectives carry
+  mpi4jax's own effect, so that they and mpi4jax's (the allreduce method's baseline, or a
+  user's own) share one token chain and are never reordered against each other. mpi4jax
+  exports no name for it.
+* ``dispatch.RuntimeTokenSet``: :func:`recover_failed_runtime_tokens` (below) lets a rank run
+  products again after one of its products failed; JAX offers no hook into its runtime tokens.
+* ``dispatch.JAXPR_TRACE_EVENT``, the ``jax.monitoring`` event sent when an outermost trace
+  ends, and the trace classes (``ad.JVPTrace``, ``ad.LinearizeTrace``,
+  ``partial_eval.DynamicJaxprTrace``, ``core.trace_state_clean``, ``Trace.parent_trace``): the
+  unsummed-gradient warning (:mod:`osmm_jax._src.nn.unsummed_grads`) must tell, while tracing,
+  whether a parameter is being differentiated inside a jitted step. JAX has no public
+  introspection of the trace stack.
+* ``custom_batching.custom_vmap_p``, on jax < 0.8.2 only (:func:`_keep_custom_vmap_effects`).
+
+The token of the ordered effect is threaded through the lowering with the lowering context's
+``tokens_in`` / ``set_tokens_out`` and ``jax.interpreters.mlir.TokenSet``: public module, but
+the part of JAX's lowering API most likely to change, so it lives here too.
+
+Without mpi4jax, osmm_jax registers an ordered effect of its own.
 """
 
 from __future__ import annotations
 
+import importlib
+
 import jax
-from jax._src import core, dispatch, effects
-from jax._src.dispatch import apply_primitive
-from jax._src.interpreters import ad, mlir, partial_eval
-from jax._src.lib import xla_client
+import jax.extend.core
+import jax.ffi
+from jax.interpreters import mlir
+
+# The jax releases the whole suite has passed on, oldest and newest (BUILD.md, "Tested versions").
+TESTED_JAX = ("0.6.2", "0.12.0.1")
+# The mpi4jax releases the same, for the `mpi4jax` extra.
+TESTED_MPI4JAX = ("0.9.1.post2", "0.9.1.post2")
+
+
+def _require(path: str, package: str = "jax", tested: tuple[str, str] = TESTED_JAX):
+    """The object at ``path`` ("jax._src.dispatch:RuntimeTokenSet.get_token_input": a module,
+    then attributes), or one ImportError that names it, the ``package`` release installed and
+    the releases osmm_jax was tested on."""
+    module_name, _, attributes = path.partition(":")
+    try:
+        found = importlib.import_module(module_name)
+        for name in attributes.split("."):
+            found = getattr(found, name)
+        return found
+    except (ImportError, AttributeError) as err:
+        installed = importlib.import_module(package).__version__
+        raise ImportError(
+            f"osmm_jax needs {path.replace(':', '.')}, which {package} {installed} does not have: osmm_jax is "
+            f"tested with {package} {tested[0]} to {tested[1]}. Install one of those "
+            f"(pip install '{package}>={tested[0]},<={tested[1]}'), or an osmm_jax release "
+            f"that supports {package} {installed}."
+        ) from err
+
+
+_effects_registries = [
+    _require(f"jax._src.effects:{name}")
+    for name in (
+        "ordered_effects",
+        "lowerable_effects",
+        "control_flow_allowed_effects",
+        "custom_derivatives_allowed_effects",
+    )
+]
+_RuntimeTokenSet = _require("jax._src.dispatch:RuntimeTokenSet")
+_require("jax._src.dispatch:RuntimeTokenSet.get_token_input")
+# The jax.monitoring event JAX records when it finishes tracing an outermost jitted function.
+JAXPR_TRACE_EVENT: str = _require("jax._src.dispatch:JAXPR_TRACE_EVENT")
+_DIFFERENTIATION_TRACES = (
+    _require("jax._src.interpreters.ad:JVPTrace"),
+    _require("jax._src.interpreters.ad:LinearizeTrace"),
+)
+_STAGING_TRACE = _require("jax._src.interpreters.partial_eval:DynamicJaxprTrace")
+_trace_state_clean = _require("jax._src.core:trace_state_clean")
+
+abstract_token = getattr(jax.ffi, "abstract_token", None) or _require(
+    "jax._src.core:abstract_token"
+)
+_Effect = getattr(jax.extend.core, "Effect", None) or _require("jax._src.effects:Effect")
 
 try:
-    from mpi4jax._src.utils import ordered_effect
-
-    HAVE_MPI4JAX = True
+    import mpi4jax  # noqa: F401  (only whether it is installed)
 except ImportError:
     HAVE_MPI4JAX = False
+else:
+    HAVE_MPI4JAX = True
 
-    class OrderedMPIEffect(effects.Effect):
+if HAVE_MPI4JAX:
+    ordered_effect = _require("mpi4jax._src.utils:ordered_effect", "mpi4jax", TESTED_MPI4JAX)
+else:
+
+    class OrderedMPIEffect(_Effect):
         """osmm_jax's collectives, in program order (used when mpi4jax is not installed)."""
 
         def __str__(self) -> str:
             return "OrderedOsmmMPI"
 
     # Ordered, lowerable, allowed inside control flow and custom_vjp / custom_vmap rules.
-    for _registry in (
-        effects.ordered_effects,
-        effects.lowerable_effects,
-        effects.control_flow_allowed_effects,
-        effects.custom_derivatives_allowed_effects,
-    ):
+    for _registry in _effects_registries:
         _registry.add_type(OrderedMPIEffect)
     ordered_effect = OrderedMPIEffect()
-
-abstract_token = core.abstract_token
 
 
 def _keep_custom_vmap_effects() -> None:
@@ -52,9 +127,7 @@ def _keep_custom_vmap_effects() -> None:
     for them, and lowering failed with a ``KeyError`` on the effect."""
     if jax.__version_info__ >= (0, 8, 2):
         return
-    from jax._src import custom_batching
-
-    custom_batching.custom_vmap_p.def_effectful_abstract_eval(
+    _require("jax._src.custom_batching:custom_vmap_p").def_effectful_abstract_eval(
         lambda *in_avals, call, **_: (call.out_avals, call.effects)
     )
 
@@ -75,8 +148,9 @@ def set_token_effect(ctx, effect, token) -> None:
 __all__ = [
     "HAVE_MPI4JAX",
     "JAXPR_TRACE_EVENT",
+    "TESTED_JAX",
+    "TESTED_MPI4JAX",
     "abstract_token",
-    "apply_primitive",
     "get_token_effect",
     "is_differentiation_trace",
     "is_staging_trace",
@@ -84,19 +158,14 @@ __all__ = [
     "parent_trace",
     "ordered_effect",
     "recover_failed_runtime_tokens",
-    "registered_ffi_targets",
     "set_token_effect",
 ]
-
-
-# The jax.monitoring event JAX records when it finishes tracing an outermost jitted function.
-JAXPR_TRACE_EVENT: str = dispatch.JAXPR_TRACE_EVENT
 
 
 def is_differentiation_trace(trace) -> bool:
     """Whether ``trace`` is one of reverse- or forward-mode differentiation (jax.grad, jax.vjp,
     jax.jvp, jax.linearize)."""
-    return isinstance(trace, (ad.JVPTrace, ad.LinearizeTrace))
+    return isinstance(trace, _DIFFERENTIATION_TRACES)
 
 
 def parent_trace(trace):
@@ -106,29 +175,12 @@ def parent_trace(trace):
 
 def is_staging_trace(trace) -> bool:
     """Whether ``trace`` stages a program out (jax.jit and the control-flow primitives)."""
-    return isinstance(trace, partial_eval.DynamicJaxprTrace)
+    return isinstance(trace, _STAGING_TRACE)
 
 
 def no_trace_active() -> bool:
     """Whether this thread is outside every JAX trace (no jit, grad, vmap... is tracing)."""
-    return core.trace_state_clean()
-
-
-def registered_ffi_targets(xla_platform: str) -> set[str]:
-    """Names of the custom-call targets registered for ``xla_platform`` ("Host", "CUDA").
-
-    Both kinds count: targets XLA already holds (its backend for that platform is loaded) and
-    targets ``jax.ffi.register_ffi_target`` queued for a backend that is not loaded (yet), such
-    as CUDA targets in a process without a GPU plugin.
-    """
-    names: set[str] = set()
-    with xla_client._custom_callback_lock:
-        pending = list(xla_client._custom_callback.get(xla_platform, ()))
-        loaded = xla_platform in xla_client._custom_callback_handler
-    names.update(entry[0] for entry in pending)
-    if loaded:
-        names.update(xla_client.custom_call_targets(xla_platform))
-    return names
+    return _trace_state_clean()
 
 
 def _failed(token) -> bool:
@@ -157,8 +209,7 @@ def recover_failed_runtime_tokens(effect) -> None:
     is replaced by a fresh one. The failed computation is over, so no ordering is lost. The
     check costs one ``is_ready()`` per dispatch of a computation with ``effect``.
     """
-    token_set = dispatch.RuntimeTokenSet
-    original = token_set.get_token_input
+    original = _RuntimeTokenSet.get_token_input
     if getattr(original, "_osmm_recovers", None) is not None:
         original._osmm_recovers.add(effect)
         return
@@ -174,4 +225,4 @@ def recover_failed_runtime_tokens(effect) -> None:
         return original(self, eff, devices)
 
     get_token_input._osmm_recovers = {effect}
-    token_set.get_token_input = get_token_input
+    _RuntimeTokenSet.get_token_input = get_token_input

@@ -46,7 +46,12 @@ def _jax() -> list[str]:
     import jax
     import jaxlib
 
-    lines = [f"jax {jax.__version__}, jaxlib {jaxlib.__version__}"]
+    from osmm_jax._src.compat import TESTED_JAX
+
+    lines = [
+        f"jax {jax.__version__}, jaxlib {jaxlib.__version__} "
+        f"(osmm_jax is tested with {TESTED_JAX[0]} to {TESTED_JAX[1]})"
+    ]
     lines.append(f"default backend: {jax.default_backend()}")
     lines += [f"device {d.id}: {d.platform} {d.device_kind}" for d in jax.devices()]
     return lines

@@ -52,7 +52,6 @@ from osmm_jax._src import config
 from osmm_jax._src.compat import (
     HAVE_MPI4JAX,
     abstract_token,
-    apply_primitive,
     get_token_effect,
     ordered_effect,
     recover_failed_runtime_tokens,
@@ -65,6 +64,19 @@ from osmm_jax._src.runtime import native
 recover_failed_runtime_tokens(ordered_effect)
 
 # -- primitives -----------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=4096)
+def _compiled(primitive, params):
+    """``primitive`` bound alone with ``params`` (sorted (name, value) pairs), jitted."""
+    return jax.jit(lambda *args: primitive.bind(*args, **dict(params)))
+
+
+def _eager(primitive, *args, **params):
+    """Outside a trace, a primitive runs as a program of its own, compiled once per
+    parameter set (what JAX does for its own primitives)."""
+    return _compiled(primitive, tuple(sorted(params.items())))(*args)
+
 
 osmm_fetch_p = Primitive("osmm_fetch")
 osmm_reduce_start_p = Primitive("osmm_reduce_start")
@@ -80,7 +92,7 @@ for _p in (
     osmm_watch_p,
     osmm_allreduce_p,
 ):
-    _p.def_impl(functools.partial(apply_primitive, _p))
+    _p.def_impl(functools.partial(_eager, _p))
 
 
 def fetch(
