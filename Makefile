@@ -300,6 +300,16 @@ else
 	  --timeout=$(TEST_TIMEOUT) --timeout-method=thread
 endif
 
+# make test-newest-jax: the canary. In a throw-away venv (NEWEST_JAX_OUT) the newest jax/jaxlib
+# the package index serves, whatever the pin says, then this checkout installed as a user
+# would, mpi4jax, the environment report, the compat and single-process runtime/Flax tests,
+# the smoke test on 2 and 3 ranks and the core MPI tests on 2 ranks; a table of what broke
+# (tools/newest_jax_check.sh). About 10 minutes. Run it when a jax release comes out.
+NEWEST_JAX_OUT ?= build/newest-jax
+.PHONY: test-newest-jax
+test-newest-jax:
+	tools/newest_jax_check.sh $(NEWEST_JAX_OUT)
+
 # make test-matrix: the other tested configurations, each in an environment of its own (built on
 # first use, 5-8 minutes each): `make test` on Open MPI and on Intel MPI (MATRIX_MPIS), on the
 # default Python and jax like make test itself; then, with MPICH, `make test` on each
@@ -344,32 +354,46 @@ INSTALL_SOURCE ?= $(CURDIR)
 test-install:
 	tools/pip_install_check.sh $(INSTALL_CHECK_OUT) $(INSTALL_SOURCE)
 
-# make dist: the sdist and a manylinux wheel for this CPython whose native part is built for
-# both MPI ABIs (MPICH's and Open MPI's; tools/build_dist.sh), into DIST_DIR. Builds the Open
-# MPI environment first if needed (make install MPI=openmpi, about 6 min the first time).
-# make test-dist: installs that wheel into fresh venvs on a PATH without compiler or CMake and
-# runs the smoke test on 2 and 3 ranks: with the MPICH wheel, with Open MPI, with the
-# oldest jax/jaxlib the pin admits (DIST_OLD_JAX), and with Intel MPI (DIST_IMPI: impi-rt
-# 2021.15 bundles its libfabric; later impi-rt wheels need a `libfabric` wheel).
+# make dist: the sdist and manylinux wheels for CPython 3.10, 3.11 and 3.12 and later (cp310,
+# cp311, cp312-abi3: DIST_PYTHONS) whose native part is built for both MPI ABIs (MPICH's and
+# Open MPI's; tools/build_dist.sh), into DIST_DIR. Builds the Open MPI environment first if
+# needed (make install MPI=openmpi, about 6 min the first time).
+# make test-dist: installs each wheel into fresh venvs on a PATH without compiler or CMake and
+# runs the smoke test on 2 and 3 ranks: on every Python of DIST_TEST_PYTHONS with the MPICH
+# wheel and the newest jax that Python gets; then the default Python's wheel with Open MPI,
+# with the oldest jax/jaxlib the pin admits (DIST_OLD_JAX), and with Intel MPI (DIST_IMPI:
+# impi-rt 2021.15 bundles its libfabric; later impi-rt wheels need a `libfabric` wheel).
 DIST_DIR ?= dist
 DIST_OLD_JAX ?= 0.6.2
 DIST_IMPI ?= impi-rt==2021.15.0
+# The CPythons wheels are built for (3.12's, on the stable ABI, serves 3.13 and later), and the
+# ones test-dist installs them on, each with the newest jax it gets.
+DIST_PYTHONS ?= 3.10 3.11 3.12
+DIST_TEST_PYTHONS ?= 3.10 3.11 3.12 3.13
 .PHONY: dist test-dist
 dist:
 	$(MAKE) --no-print-directory install MPI=mpich
 	$(MAKE) --no-print-directory install MPI=openmpi
 	rm -f $(DIST_DIR)/osmm_jax-*
-	tools/build_dist.sh $(DIST_DIR) .venv .venv-openmpi
+	tools/build_dist.sh $(DIST_DIR) $(VENV) $(VENV:.venv%=.venv-openmpi%) $(DIST_PYTHONS)
 
+# The wheel for a Python: its own (cp310, cp311) or the stable-ABI one (cp312-abi3).
+dist_wheel = $$(ls $(DIST_DIR)/osmm_jax-*-cp$(subst .,,$(1))-cp$(subst .,,$(1))-*.whl \
+	$(DIST_DIR)/osmm_jax-*-cp3*-abi3-*.whl 2>/dev/null | head -1)
 test-dist:
-	@wheel=$$(ls $(DIST_DIR)/osmm_jax-*.whl 2>/dev/null | head -1); \
-	  [ -n "$$wheel" ] || { echo "no wheel in $(DIST_DIR): run make dist first"; exit 1; }; \
-	  set -e; \
-	  tools/pip_install_check.sh build/dist-check-mpich "$$wheel"; \
+	@set -e; for py in $(DIST_TEST_PYTHONS); do \
+	  wheel=$(call dist_wheel,$$py); \
+	  [ -n "$$wheel" ] || { echo "no wheel for Python $$py in $(DIST_DIR): run make dist first"; exit 1; }; \
+	  echo "==== Python $$py: $$wheel"; \
+	  PYTHON=$$py tools/pip_install_check.sh build/dist-check-py$$py "$$wheel"; \
+	done
+	@set -e; wheel=$(call dist_wheel,$(PY_VERSION)); \
+	  echo "==== Open MPI, jax $(DIST_OLD_JAX), Intel MPI: $$wheel"; \
 	  SYSTEM_MPI=openmpi MPIEXEC_FLAGS="--oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root)" \
-	    tools/pip_install_check.sh build/dist-check-openmpi "$$wheel"; \
-	  JAX_VERSION=$(DIST_OLD_JAX) tools/pip_install_check.sh build/dist-check-jax-$(DIST_OLD_JAX) "$$wheel"; \
-	  SYSTEM_MPI='$(DIST_IMPI)' tools/pip_install_check.sh build/dist-check-impi "$$wheel"
+	    PYTHON=$(PY_VERSION) tools/pip_install_check.sh build/dist-check-openmpi "$$wheel"; \
+	  JAX_VERSION=$(DIST_OLD_JAX) PYTHON=$(PY_VERSION) \
+	    tools/pip_install_check.sh build/dist-check-jax-$(DIST_OLD_JAX) "$$wheel"; \
+	  SYSTEM_MPI='$(DIST_IMPI)' PYTHON=$(PY_VERSION) tools/pip_install_check.sh build/dist-check-impi "$$wheel"
 
 .PHONY: bench
 bench: install $(HETERO_RANKFILE)
