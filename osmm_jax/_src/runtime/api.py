@@ -69,6 +69,7 @@ def plan(
         return make_plan(a_layout, b_layout, c_layout, work=work).for_rank(rank)
     from osmm_jax._src.runtime import communicators, metrics
 
+    _import_what_products_trace()
     private = communicators.private_comm(comm)
     metrics.start_from_environment()
     size = private.Get_size()
@@ -79,6 +80,18 @@ def plan(
                 f"build layouts with nranks={size} (or nranks=None for COMM_WORLD)"
             )
     return make_plan(a_layout, b_layout, c_layout, communicators.comm_key(private), work)
+
+
+def _import_what_products_trace() -> None:
+    """Import every module a product's trace uses (the primitives, jax.extend, mpi4jax) now,
+    before any program with a product is traced.
+
+    jax 0.12 keys every jitted program's trace on the configuration values registered so far,
+    and importing ``jax.extend`` (or mpi4jax, which imports it) registers two more. Imported
+    for the first time inside the trace of a user's step, they would make that step trace
+    again at its next call: its products' agreements run again, on the ranks whose first
+    product it was, and ranks running plans in different orders would fall out of step."""
+    from osmm_jax._src.runtime import matmul  # noqa: F401
 
 
 def default_nranks() -> int:
