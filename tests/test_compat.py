@@ -175,3 +175,26 @@ def test_the_tested_range_is_the_pins_and_the_build_documents():
     assert f'"jax>={oldest}",' in pyproject and f'"jaxlib>={oldest}",' in pyproject
     build = (root / "BUILD.md").read_text()
     assert oldest in build and newest in build
+
+
+def test_releases_compare_as_numbers():
+    assert compat._release("0.12.0.1") == (0, 12, 0, 1)
+    assert compat._release("0.6.2") < compat._release("0.12.0.1") < compat._release("0.13.0rc1")
+
+
+@pytest.mark.skipif(not compat.HAVE_MPI4JAX, reason="mpi4jax is not installed")
+def test_mpi4jax_imports_without_a_warning_on_a_tested_jax():
+    """On a jax osmm_jax was tested with, mpi4jax's "newer than I know" warning is not shown
+    (a fresh process: mpi4jax warns once, at its import)."""
+    import subprocess
+    import sys
+
+    if compat._release(jax.__version__) > compat._release(compat.TESTED_JAX[1]):
+        pytest.skip(f"jax {jax.__version__} is newer than osmm_jax was tested with")
+    done = subprocess.run(
+        [sys.executable, "-W", "error::UserWarning", "-c", "import osmm_jax._src.compat"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "mpi4jax" not in done.stderr, done.stderr
