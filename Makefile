@@ -116,7 +116,7 @@ ABS_VENV := $(CURDIR)/$(VENV)
 # (keyed on the C++ sources and CMake files).
 DEPS_STAMP := $(VENV)/.osmm-deps.stamp
 BUILD_STAMP := $(VENV)/.osmm-build.stamp
-NATIVE_SOURCES := $(wildcard xla_ffi/*.cc xla_ffi/*.cu xla_ffi/*.h) CMakeLists.txt pyproject.toml
+NATIVE_SOURCES := $(wildcard xla_ffi/*/*.cc xla_ffi/*/*.cu xla_ffi/*/*.h) CMakeLists.txt pyproject.toml
 
 # Needed before building anything (the editable build runs without build isolation).
 # setuptools and wheel: mpi4jax's build (below).
@@ -136,7 +136,7 @@ MPI4JAX_ENV = PATH="$(ABS_VENV)/bin:$$PATH" MPI4JAX_BUILD_MPICC="$(ABS_VENV)/bin
 	     else echo "CUDA_ROOT=$$(dirname "$$(dirname "$$(readlink -f "$$(command -v nvcc)")")")"; fi; \
 	   fi)
 
-CXX_SOURCES := $(wildcard xla_ffi/*.cc xla_ffi/*.cu xla_ffi/*.h tests/native/*.cc tests/native/*.h \
+CXX_SOURCES := $(wildcard xla_ffi/*/*.cc xla_ffi/*/*.cu xla_ffi/*/*.h tests/native/*.cc tests/native/*.h \
 	tests/native/cuda_standin/*.cc tests/native/cuda_standin/*.h)
 RUFF := $(VENV)/bin/ruff
 CLANG_FORMAT := $(VENV)/bin/clang-format

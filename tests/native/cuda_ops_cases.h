@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "common.h"
-#include "records.h"
+#include "core/common.h"
+#include "core/records.h"
 
 namespace osmm {
 

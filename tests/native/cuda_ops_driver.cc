@@ -1,4 +1,4 @@
-// Runs the CUDA platform's BufferOps (CudaBufferOps, xla_ffi/cuda_ops.cc, compiled unchanged
+// Runs the CUDA platform's BufferOps (CudaBufferOps, xla_ffi/cuda/cuda_ops.cc, compiled unchanged
 // against the host stand-in for the CUDA runtime in cuda_standin/) and the CPU platform's
 // (HostBufferOps, host_handlers.cc) through the native core's fetch and reduce (fetch.h,
 // reduce.h), on the same transfer records, and checks byte for byte that the CUDA path gives what
@@ -26,7 +26,7 @@
 
 // HostBufferOps lives in an anonymous namespace: including its file compares against the code
 // XLA:CPU runs rather than a copy of it.
-#include "host_handlers.cc"  // NOLINT(build/include)
+#include "handlers/host_handlers.cc"  // NOLINT(build/include)
 
 #include <cuda_runtime_api.h>
 #include <mpi.h>
@@ -41,11 +41,11 @@
 #include <string>
 #include <vector>
 
-#include "cuda_ops.h"
+#include "core/records.h"
+#include "core/windows.h"
+#include "cuda/cuda_ops.h"
 #include "cuda_ops_cases.h"
-#include "issuer.h"
-#include "records.h"
-#include "windows.h"
+#include "protocols/issuer.h"
 
 // Takes the place of the MPI library's (cuda_ops.cc refers to it weakly): CUDA support as
 // OSMM_STANDIN_MPI_CUDA says, so that the CUDA-aware mode can run over the stand-in's "device"

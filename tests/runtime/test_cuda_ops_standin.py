@@ -1,4 +1,4 @@
-"""The CUDA platform's buffer logic (xla_ffi/cuda_ops.cc) run on a machine without a GPU.
+"""The CUDA platform's buffer logic (xla_ffi/cuda/cuda_ops.cc) run on a machine without a GPU.
 
 tests/native/cuda_ops_driver.cc compiles cuda_ops.cc unchanged against a host stand-in for the
 CUDA runtime (tests/native/cuda_standin/), links the installed native core (libosmm_core, as the
@@ -73,7 +73,7 @@ def driver(tmp_path_factory: pytest.TempPathFactory) -> Path:
     sources = [
         NATIVE / "cuda_ops_driver.cc",
         NATIVE / "cuda_standin" / "cuda_runtime_standin.cc",
-        REPO / "xla_ffi" / "cuda_ops.cc",
+        REPO / "xla_ffi" / "cuda" / "cuda_ops.cc",
     ]
     objects = [build / f"{source.stem}.o" for source in sources]
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:

@@ -1,4 +1,4 @@
-"""The slots of the notified reduce (``OSMM_SYNC=notify``, see xla_ffi/notify.h).
+"""The slots of the notified reduce (``OSMM_SYNC=notify``, see xla_ffi/protocols/notify.h).
 
 Every rank's slots window holds an accumulator and ``S`` slots, each the size of the largest C
 block of the plan (so the window is the same size on every rank). The origins that deliver

@@ -1,6 +1,6 @@
 """The watchdog's settings, and the Python side of its bound on blocking steps.
 
-The native layer bounds every blocking MPI step it takes (xla_ffi/watchdog.h): when a step
+The native layer bounds every blocking MPI step it takes (xla_ffi/watchdog/watchdog.h): when a step
 exceeds the timeout, the rank prints a report of where every rank of the communicator is
 (read through a side channel, not the stuck collective) and ends the job with
 ``MPI_Abort(MPI_COMM_WORLD, 75)``, or, in ``raise`` mode, the step fails with that report

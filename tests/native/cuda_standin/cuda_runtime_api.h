@@ -1,7 +1,7 @@
-// A host stand-in for the CUDA runtime calls that xla_ffi/cuda_ops.cc and xla_ffi/cuda_kernels.h
-// use (and the few more the test driver needs), so that cuda_ops.cc compiles unchanged and runs
-// on a machine without a GPU (tests/native/cuda_ops_driver.cc). Put this directory first on the
-// include path; it replaces the toolkit's header of the same name.
+// A host stand-in for the CUDA runtime calls that xla_ffi/cuda/cuda_ops.cc and
+// xla_ffi/cuda/cuda_kernels.h use (and the few more the test driver needs), so that cuda_ops.cc
+// compiles unchanged and runs on a machine without a GPU (tests/native/cuda_ops_driver.cc). Put
+// this directory first on the include path; it replaces the toolkit's header of the same name.
 //
 // Not an emulator, but strict where a GPU would be:
 //   - "Device memory" (cudaMalloc) is host memory the stand-in keeps track of, filled with a

@@ -1,5 +1,5 @@
 // The host stand-in for the CUDA runtime (see cuda_runtime_api.h), and LaunchAdd of
-// xla_ffi/cuda_kernels.h (cuda_kernels.cu's kernel) as a host loop run on the stream.
+// xla_ffi/cuda/cuda_kernels.h (cuda_kernels.cu's kernel) as a host loop run on the stream.
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -12,7 +12,7 @@
 #include <set>
 #include <vector>
 
-#include "cuda_kernels.h"
+#include "cuda/cuda_kernels.h"
 
 struct CUstream_st {
   std::vector<std::function<void()>> queued;

@@ -1,0 +1,526 @@
+#include "protocols/notify.h"
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <utility>
+
+#include "core/counters.h"
+#include "core/windows.h"
+#include "watchdog/watchdog.h"
+
+namespace osmm {
+namespace {
+
+constexpr int kStampShift = 24;  // stamp = product << this | id bits << 2 | status
+constexpr int64_t kIdMask = (int64_t{1} << 22) - 1;
+constexpr int64_t kFailed = 1;     // status: the origin could not deliver (an error there)
+constexpr int64_t kAbandoned = 2;  // status: the origin abandoned the product
+constexpr double kRemoteReadSeconds = 1e-3;  // how often a missing credit is read remotely
+constexpr int kNoticeShift = 20;  // notice = (generation + 1) << this | (abandoning rank + 1)
+
+// Per private communicator: the number of notified products run, and the origin buffers of
+// the stamps and credits this rank sends (an MPI_Accumulate's origin buffer must stay
+// unchanged until the operation completes: each is completed locally before its reuse).
+struct SyncState {
+  uint64_t key = 0;
+  uint64_t window = 0;  // the sync window's generation (windows.h) the state belongs to
+  int64_t products = 0;
+  int64_t generation = 0;        // how many times the ranks started again together (Resync)
+  bool resync = false;           // failed a product for an abandonment: start again at the next
+  std::vector<int64_t> stamps;   // per target rank
+  std::vector<int64_t> credits;  // per origin rank
+  int64_t own = 0;               // this rank's own progress, written into its window
+  int64_t notice = 0;            // the notice this rank sends (AnnounceAbandoned)
+};
+
+SyncState& StateOf(MPI_Comm comm, int size) {
+  static std::mutex* mu = new std::mutex();
+  static auto* states = new std::vector<std::unique_ptr<SyncState>>();
+  std::lock_guard<std::mutex> lock(*mu);
+  const uint64_t key = CommKey(comm);
+  for (auto& s : *states) {
+    if (s->key == key) return *s;
+  }
+  states->push_back(std::make_unique<SyncState>());
+  SyncState& s = *states->back();
+  s.key = key;
+  s.stamps.assign(static_cast<size_t>(size), 0);
+  s.credits.assign(static_cast<size_t>(size), 0);
+  return s;
+}
+
+int64_t ReadEntry(const NotifiedReduce& n, int64_t index) {
+  return __atomic_load_n(n.sync_base + index, __ATOMIC_ACQUIRE);
+}
+
+// Writes `value` into entry `index` of `rank`'s sync window; `buffer` (this rank's) holds it
+// until the operation completes.
+ffi::Error WriteEntry(const NotifiedReduce& n, int rank, int64_t index, int64_t value,
+                      int64_t* buffer, const char* what) {
+  RmaIssueStep issuing(n.comm);
+  if (int rc = MPI_Win_flush_local(rank, n.sync_win); rc != MPI_SUCCESS) {
+    return MpiError(rc, what);
+  }
+  *buffer = value;
+  const MPI_Aint disp = static_cast<MPI_Aint>(index * 8);
+  if (int rc = MPI_Accumulate(buffer, 1, MPI_INT64_T, rank, disp, 1, MPI_INT64_T, MPI_REPLACE,
+                              n.sync_win);
+      rc != MPI_SUCCESS) {
+    return MpiError(rc, what);
+  }
+  return ffi::Error::Success();
+}
+
+// The generation of the newest notice in this rank's sync window (0: none).
+int64_t NoticeGeneration(const NotifiedReduce& n) {
+  MPI_Win_sync(n.sync_win);
+  return ReadEntry(n, 2 * n.size + 1) >> kNoticeShift;
+}
+
+// Tells every rank that this rank abandoned a product (`state.notice`, MPI_MAX into entry 2P+1
+// of every sync window, this rank's own included), completed before any stamp of the abandoned
+// product goes out: a rank that hears of the abandonment through a stamp has the notice too.
+ffi::Error AnnounceAbandoned(const NotifiedReduce& n, SyncState& state) {
+  const char* what = "osmm_reduce (notified): MPI_Accumulate (abandonment notice)";
+  state.notice = ((state.generation + 1) << kNoticeShift) | (n.rank + 1);
+  RmaIssueStep issuing(n.comm);
+  const MPI_Aint disp = static_cast<MPI_Aint>((2 * n.size + 1) * 8);
+  for (int r = 0; r < n.size; ++r) {
+    if (int rc = MPI_Accumulate(&state.notice, 1, MPI_INT64_T, r, disp, 1, MPI_INT64_T, MPI_MAX,
+                                n.sync_win);
+        rc != MPI_SUCCESS) {
+      return MpiError(rc, what);
+    }
+  }
+  if (int rc = MPI_Win_flush_all(n.sync_win); rc != MPI_SUCCESS) return MpiError(rc, what);
+  state.resync = true;
+  return ffi::Error::Success();
+}
+
+// Why a rank that reads a notice while it waits gives its product up.
+std::string VoidedBy(const NotifiedReduce& n) {
+  const int64_t rank = (ReadEntry(n, 2 * n.size + 1) & ((int64_t{1} << kNoticeShift) - 1)) - 1;
+  return "osmm_reduce (notified): rank " + std::to_string(rank) +
+         " abandoned a product (an error stopped its program between the start and the finish "
+         "of a reduce; its own error says why), so this rank's product cannot complete and was "
+         "discarded. Every rank starts again together at its next product.";
+}
+
+// Starts the ranks again together after a product abandoned by one of them (every rank calls
+// it at its next notified product, having abandoned, or read the notice: AnnounceAbandoned):
+// every rank completes what it sent, then, between two barriers, zeroes its slots window and
+// its stamps and credits, so that nothing of the abandoned products remains and numbering
+// starts again from 1 on every rank.
+ffi::Error Resync(const NotifiedReduce& n, SyncState& state, int64_t slot_bytes) {
+  {
+    RmaIssueStep issuing(n.comm);
+    int rc = MPI_Win_flush_all(n.slot_win);
+    if (rc == MPI_SUCCESS) rc = MPI_Win_flush_all(n.sync_win);
+    if (rc != MPI_SUCCESS) return MpiError(rc, "osmm_reduce (notified): starting again: flush");
+  }
+  auto barrier = [&n]() {
+    MPI_Request request = MPI_REQUEST_NULL;
+    if (int rc = MPI_Ibarrier(n.comm, &request); rc != MPI_SUCCESS) {
+      return MpiError(rc, "osmm_reduce (notified): starting again: MPI_Ibarrier");
+    }
+    return WaitBounded(&request, n.comm, Step::kBarrier,
+                       "osmm_reduce (notified): every rank starting again after an abandoned "
+                       "product (MPI_Ibarrier)");
+  };
+  if (ffi::Error err = barrier(); err.failure()) return err;  // nothing more will arrive
+  MPI_Win_sync(n.slot_win);
+  MPI_Win_sync(n.sync_win);
+  std::memset(n.slot_base, 0, static_cast<size_t>(slot_bytes));
+  for (int64_t i = 0; i <= 2 * n.size; ++i) {
+    __atomic_store_n(n.sync_base + i, int64_t{0}, __ATOMIC_RELEASE);
+  }
+  MPI_Win_sync(n.slot_win);
+  MPI_Win_sync(n.sync_win);
+  if (ffi::Error err = barrier(); err.failure()) return err;  // nobody writes before all cleared
+  state.products = 0;
+  state.own = 0;
+  state.generation += 1;
+  state.resync = false;
+  GlobalCounters().resyncs.fetch_add(1, std::memory_order_relaxed);
+  return ffi::Error::Success();
+}
+
+// The progress `target` has made as a target: what it pushed here, or, when that is not
+// enough and a while has passed since the last look, what its own window says.
+ffi::Error TargetProgress(NotifiedReduce& n, size_t i, int64_t needed, int64_t* progress) {
+  const int64_t target = n.spec.targets[i];
+  *progress = ReadEntry(n, n.size + target);
+  if (*progress >= needed || MPI_Wtime() - n.last_read[i] < kRemoteReadSeconds) {
+    return ffi::Error::Success();
+  }
+  int64_t remote = 0;
+  const MPI_Aint disp = static_cast<MPI_Aint>(2 * n.size * 8);
+  RmaIssueStep issuing(n.comm);
+  int rc = MPI_Fetch_and_op(nullptr, &remote, MPI_INT64_T, static_cast<int>(target), disp,
+                            MPI_NO_OP, n.sync_win);
+  if (rc == MPI_SUCCESS) rc = MPI_Win_flush(static_cast<int>(target), n.sync_win);
+  if (rc != MPI_SUCCESS) return MpiError(rc, "osmm_reduce (notified): reading a target's progress");
+  GlobalCounters().credit_reads.fetch_add(1, std::memory_order_relaxed);
+  n.last_read[i] = MPI_Wtime();
+  *progress = std::max(*progress, remote);
+  return ffi::Error::Success();
+}
+
+// The progress `target` must have made before this rank writes its slot in this product.
+int64_t NeededProgress(const NotifiedReduce& n, size_t i) {
+  return (n.product - 1) * kNotifyRoundScale + n.spec.positions[i] / n.spec.slots;
+}
+
+// This rank's progress as a target is now `value`: into its own window entry, and pushed to
+// `origins` (who wait for it to write their slots) unless they pull it (spec.pull_credits).
+ffi::Error Advance(NotifiedReduce& n, SyncState& state, int64_t value,
+                   const std::vector<int64_t>& origins) {
+  const char* what = "osmm_reduce (notified): MPI_Accumulate (credit)";
+  if (ffi::Error err = WriteEntry(n, n.rank, 2 * n.size, value, &state.own, what); err.failure()) {
+    return err;
+  }
+  {
+    RmaIssueStep issuing(n.comm);
+    if (int rc = MPI_Win_flush(n.rank, n.sync_win); rc != MPI_SUCCESS) return MpiError(rc, what);
+  }
+  if (n.spec.pull_credits) return ffi::Error::Success();
+  for (int64_t origin : origins) {
+    const size_t o = static_cast<size_t>(origin);
+    if (ffi::Error err = WriteEntry(n, static_cast<int>(origin), n.size + n.rank, value,
+                                    &state.credits[o], what);
+        err.failure()) {
+      return err;
+    }
+    GlobalCounters().credit_pushes.fetch_add(1, std::memory_order_relaxed);
+  }
+  return ffi::Error::Success();
+}
+
+// The fixed-order sum of this rank's block: its own partial and its origins' slots, added in
+// ascending rank order as a left fold (IEEE addition is commutative, so each step may put
+// either operand first; only the grouping must be the same everywhere).
+class OrderedSum {
+ public:
+  OrderedSum(BufferOps& ops, ffi::DataType dtype, const void* local, void* out, std::byte* acc,
+             int64_t elements, bool origin_above)
+      : ops_(ops),
+        dtype_(dtype),
+        local_(local),
+        out_(out),
+        acc_(acc),
+        n_(elements),
+        origin_above_(origin_above) {}
+
+  ffi::Error AddLocal() {
+    if (state_ == kAcc || (state_ == kEmpty && !origin_above_)) {
+      state_ = kOut;  // local + the sum so far (an all-zero acc when nothing came)
+      return ops_.AddWindowInto(dtype_, local_, acc_, out_, n_);
+    }
+    state_ = kLocalPending;
+    return ffi::Error::Success();
+  }
+
+  ffi::Error AddSlot(std::byte* slot) {
+    switch (state_) {
+      case kEmpty:
+        state_ = kAcc;
+        return Accumulate(slot, /*copy=*/true);
+      case kAcc:
+        return Accumulate(slot, /*copy=*/false);
+      case kLocalPending:
+        state_ = kOut;
+        return ops_.AddWindowInto(dtype_, local_, slot, out_, n_);
+      case kOut:
+        return ops_.AddWindowInto(dtype_, out_, slot, out_, n_);
+    }
+    return ffi::Error::Success();
+  }
+
+ private:
+  enum State { kEmpty, kAcc, kLocalPending, kOut };
+
+  // acc (+)= slot, then slot = 0; both in host window memory.
+  ffi::Error Accumulate(std::byte* slot, bool copy) {
+    if (dtype_ == ffi::DataType::F32) {
+      AddHost(reinterpret_cast<float*>(acc_), reinterpret_cast<float*>(slot), copy);
+    } else {
+      AddHost(reinterpret_cast<double*>(acc_), reinterpret_cast<double*>(slot), copy);
+    }
+    return ffi::Error::Success();
+  }
+  template <typename T>
+  void AddHost(T* acc, T* slot, bool copy) {
+    for (int64_t i = 0; i < n_; ++i) {
+      acc[i] = copy ? slot[i] : acc[i] + slot[i];
+      slot[i] = T(0);
+    }
+  }
+
+  BufferOps& ops_;
+  ffi::DataType dtype_;
+  const void* local_;
+  void* out_;
+  std::byte* acc_;
+  int64_t n_;
+  bool origin_above_;
+  State state_ = kEmpty;
+};
+
+}  // namespace
+
+ffi::Error OpenNotified(BufferOps& ops, MPI_Comm comm, const NotifySpec& spec, int64_t call_id,
+                        int64_t window_bytes, NotifiedReduce* out, ffi::Error* local) {
+  out->spec = spec;
+  out->comm = comm;
+  MPI_Comm_rank(comm, &out->rank);
+  MPI_Comm_size(comm, &out->size);
+  int64_t slot_bytes = 0;  // of the whole slots window
+  {
+    WindowLease lease;
+    if (ffi::Error err = AcquireWindow(comm, WindowSlot::kSlots, window_bytes, &lease);
+        err.failure()) {
+      return err;
+    }
+    if (ffi::Error used = ops.UseWindow(lease); used.failure() && local->success()) {
+      *local = std::move(used);
+    }
+    out->slot_win = lease.win();
+    out->slot_base = lease.base();
+    slot_bytes = lease.bytes();
+  }
+  {
+    WindowLease lease;
+    if (ffi::Error err =
+            AcquireWindow(comm, WindowSlot::kSync, (2 * int64_t{out->size} + 2) * 8, &lease);
+        err.failure()) {
+      return err;
+    }
+    // Only MPI and this host touch it, but every window of a call goes through the platform.
+    if (ffi::Error used = ops.UseWindow(lease); used.failure() && local->success()) {
+      *local = std::move(used);
+    }
+    out->sync_win = lease.win();
+    out->sync_base = reinterpret_cast<int64_t*>(lease.base());
+    SyncState& state = StateOf(comm, out->size);
+    if (state.window != lease.generation()) {
+      // A new, zeroed sync window (the first, or after FreeWindows, on every rank alike):
+      // numbering starts again.
+      state.window = lease.generation();
+      state.products = 0;
+      state.generation = 0;
+      state.resync = false;
+    }
+  }
+  SyncState& state = StateOf(comm, out->size);
+  if (state.resync || NoticeGeneration(*out) > state.generation) {
+    // A rank that hears of the abandonment only now has not failed a product for it yet:
+    // this one, which the others do not run, is its failure.
+    const bool failed_already = state.resync;
+    if (ffi::Error err = Resync(*out, state, slot_bytes); err.failure()) return err;
+    if (!failed_already) return ffi::Error::Internal(VoidedBy(*out));
+  }
+  out->product = ++state.products;
+  out->stamp = (out->product << kStampShift) | ((call_id & kIdMask) << 2);
+  out->target_state.assign(spec.targets.size(), 0);
+  out->last_read.assign(spec.targets.size(), -1.0);
+  GlobalCounters().slot_window_bytes.store(window_bytes, std::memory_order_relaxed);
+  return ffi::Error::Success();
+}
+
+MPI_Aint SlotDisplacement(const NotifiedReduce& n, int64_t target) {
+  const auto it = std::lower_bound(n.spec.targets.begin(), n.spec.targets.end(), target);
+  const size_t i = static_cast<size_t>(it - n.spec.targets.begin());
+  const int64_t position = n.spec.positions[i];
+  return static_cast<MPI_Aint>((1 + position % n.spec.slots) * n.spec.slot_bytes + n.spec.bases[i]);
+}
+
+bool MayDeliverNow(NotifiedReduce& n, int64_t target) {
+  const auto it = std::lower_bound(n.spec.targets.begin(), n.spec.targets.end(), target);
+  if (it == n.spec.targets.end() || *it != target) return false;  // not in the plan: never sent
+  const size_t i = static_cast<size_t>(it - n.spec.targets.begin());
+  if (n.target_state[i] == 0) {
+    MPI_Win_sync(n.sync_win);
+    const bool free = ReadEntry(n, n.size + target) >= NeededProgress(n, i);
+    n.target_state[i] = free ? 1 : 2;
+    if (!free) GlobalCounters().deferred_deliveries.fetch_add(1, std::memory_order_relaxed);
+  }
+  return n.target_state[i] == 1;
+}
+
+namespace {
+
+// The targets' side of the finish: delivers what was deferred once its slot is free, then
+// completes every delivery and sends the stamps. Returns whether it did anything.
+struct Deliveries {
+  NotifiedReduce& n;
+  SyncState& state;
+  const std::function<std::string(int64_t)>& deliver;
+  std::string problem;     // this rank's: every stamp then carries the failed status
+  bool abandoned;          // this rank abandoned the product: every stamp says so
+  std::vector<int> phase;  // per target: 0 waiting for its slot, 1 to notify, 2 notified
+  size_t notified = 0;
+
+  ffi::Error Step(bool* progressed) {
+    std::vector<size_t> ready;
+    MPI_Win_sync(n.sync_win);
+    for (size_t i = 0; i < phase.size(); ++i) {
+      if (phase[i] == 0) {
+        int64_t progress = 0;
+        if (ffi::Error err = TargetProgress(n, i, NeededProgress(n, i), &progress); err.failure()) {
+          return err;
+        }
+        if (progress < NeededProgress(n, i)) continue;
+        if (problem.empty()) problem = deliver(n.spec.targets[i]);
+        phase[i] = 1;
+      }
+      if (phase[i] == 1) ready.push_back(i);
+    }
+    // Every delivery complete at its target before any stamp: one flush waits for them all.
+    if (!ready.empty()) {
+      RmaIssueStep issuing(n.comm);
+      const int rc = ready.size() == 1
+                         ? MPI_Win_flush(static_cast<int>(n.spec.targets[ready[0]]), n.slot_win)
+                         : MPI_Win_flush_all(n.slot_win);
+      if (rc != MPI_SUCCESS) return MpiError(rc, "osmm_reduce (notified): MPI_Win_flush");
+    }
+    for (size_t i : ready) {
+      const int64_t target = n.spec.targets[i];
+      const int64_t stamp = n.stamp | (abandoned ? kAbandoned : (problem.empty() ? 0 : kFailed));
+      if (ffi::Error err = WriteEntry(n, static_cast<int>(target), n.rank, stamp,
+                                      &state.stamps[static_cast<size_t>(target)],
+                                      "osmm_reduce (notified): MPI_Accumulate (stamp)");
+          err.failure()) {
+        return err;
+      }
+      GlobalCounters().notifications.fetch_add(1, std::memory_order_relaxed);
+      phase[i] = 2;
+      ++notified;
+    }
+    *progressed = *progressed || !ready.empty();
+    return ffi::Error::Success();
+  }
+};
+
+// Whether every origin of `round` has stamped this product: nothing to wait for any more
+// (*arrived), or the ranks are out of step (an error); *failed names an origin that failed.
+ffi::Error RoundArrived(const NotifiedReduce& n, SyncState& state,
+                        const std::vector<int64_t>& round, bool* arrived, std::string* failed) {
+  MPI_Win_sync(n.sync_win);
+  *arrived = true;
+  for (int64_t origin : round) {
+    const int64_t stamp = ReadEntry(n, origin);
+    const int64_t product = stamp >> kStampShift;
+    if (product < n.product) {
+      *arrived = false;
+      continue;
+    }
+    if (product != n.product || (stamp & ~int64_t{3}) != n.stamp) {
+      return Desynchronised(n.comm, "osmm_reduce (notified): rank " + std::to_string(n.rank) +
+                                        " runs its notified "
+                                        "product #" +
+                                        std::to_string(n.product) + " (id bits " +
+                                        std::to_string((n.stamp >> 2) & kIdMask) + ") but rank " +
+                                        std::to_string(origin) + " delivered for product #" +
+                                        std::to_string(product) + " (id bits " +
+                                        std::to_string((stamp >> 2) & kIdMask) + ")");
+    }
+    if ((stamp & kAbandoned) != 0) state.resync = true;  // the ranks start again next product
+    if ((stamp & kAbandoned) != 0 && failed->empty()) {
+      *failed = "osmm_reduce_finish: rank " + std::to_string(origin) +
+                " abandoned this product (an error stopped its program between the start and "
+                "the finish of the reduce; its own error says why); this rank's result would "
+                "be incomplete and was discarded. The next product runs normally.";
+    } else if ((stamp & kFailed) != 0 && failed->empty()) {
+      *failed = "osmm_reduce_finish: rank " + std::to_string(origin) +
+                " could not deliver its partials to this product (an error on that rank: its "
+                "own error says why); this rank's result would be incomplete and was discarded."
+                " The next product runs normally.";
+    }
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error FinishNotified(BufferOps& ops, NotifiedReduce& n,
+                          const std::function<std::string(int64_t)>& deliver,
+                          const std::string& problem, bool abandoned, ffi::DataType dtype,
+                          const void* local, void* out, int64_t elements, std::string* failure) {
+  SyncState& state = StateOf(n.comm, n.size);
+  if (abandoned) {
+    if (ffi::Error err = AnnounceAbandoned(n, state); err.failure()) return err;
+  }
+  Deliveries targets{n, state, deliver, problem, abandoned, {}, 0};
+  for (int s : n.target_state) targets.phase.push_back(s == 1 ? 1 : 0);
+  const std::vector<int64_t>& origins = n.spec.origins;
+  const size_t slots = static_cast<size_t>(n.spec.slots);
+  const bool above = !origins.empty() && origins.back() > n.rank;
+  OrderedSum sum(ops, dtype, local, out, n.slot_base, elements, above);
+  bool local_added = false;
+  size_t next_origin = 0;  // the first origin of the round being waited for
+  std::vector<int64_t> round;
+  const double start = MPI_Wtime();
+  PollWait wait(Step::kNotifyWait, n.comm, "osmm_reduce (notified): waiting for deliveries");
+  for (;;) {
+    bool progressed = false;
+    if (ffi::Error err = targets.Step(&progressed); err.failure()) return err;
+    bool arrived = next_origin >= origins.size();
+    if (!arrived) {
+      const size_t end = std::min(origins.size(), next_origin + slots);
+      round.assign(origins.begin() + next_origin, origins.begin() + end);
+      if (ffi::Error err = RoundArrived(n, state, round, &arrived, failure); err.failure())
+        return err;
+      if (arrived) {
+        MPI_Win_sync(n.slot_win);
+        for (size_t k = 0; k < round.size(); ++k) {
+          std::byte* slot = n.slot_base + (1 + (next_origin + k) % slots) * n.spec.slot_bytes;
+          if (out == nullptr) {
+            std::memset(slot, 0, static_cast<size_t>(elements) * ffi::ByteWidth(dtype));
+            continue;
+          }
+          if (!local_added && round[k] > n.rank) {
+            local_added = true;
+            if (ffi::Error err = sum.AddLocal(); err.failure()) return err;
+          }
+          if (ffi::Error err = sum.AddSlot(slot); err.failure()) return err;
+        }
+        MPI_Win_sync(n.slot_win);
+        next_origin = end;
+        const int64_t rounds = static_cast<int64_t>((next_origin + slots - 1) / slots);
+        std::vector<int64_t> next(origins.begin() + end,
+                                  origins.begin() + std::min(origins.size(), end + slots));
+        if (ffi::Error err = Advance(n, state, (n.product - 1) * kNotifyRoundScale + rounds, next);
+            err.failure()) {
+          return err;
+        }
+        progressed = true;
+      }
+    }
+    if (next_origin >= origins.size() && targets.notified == targets.phase.size()) break;
+    if (!progressed && NoticeGeneration(n) > state.generation) {
+      // A product was abandoned: some of what this one waits for will never come.
+      if (failure->empty()) *failure = VoidedBy(n);
+      state.resync = true;
+      return ffi::Error::Success();
+    }
+    if (!progressed) {
+      int flag = 0;  // drives MPI's progress engine (the origins' operations into this rank)
+      MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, n.comm, &flag, MPI_STATUS_IGNORE);
+      if (ffi::Error err = wait.Idle(); err.failure()) return err;
+    }
+  }
+  GlobalCounters().notify_wait_ns.fetch_add(static_cast<int64_t>((MPI_Wtime() - start) * 1e9),
+                                            std::memory_order_relaxed);
+  if (out != nullptr && !local_added) {
+    if (ffi::Error err = sum.AddLocal(); err.failure()) return err;
+  }
+  if (ffi::Error err = Advance(n, state, n.product * kNotifyRoundScale, origins); err.failure()) {
+    return err;
+  }
+  if (!targets.problem.empty() && failure->empty()) *failure = targets.problem;
+  return ffi::Error::Success();
+}
+
+}  // namespace osmm
