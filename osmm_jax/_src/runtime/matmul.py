@@ -253,32 +253,22 @@ def _check_inputs(a_local, b_local, plan: Plan, rank: int):
 
 
 def _forward(plan: Plan, options: _Options, a, b):
-    rank = communicators.comm_for_key(plan.comm_key).Get_rank()
-    return _batchable_forward(plan, options, _traced_settings(rank))(a, b)
+    return _batchable_forward(plan, options)(a, b)
 
 
-def _traced_settings(rank: int) -> tuple:
-    """What the forward product reads from process state while it is traced, besides its
-    options: a test's injected fault, whether metrics count products, and which all-reduce
-    serves the baseline and the checksums. Part of :func:`_batchable_forward`'s key, because
-    jax 0.12 (not 0.6.2) reuses a custom_vmap function's trace for as long as it lives."""
-    return (
-        checksum.injected_fault(rank),
-        metrics.enabled(),
-        config.allreduce_implementation(HAVE_MPI4JAX),
-    )
-
-
-@functools.lru_cache(maxsize=512)
-def _batchable_forward(plan: Plan, options: _Options, settings: tuple):
-    """The forward product of ``plan``, with a vmap rule that loops over the batch; ``settings``
-    (:func:`_traced_settings`) only keys the cache.
+def _batchable_forward(plan: Plan, options: _Options):
+    """The forward product of ``plan``, with a vmap rule that loops over the batch.
 
     Every rank must issue the same MPI operations in the same order. Under a
     plain vmap, whether an intermediate is batched can differ between ranks (a
     rank with an empty block has nothing batched to send), so each rank would
     issue a different number of collectives. Looping over the batch instead
     runs ``axis_size`` complete products, identically on every rank.
+
+    A new function on every call, never cached: jax 0.12 (not 0.6.2) reuses a custom_vmap
+    function's trace for as long as the function lives, and the product's trace reads process
+    state (a test's injected fault, whether metrics count products, ``OSMM_ALLREDUCE``,
+    whether a replicated C is staged) that must be read again whenever the caller is traced.
     """
     rank = communicators.comm_for_key(plan.comm_key).Get_rank()
     if options.method == "allreduce":
