@@ -19,6 +19,7 @@
 # run as built. JAX_VERSION=v installs jax==v and jaxlib==v first, as a user who has JAX already,
 # and osmm_jax's install must keep them (checked). PYTHON: the interpreter of the venv (default
 # python3).
+# USER_CHECK=1 goes on to the Flax layers and two notebooks in the same venv (see the end).
 # MPIEXEC_FLAGS: what that MPI's mpiexec needs here (Open MPI as root: --oversubscribe
 # --allow-run-as-root).
 # Logs: OUT/install.log, OUT/report.txt, OUT/smoke-N.log. Exits non-zero on any failure.
@@ -103,3 +104,33 @@ for ranks in 2 3; do
   fi
   tail -1 "$out/smoke-$ranks.log" | sed "s/^/$ranks ranks: /"
 done
+
+# USER_CHECK=1: what a user does next, in the same venv: the Flax layers (examples/train_mlp.py
+# on 3 ranks, checked against one process) and two notebooks run headless (01_quickstart, MPI
+# engines from a kernel; 03_training, Flax), with the packages they need installed without
+# touching jax (checked again). The Flax layers need flax >= 0.12, hence jax >= 0.7.1: on an
+# older jax only the first notebook runs, and the script says so.
+[ "${USER_CHECK:-0}" = 1 ] || exit 0
+jax_version=$("$out/venv/bin/python" -c 'import jax; print(jax.__version__)')
+jax_pin=("jax==$jax_version" "jaxlib==$jax_version")
+flax=$("$out/venv/bin/python" -c 'import jax; print(int(jax.__version_info__ >= (0, 7, 1)))')
+extras=(pytest ipyparallel ipykernel nbclient nbformat "matplotlib>=3.7")
+notebooks=01_quickstart
+if [ "$flax" = 1 ]; then
+  extras+=("flax>=0.12" optax)
+  notebooks="01_quickstart or 03_training"
+fi
+"$out/venv/bin/pip" install --disable-pip-version-check -q "${extras[@]}" "${jax_pin[@]}" \
+  >"$out/user-install.log" 2>&1 || { tail -20 "$out/user-install.log"; echo "installing what the examples need: FAILED"; exit 1; }
+if [ "$flax" = 1 ]; then
+  run /usr/bin/timeout 600 mpiexec ${MPIEXEC_FLAGS:-} -n 3 python "$repo/examples/train_mlp.py" \
+    >"$out/train_mlp.log" 2>&1 || { tail -30 "$out/train_mlp.log"; echo "examples/train_mlp.py on 3 ranks: FAILED"; exit 1; }
+  echo "examples/train_mlp.py on 3 ranks: $(grep -ai 'agree\|match\|passed\|ok' "$out/train_mlp.log" | tail -1)"
+else
+  echo "the Flax layers need jax >= 0.7.1 (flax >= 0.12): skipped on jax $jax_version"
+fi
+run /usr/bin/timeout 900 python -m pytest -q -p no:cacheprovider "$repo/tests/system/test_notebooks.py" \
+  -k "$notebooks" >"$out/notebooks.log" 2>&1 || { tail -30 "$out/notebooks.log"; echo "notebooks: FAILED"; exit 1; }
+echo "notebooks ($notebooks): $(tail -1 "$out/notebooks.log")"
+kept=$("$out/venv/bin/python" -c 'import jax; print(jax.__version__)')
+[ "$kept" = "$jax_version" ] || { echo "installing the examples' packages moved jax from $jax_version to $kept"; exit 1; }
