@@ -378,8 +378,9 @@ dist:
 	tools/build_dist.sh $(DIST_DIR) $(VENV) $(VENV:.venv%=.venv-openmpi%) $(DIST_PYTHONS)
 
 # The wheel for a Python: its own (cp310, cp311) or the stable-ABI one (cp312-abi3).
-dist_wheel = $$(ls $(DIST_DIR)/osmm_jax-*-cp$(subst .,,$(1))-cp$(subst .,,$(1))-*.whl \
-	$(DIST_DIR)/osmm_jax-*-cp3*-abi3-*.whl 2>/dev/null | head -1)
+# $(1): a shell expression giving the version (3.12).
+dist_wheel = $$(tag=cp$$(echo $(1) | tr -d .); ls $(DIST_DIR)/osmm_jax-*-$$tag-$$tag-*.whl 2>/dev/null \
+	|| ls $(DIST_DIR)/osmm_jax-*-cp3*-abi3-*.whl 2>/dev/null | head -1)
 test-dist:
 	@set -e; for py in $(DIST_TEST_PYTHONS); do \
 	  wheel=$(call dist_wheel,$$py); \
