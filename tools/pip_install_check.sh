@@ -114,7 +114,7 @@ done
 jax_version=$("$out/venv/bin/python" -c 'import jax; print(jax.__version__)')
 jax_pin=("jax==$jax_version" "jaxlib==$jax_version")
 flax=$("$out/venv/bin/python" -c 'import jax; print(int(jax.__version_info__ >= (0, 7, 1)))')
-extras=(pytest ipyparallel ipykernel nbclient nbformat "matplotlib>=3.7")
+extras=(pytest pytest-timeout ipyparallel ipykernel nbclient nbformat "matplotlib>=3.7")
 notebooks=01_quickstart
 if [ "$flax" = 1 ]; then
   extras+=("flax>=0.12" optax)
