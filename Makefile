@@ -265,8 +265,6 @@ endif
 demo: install
 	$(MPIEXEC) -n $(DEMO_RANKS) $(PY) examples/ffn_demo.py
 
-test: test-serial test-mpi $(OLDEST_CHECK)
-
 # The other end of the supported range, in make test: `pip install` of this checkout (build
 # isolation, as a user) into a fresh venv on the oldest supported Python this machine has, with
 # the oldest supported jax/jaxlib installed first and kept, then the environment report and the
@@ -275,6 +273,10 @@ OLDEST_PYTHON ?= $(shell tools/find_python.sh $(call reverse,$(SUPPORTED_PYTHONS
 OLDEST_JAX ?= 0.6.2
 # make test's last step (empty: none; test-matrix's cells leave it out).
 OLDEST_CHECK ?= test-oldest
+
+# After OLDEST_CHECK: a rule's prerequisites are read where the rule stands.
+test: test-serial test-mpi $(OLDEST_CHECK)
+
 .PHONY: test-oldest
 test-oldest:
 	PYTHON=$(OLDEST_PYTHON) JAX_VERSION=$(OLDEST_JAX) tools/pip_install_check.sh build/oldest-check
