@@ -6,11 +6,11 @@ names below are not public and may move in any release. Nothing else in osmm_jax
 so a JAX that moved one fails at ``import osmm_jax`` with one ImportError naming the name and
 the releases osmm_jax was tested on, not with an AttributeError deep inside a trace.
 
-Where a public equivalent exists in the JAX running, it is used instead (``jax.ffi``'s
-abstract token, ``jax.extend.core.Effect``, both public from jax 0.7); the private name is
-then only the older releases' fallback. What stays private, and why no public API serves
-(tests/test_compat.py checks, on every JAX of the test matrix, that each still means what
-osmm_jax assumes):
+Where a public equivalent exists in the JAX running, it is used instead
+(``jax.extend.core.Effect``, public from jax 0.10; ``jax.ffi.abstract_token``, from 0.11);
+the private name is then only the older releases' fallback. What stays private, and why no
+public API serves (tests/test_compat.py checks, on every JAX of the test matrix, that each
+still means what osmm_jax assumes):
 
 * the ordered-effect registries (``effects.ordered_effects`` and three more): JAX has no public
   way to declare an effect *ordered*. ``jax.ffi.ffi_call(has_side_effect=True)`` only keeps a
@@ -66,8 +66,9 @@ def _require(path: str, package: str = "jax", tested: tuple[str, str] = TESTED_J
         return found
     except (ImportError, AttributeError) as err:
         installed = importlib.import_module(package).__version__
+        name = path.replace(":", ".")
         raise ImportError(
-            f"osmm_jax needs {path.replace(':', '.')}, which {package} {installed} does not have: osmm_jax is "
+            f"osmm_jax needs {name}, which {package} {installed} does not have: osmm_jax is "
             f"tested with {package} {tested[0]} to {tested[1]}. Install one of those "
             f"(pip install '{package}>={tested[0]},<={tested[1]}'), or an osmm_jax release "
             f"that supports {package} {installed}."

@@ -58,7 +58,7 @@ except ImportError as err:  # pragma: no cover - depends on the build
 
 _log = get_logger(__name__)
 
-# -- the transfer-record format (defined once, in xla_ffi/core/records.h) ------------------------
+# -- the transfer-record format (defined once, in xla_ffi/core/records.h) --------------------------
 
 RECORD_FIELDS: tuple[str, ...] = tuple(_osmm_ffi.RECORD_FIELDS)
 """The fields of one transfer record, in order: ``kind, target, offset, rows, cols, row0,
@@ -193,7 +193,7 @@ def free_windows() -> None:
         MODULES["cuda"].free_staging()
 
 
-# -- MPI progress during reduce epochs (xla_ffi/protocols/issuer.h) ---------------------------------------
+# -- MPI progress during reduce epochs (xla_ffi/protocols/issuer.h) --------------------------------
 
 
 def set_progress(mode: str, interval_us: int | None = None) -> None:
@@ -219,7 +219,7 @@ def progress_settings() -> tuple[str, int]:
 # From the environment at import (OSMM_PROGRESS, OSMM_PROGRESS_INTERVAL_US).
 set_progress(config.progress_mode(), config.progress_interval_us())
 
-# -- the watchdog (xla_ffi/watchdog/watchdog.h) ----------------------------------------------------------
+# -- the watchdog (xla_ffi/watchdog/watchdog.h) ----------------------------------------------------
 
 
 def set_watchdog(timeout_seconds: float, raise_error: bool) -> None:
