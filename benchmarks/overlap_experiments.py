@@ -39,6 +39,7 @@ from benchmarks.overlap_probe import (
     thunk_spans,
     trace_events,
     traced,
+    wall_times,
 )
 
 
@@ -150,12 +151,7 @@ def probe_blocked(args) -> None:
             f.write(text)
         jax.block_until_ready(fn(*operands))  # compile, warm up
         jax.effects_barrier()
-        times = []
-        for _ in range(args.repeats):
-            COMM.Barrier()
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*operands))
-            times.append(time.perf_counter() - t0)
+        times = wall_times(fn, operands, args.repeats, barrier=True)
         jax.effects_barrier()
         logdir = os.path.join(out, f"trace_{tag}")
         traced(fn, operands, logdir, 2)
@@ -255,11 +251,7 @@ def probe_async(args) -> None:
         operands = (x, g, smalls)
         text = fn.lower(*operands).compile().as_text()
         jax.block_until_ready(fn(*operands))
-        times = []
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(*operands))
-            times.append(time.perf_counter() - t0)
+        times = wall_times(fn, operands, args.repeats)
         tag = name.replace("/", "_")
         logdir = os.path.join(out, f"trace_{tag}")
         traced(fn, operands, logdir, 1)
@@ -307,12 +299,7 @@ def probe_effects(args) -> None:
             text = fn.lower(x, smalls).compile().as_text()
             jax.block_until_ready(fn(x, smalls))
             jax.effects_barrier()
-            times = []
-            for _ in range(args.repeats):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(x, smalls))
-                jax.effects_barrier()
-                times.append(time.perf_counter() - t0)
+            times = wall_times(fn, (x, smalls), args.repeats, after=jax.effects_barrier)
             name = f"ordered={ordered} padded={pad}"
             results[name] = {
                 "median": float(np.median(times)),

@@ -219,6 +219,21 @@ def traced(fn, args, logdir: str, repeats: int):
 # -- probes ------------------------------------------------------------------------------------
 
 
+def wall_times(fn, operands, repeats: int, barrier: bool = False, after=None) -> list[float]:
+    """Seconds of ``repeats`` calls of ``fn(*operands)`` to their results, each after a barrier
+    of every rank (``barrier``) and, inside the timing, followed by ``after()`` if given."""
+    times = []
+    for _ in range(repeats):
+        if barrier:
+            COMM.Barrier()
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*operands))
+        if after is not None:
+            after()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def probe_hlo(args) -> None:
     step, step_args = mlp_step(args.batch, args.width)
     lowered = step.lower(*step_args)
@@ -273,12 +288,7 @@ def probe_timeline(args) -> None:
     out = os.path.join(args.out, f"rank{RANK}")
     os.makedirs(out, exist_ok=True)
     before = om.stats()
-    times = []
-    for _ in range(args.repeats):
-        COMM.Barrier()
-        t0 = time.perf_counter()
-        jax.block_until_ready(step(*step_args))
-        times.append(time.perf_counter() - t0)
+    times = wall_times(step, step_args, args.repeats, barrier=True)
     jax.effects_barrier()
     after = om.stats()
     logdir = os.path.join(out, "trace_step")
