@@ -183,6 +183,22 @@ def resolve_sync(sync: str | None, waiting_accumulates: bool = False) -> str:
     return sync
 
 
+DEFER = "OSMM_DEFER"
+"""Whether a notified product's finish is deferred (``1``/``0``, default ``0``): its
+deliveries start where its partials are ready, a native waiter thread waits for the other
+ranks' deliveries and sums them, and only what reads the product's result waits for it, so that
+a layer's gradient travels while the rest of the backward pass computes
+(benchmarks/results/overlap.md). Applies to products run in the notified mode on the CPU whose
+partials leave in one chunk (the pieces a rank keeps are then computed before they leave);
+chunked products finish in place. Each rank decides alone (ranks of one product may differ).
+The sums are the same, bit for bit."""
+
+
+def defer_finishes() -> bool:
+    """``OSMM_DEFER`` (see there): whether notified products defer their finish."""
+    return _flag(DEFER)
+
+
 ALLREDUCE = "OSMM_ALLREDUCE"
 """Which all-reduce sums inside a compiled program (the allreduce method, checksum
 verification): ``mpi4jax`` (mpi4jax.allreduce, the baseline osmm_jax is measured against),

@@ -260,6 +260,19 @@ ffi::Error AcquireWindow(MPI_Comm comm, WindowSlot slot, int64_t bytes, WindowLe
   return ffi::Error::Success();
 }
 
+bool WindowHolds(MPI_Comm comm, WindowSlot slot, int64_t bytes) {
+  Cache& cache = GlobalCache();
+  std::lock_guard<std::mutex> cache_lock(cache.mu);
+  const uint64_t key = CommKey(comm);
+  for (auto& e : cache.entries) {
+    if (e->comm_key == key && e->slot == slot && e->memory == nullptr) {
+      std::lock_guard<std::mutex> entry_lock(e->mu);
+      return e->win != MPI_WIN_NULL && e->bytes >= bytes;
+    }
+  }
+  return false;
+}
+
 void AddWindowReleaseHook(void (*hook)(std::byte* base, int64_t bytes)) {
   Cache& cache = GlobalCache();
   std::lock_guard<std::mutex> lock(cache.mu);

@@ -109,6 +109,10 @@ class WindowLease {
 ffi::Error AcquireWindow(MPI_Comm comm, WindowSlot slot, int64_t bytes, WindowLease* lease,
                          WindowMemory* memory = nullptr);
 
+// Whether AcquireWindow(comm, slot, bytes) with host memory would return the window that
+// exists now, without creating or growing one (local).
+bool WindowHolds(MPI_Comm comm, WindowSlot slot, int64_t bytes);
+
 // One watched MPI_Win_fence (rma.h) on `win`, a window over `comm`, then, where its header
 // lives in a window of its own (`header_win` != `win`: device-memory windows), one on
 // `header_win` with the same assertion (an opening fence there adds MPI_MODE_NOPRECEDE: the

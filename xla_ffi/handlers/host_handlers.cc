@@ -1,66 +1,18 @@
-// The CPU platform: XLA:CPU buffers are host memory, so RMA reads and writes them directly
-// and every copy is a memcpy.
+// The CPU platform's handlers (HostBufferOps: host_buffer_ops.h).
 #include <cstring>
 
 #include "core/buffer_ops.h"
+#include "core/host_buffer_ops.h"
 #include "handlers/handlers.h"
 #include "handlers/signatures.h"
 #include "protocols/allreduce.h"
+#include "protocols/deferred.h"
 #include "protocols/fetch.h"
 #include "protocols/reduce.h"
 #include "watchdog/watchdog.h"
 
 namespace osmm {
 namespace {
-
-class HostBufferOps final : public BufferOps {
- public:
-  ffi::Error CopyToWindow(std::byte* dst, const void* src, int64_t bytes) override {
-    std::memcpy(dst, src, static_cast<size_t>(bytes));
-    return ffi::Error::Success();
-  }
-  ffi::Error RmaSource(uint64_t, const void* src, int64_t, int64_t,
-                       const std::byte** out) override {
-    *out = static_cast<const std::byte*>(src);
-    return ffi::Error::Success();
-  }
-  ffi::Error RmaDestination(uint64_t, void* dst, int64_t, std::byte** out) override {
-    *out = static_cast<std::byte*>(dst);
-    return ffi::Error::Success();
-  }
-  ffi::Error FinishRmaDestination(void*, const std::byte*, int64_t) override {
-    return ffi::Error::Success();
-  }
-  ffi::Error AddWindowInto(ffi::DataType dtype, const void* local, std::byte* window, void* out,
-                           int64_t n) override {
-    if (dtype == ffi::DataType::F32) {
-      AddAndClear(static_cast<const float*>(local), reinterpret_cast<float*>(window),
-                  static_cast<float*>(out), n);
-    } else {
-      AddAndClear(static_cast<const double*>(local), reinterpret_cast<double*>(window),
-                  static_cast<double*>(out), n);
-    }
-    return ffi::Error::Success();
-  }
-  ffi::Error WriteTicket(void* ticket, int32_t value) override {
-    *static_cast<int32_t*>(ticket) = value;
-    return ffi::Error::Success();
-  }
-  ffi::Error ZeroWindow(std::byte* window, int64_t bytes) override {
-    std::memset(window, 0, static_cast<size_t>(bytes));
-    return ffi::Error::Success();
-  }
-
- private:
-  // out = local + received, then received = 0.
-  template <typename T>
-  static void AddAndClear(const T* local, T* received, T* out, int64_t n) {
-    for (int64_t i = 0; i < n; ++i) {
-      out[i] = local[i] + received[i];
-      received[i] = T(0);
-    }
-  }
-};
 
 ffi::Error FetchHost(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Token,
                      ffi::Result<ffi::AnyBuffer> fetched, ffi::Result<ffi::Token>, int64_t comm,
@@ -78,6 +30,22 @@ ffi::Error ReduceStartHost(ffi::AnyBuffer chunk, ffi::Token, ffi::Result<ffi::An
   HostBufferOps ops;
   return ReduceStart(ops, chunk, ticket, comm, call_id, window_bytes, local_elements, overlap,
                      transfers, chunk_ends, chunk_sizes, notify);
+}
+
+ffi::Error ReduceStartDeferredHost(ffi::AnyBuffer chunk, ffi::AnyBuffer local, ffi::Token,
+                                   ffi::Result<ffi::AnyBuffer> ticket, ffi::Result<ffi::Token>,
+                                   int64_t comm, int64_t call_id, int64_t window_bytes,
+                                   int64_t local_elements, ffi::Span<const int64_t> transfers,
+                                   ffi::Span<const int64_t> chunk_ends,
+                                   ffi::Span<const int64_t> chunk_sizes,
+                                   ffi::Span<const int64_t> notify) {
+  HostBufferOps ops;
+  return ReduceStartDeferred(ops, chunk, local, ticket, comm, call_id, window_bytes, local_elements,
+                             transfers, chunk_ends, chunk_sizes, notify);
+}
+
+ffi::Future ReduceFinishDeferredHost(ffi::AnyBuffer ticket, ffi::Result<ffi::AnyBuffer> out) {
+  return CollectDeferred(ticket, out);
 }
 
 ffi::Error ReduceIssueHost(ffi::AnyBuffer chunk, ffi::Token, ffi::Result<ffi::AnyBuffer> ticket,
@@ -124,3 +92,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(OsmmReduceFinish, osmm::ReduceFinishHost,
                               osmm::ReduceFinishSignature(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(OsmmAllreduce, osmm::AllreduceHost,
                               osmm::AllreduceSignature(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsmmReduceStartDeferred, osmm::ReduceStartDeferredHost,
+                              osmm::ReduceStartDeferredSignature(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(OsmmReduceFinishDeferred, osmm::ReduceFinishDeferredHost,
+                              osmm::ReduceFinishDeferredSignature(xla::ffi::Ffi::Bind()));

@@ -15,6 +15,7 @@
 #include "core/windows.h"
 #include "handlers/handlers.h"
 #include "handlers/registrations.h"
+#include "protocols/deferred.h"
 #include "protocols/issuer.h"
 #include "watchdog/watchdog.h"
 
@@ -26,6 +27,8 @@ nb::dict Registrations() {
   nb::dict d = osmm::HandlerRegistrations(OsmmFetch, OsmmReduceStart, OsmmReduceIssue,
                                           OsmmReduceFinish, OsmmWatch);
   d["osmm_allreduce"] = osmm::EncapsulateHandler(OsmmAllreduce);
+  d["osmm_reduce_start_deferred"] = osmm::EncapsulateHandler(OsmmReduceStartDeferred);
+  d["osmm_reduce_finish_deferred"] = osmm::EncapsulateHandler(OsmmReduceFinishDeferred);
   return d;
 }
 
@@ -51,6 +54,7 @@ nb::dict Stats() {
   d["credit_pushes"] = c.credit_pushes.load();
   d["slot_window_bytes"] = c.slot_window_bytes.load();
   d["resyncs"] = c.resyncs.load();
+  d["deferred_reduces"] = c.deferred_reduces.load();
   d["progress_polls"] = osmm::ProgressPolls();
   d["windows"] = osmm::LiveWindowCount();
   d["window_bytes"] = osmm::LiveWindowBytes();
@@ -71,6 +75,7 @@ void FreeWindows() {
   {
     // Collective and possibly slow: let other Python threads run meanwhile.
     nb::gil_scoped_release release;
+    osmm::DrainAllDeferred();     // no deferred reduce may still use a window being freed
     osmm::GlobalIssuer().Stop();  // nothing may still be issuing into a window being freed
     osmm::StopProgress();         // nor polling a communicator being freed
     xla::ffi::Error err = osmm::FreeWindows();
@@ -160,6 +165,9 @@ NB_MODULE(OSMM_FFI_MODULE, m) {
   m.doc() = "Native layer of osmm_jax: XLA FFI handlers for one-sided MPI transfers.";
   m.def("registrations", &Registrations,
         "Dict of FFI target name -> capsule, for jax.ffi.register_ffi_target (cpu, api 1).");
+  m.def("drop_uncollected", &osmm::DropUncollected,
+        "Forget the results of deferred reduces whose finish did not run (their program failed "
+        "between the start and the finish); returns how many.");
   m.def("stats", &Stats,
         "This process's counters since start: rma_ops, rma_bytes, sent_bytes, accumulates, "
         "puts, gets, fences, calls (RMA epochs), agreements; closing_fence_seconds (time in reduce "

@@ -6,11 +6,14 @@
 //   osmm_reduce_start   (chunk 0, token) -> (ticket, token)
 //   osmm_reduce_issue   (chunk i, token) -> (ticket, token)
 //   osmm_reduce_finish  (local, token, every chunk...) -> (out, token)
+//   osmm_reduce_start_deferred   (chunk, local, token) -> (ticket, token)          (CPU only)
+//   osmm_reduce_finish_deferred  (ticket) -> out, asynchronous, no token          (CPU only)
 //   osmm_watch          (marker, token) -> (marker, token)
 //   osmm_allreduce      (x, token) -> (sum of x over the ranks, token)   (CPU only)
 //
 // The token is the ordered-effect token that XLA threads through them, so they run in program
-// order on every rank.
+// order on every rank. The deferred finish (deferred.h) is off that chain: its ticket links
+// it to its start, and it returns a future.
 #ifndef OSMM_JAX_XLA_FFI_SIGNATURES_H_
 #define OSMM_JAX_XLA_FFI_SIGNATURES_H_
 
@@ -80,6 +83,33 @@ auto ReduceFinishSignature(Binding&& binding) {
       .template Ret<ffi::AnyBuffer>()  // out
       .template Ret<ffi::Token>()      // ordering token out
       .template Attr<int64_t>("comm");
+}
+
+template <typename Binding>
+auto ReduceStartDeferredSignature(Binding&& binding) {
+  namespace ffi = xla::ffi;
+  return std::forward<Binding>(binding)
+      .template Arg<ffi::AnyBuffer>()  // chunk (the only one)
+      .template Arg<ffi::AnyBuffer>()  // this rank's whole local C block
+      .template Arg<ffi::Token>()      // ordering token in
+      .template Ret<ffi::AnyBuffer>()  // ticket
+      .template Ret<ffi::Token>()      // ordering token out
+      .template Attr<int64_t>("comm")
+      .template Attr<int64_t>("call_id")
+      .template Attr<int64_t>("window_bytes")
+      .template Attr<int64_t>("local_elements")
+      .template Attr<ffi::Span<const int64_t>>("transfers")
+      .template Attr<ffi::Span<const int64_t>>("chunk_ends")
+      .template Attr<ffi::Span<const int64_t>>("chunk_sizes")
+      .template Attr<ffi::Span<const int64_t>>("notify");
+}
+
+template <typename Binding>
+auto ReduceFinishDeferredSignature(Binding&& binding) {
+  namespace ffi = xla::ffi;
+  return std::forward<Binding>(binding)
+      .template Arg<ffi::AnyBuffer>()   // ticket
+      .template Ret<ffi::AnyBuffer>();  // out
 }
 
 // Brackets a collective that osmm_jax does not issue itself (begin = 1, then 0): see Watch in

@@ -9,6 +9,7 @@
 #include "core/records.h"
 #include "core/rma.h"
 #include "core/windows.h"
+#include "protocols/deferred.h"
 #include "protocols/reduce.h"
 #include "watchdog/watchdog.h"
 
@@ -96,6 +97,7 @@ ffi::Error Fetch(BufferOps& ops, ffi::AnyBuffer a, ffi::AnyBuffer b,
       err.failure()) {
     return err;
   }
+  DrainDeferred(private_comm);  // the fetch's fences must not meet a waiter's RMA calls
 
   // Every rank accepted its inputs: expose, then one fence epoch of gets.
   WindowLease lease;

@@ -1,6 +1,7 @@
 #include "protocols/notify.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -8,6 +9,7 @@
 
 #include "core/counters.h"
 #include "core/windows.h"
+#include "protocols/deferred.h"
 #include "watchdog/watchdog.h"
 
 namespace osmm {
@@ -27,8 +29,10 @@ struct SyncState {
   uint64_t key = 0;
   uint64_t window = 0;  // the sync window's generation (windows.h) the state belongs to
   int64_t products = 0;
-  int64_t generation = 0;        // how many times the ranks started again together (Resync)
-  bool resync = false;           // failed a product for an abandonment: start again at the next
+  int64_t generation = 0;  // how many times the ranks started again together (Resync)
+  // Failed a product for an abandonment: start again at the next. Atomic: a communicator's
+  // waiter (deferred.h) sets it while its next start may read it.
+  std::atomic<bool> resync{false};
   std::vector<int64_t> stamps;   // per target rank
   std::vector<int64_t> credits;  // per origin rank
   int64_t own = 0;               // this rank's own progress, written into its window
@@ -277,6 +281,11 @@ ffi::Error OpenNotified(BufferOps& ops, MPI_Comm comm, const NotifySpec& spec, i
   MPI_Comm_rank(comm, &out->rank);
   MPI_Comm_size(comm, &out->size);
   int64_t slot_bytes = 0;  // of the whole slots window
+  const int64_t sync_bytes = (2 * int64_t{out->size} + 2) * 8;
+  if (!WindowHolds(comm, WindowSlot::kSlots, window_bytes) ||
+      !WindowHolds(comm, WindowSlot::kSync, sync_bytes)) {
+    DrainDeferred(comm);  // the waiter may not use a window being replaced
+  }
   {
     WindowLease lease;
     if (ffi::Error err = AcquireWindow(comm, WindowSlot::kSlots, window_bytes, &lease);
@@ -292,8 +301,7 @@ ffi::Error OpenNotified(BufferOps& ops, MPI_Comm comm, const NotifySpec& spec, i
   }
   {
     WindowLease lease;
-    if (ffi::Error err =
-            AcquireWindow(comm, WindowSlot::kSync, (2 * int64_t{out->size} + 2) * 8, &lease);
+    if (ffi::Error err = AcquireWindow(comm, WindowSlot::kSync, sync_bytes, &lease);
         err.failure()) {
       return err;
     }
@@ -317,7 +325,8 @@ ffi::Error OpenNotified(BufferOps& ops, MPI_Comm comm, const NotifySpec& spec, i
   if (state.resync || NoticeGeneration(*out) > state.generation) {
     // A rank that hears of the abandonment only now has not failed a product for it yet:
     // this one, which the others do not run, is its failure.
-    const bool failed_already = state.resync;
+    DrainDeferred(comm);  // nothing of the waiter's may run while the slots are cleared
+    const bool failed_already = state.resync;  // a deferred reduce may have failed for it
     if (ffi::Error err = Resync(*out, state, slot_bytes); err.failure()) return err;
     if (!failed_already) return ffi::Error::Internal(VoidedBy(*out));
   }
@@ -462,7 +471,8 @@ ffi::Error FinishNotified(BufferOps& ops, NotifiedReduce& n,
   size_t next_origin = 0;  // the first origin of the round being waited for
   std::vector<int64_t> round;
   const double start = MPI_Wtime();
-  PollWait wait(Step::kNotifyWait, n.comm, "osmm_reduce (notified): waiting for deliveries");
+  PollWait wait(Step::kNotifyWait, n.comm, "osmm_reduce (notified): waiting for deliveries",
+                n.background);
   for (;;) {
     bool progressed = false;
     if (ffi::Error err = targets.Step(&progressed); err.failure()) return err;

@@ -116,6 +116,7 @@ struct NotifiedReduce {
   int64_t* sync_base = nullptr;
   std::vector<int> target_state;  // per spec.targets entry: 0 undecided, 1 issuing, 2 deferred
   std::vector<double> last_read;  // per target: when its progress was last read remotely
+  bool background = false;        // finished by a waiter beside the computation (deferred.h)
 };
 
 // Opens a notified reduce on `comm` (a private communicator; collective only when a window

@@ -14,51 +14,14 @@
 #include "core/records.h"
 #include "core/rma.h"
 #include "core/windows.h"
+#include "protocols/deferred.h"
 #include "protocols/issuer.h"
 #include "protocols/notify.h"
+#include "protocols/reduce_epoch.h"
 #include "watchdog/watchdog.h"
 
 namespace osmm {
 namespace {
-
-// One open reduce epoch per private communicator, from its start to its finish. The ordered
-// token chain runs a communicator's start, issues and finish strictly in program order, so an
-// epoch is never touched by two calls at once; `mu` only guards the table itself.
-struct ReduceEpoch {
-  uint64_t key = 0;  // CommKey of the user's communicator
-  MPI_Comm private_comm = MPI_COMM_NULL;
-  MPI_Win win = MPI_WIN_NULL;
-  std::byte* window_base = nullptr;
-  int64_t window_bytes = 0;
-  ffi::DataType dtype = ffi::DataType::F32;
-  MPI_Datatype mpi_type = MPI_DATATYPE_NULL;
-  int64_t itemsize = 0;
-  int64_t local_elements = 0;
-  bool async = false;
-  bool progress = false;              // the progress poller runs for this epoch (issuer.h)
-  bool slot_puts = false;             // notified: accumulates into slots sent as puts
-  std::vector<Record> records;        // every chunk's records, chunk by chunk
-  std::vector<int64_t> chunk_ends;    // records of chunk i: [chunk_ends[i-1], chunk_ends[i])
-  std::vector<int64_t> chunk_sizes;   // elements of each chunk's buffer
-  std::vector<int64_t> chunk_starts;  // byte offset of each chunk in the chunk staging
-  int64_t next_chunk = 0;
-  std::string problem;  // a local inconsistency found after the epoch opened
-  double start_time = 0.0;
-  int rank = 0;
-  int size = 1;
-  int64_t call_id = 0;
-  int64_t number = 0;                 // this call's number on this rank (watchdog.h)
-  int64_t* header = nullptr;          // the window's header (WindowHeader)
-  MPI_Win header_win = MPI_WIN_NULL;  // the window holding it (windows.h)
-  MPI_Aint header_disp = 0;           // and its byte displacement there
-  int64_t peer[2] = {0, 0};           // the next rank's header: its call id and number
-  int peer_rc = MPI_SUCCESS;          // MPI_Get of `peer`; not issued: peer[0] stays call_id
-  // The notified mode (notify.h), or null for the fence mode. Deliveries whose slot was not
-  // free when their chunk was issued wait in `deferred` (chunk, record) for the finish.
-  std::unique_ptr<NotifiedReduce> notified;
-  std::vector<std::pair<int64_t, int64_t>> deferred;
-  std::vector<const std::byte*> chunk_data;  // each issued chunk's RMA memory
-};
 
 struct EpochTable {
   std::mutex mu;
@@ -162,38 +125,6 @@ std::string IssueRecord(const ReduceEpoch& epoch, int64_t i, const std::byte* ch
   return std::string();
 }
 
-// Issues one chunk's accumulates and puts from `chunk` (RMA memory holding its contents); in
-// the notified mode, those to a target whose slot is not free yet are deferred to the finish.
-// Returns an empty string, or which MPI call failed.
-std::string IssueChunk(ReduceEpoch& epoch, int64_t index, const std::byte* chunk) {
-  const int64_t first = index == 0 ? 0 : epoch.chunk_ends[index - 1];
-  const int64_t last = epoch.chunk_ends[index];
-  if (epoch.notified != nullptr) epoch.chunk_data[index] = chunk;
-  for (int64_t i = first; i < last; ++i) {
-    if (epoch.notified != nullptr && !MayDeliverNow(*epoch.notified, epoch.records[i].target)) {
-      epoch.deferred.emplace_back(index, i);
-      continue;
-    }
-    if (std::string problem = IssueRecord(epoch, i, chunk); !problem.empty()) return problem;
-  }
-  return std::string();
-}
-
-// The finish of a notified reduce (or the close of an abandoned one: `out` null).
-ffi::Error FinishNotifiedEpoch(BufferOps& ops, ReduceEpoch* epoch, const std::string& problem,
-                               bool abandoned, const void* local, void* out, std::string* failure) {
-  auto deliver = [epoch](int64_t target) {
-    for (const auto& [chunk, record] : epoch->deferred) {
-      if (epoch->records[record].target != target) continue;
-      std::string problem = IssueRecord(*epoch, record, epoch->chunk_data[chunk]);
-      if (!problem.empty()) return problem;
-    }
-    return std::string();
-  };
-  return FinishNotified(ops, *epoch->notified, deliver, problem, abandoned, epoch->dtype, local,
-                        out, epoch->local_elements, failure);
-}
-
 // Hands chunk `index` to the issuer thread (async epochs) or issues it now. Returns an empty
 // string, or what failed (synchronous issue only; the issuer reports at Drain).
 std::string SubmitChunk(BufferOps& ops, ReduceEpoch* epoch, int64_t index,
@@ -247,7 +178,39 @@ ffi::Error OpenFenceEpoch(BufferOps& ops, MPI_Comm private_comm, int64_t window_
 
 }  // namespace
 
-ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::AnyBuffer> ticket,
+std::string IssueChunk(ReduceEpoch& epoch, int64_t index, const std::byte* chunk) {
+  const int64_t first = index == 0 ? 0 : epoch.chunk_ends[index - 1];
+  const int64_t last = epoch.chunk_ends[index];
+  if (epoch.notified != nullptr) epoch.chunk_data[index] = chunk;
+  for (int64_t i = first; i < last; ++i) {
+    if (epoch.notified != nullptr && !MayDeliverNow(*epoch.notified, epoch.records[i].target)) {
+      epoch.deferred.emplace_back(index, i);
+      continue;
+    }
+    if (std::string problem = IssueRecord(epoch, i, chunk); !problem.empty()) return problem;
+  }
+  return std::string();
+}
+
+ffi::Error FinishNotifiedEpoch(BufferOps& ops, ReduceEpoch* epoch, const std::string& problem,
+                               bool abandoned, const void* local, void* out, std::string* failure) {
+  auto deliver = [epoch](int64_t target) {
+    for (const auto& [chunk, record] : epoch->deferred) {
+      if (epoch->records[record].target != target) continue;
+      std::string problem = IssueRecord(*epoch, record, epoch->chunk_data[chunk]);
+      if (!problem.empty()) return problem;
+    }
+    return std::string();
+  };
+  return FinishNotified(ops, *epoch->notified, deliver, problem, abandoned, epoch->dtype, local,
+                        out, epoch->local_elements, failure);
+}
+
+namespace {
+
+// osmm_reduce_start, or with `deferred_local` (this rank's whole C block) its deferred form.
+ffi::Error StartReduce(BufferOps& ops, const ffi::AnyBuffer& chunk,
+                       const ffi::AnyBuffer* deferred_local, ffi::Result<ffi::AnyBuffer> ticket,
                        int64_t comm_handle, int64_t call_id, int64_t window_bytes,
                        int64_t local_elements, int64_t overlap, ffi::Span<const int64_t> transfers,
                        ffi::Span<const int64_t> chunk_ends, ffi::Span<const int64_t> chunk_sizes,
@@ -295,6 +258,14 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
           "the notified mode needs host windows, not device memory (CUDA-aware MPI): use "
           "OSMM_SYNC=fence";
     }
+  }
+  if (problem.empty() && deferred_local != nullptr &&
+      (!spec.enabled() || chunk_sizes.size() != 1 || overlap != 0 ||
+       deferred_local->element_type() != dtype ||
+       static_cast<int64_t>(deferred_local->element_count()) != local_elements)) {
+    problem =
+        "a deferred reduce needs the notified mode, one chunk sent from the calling thread and "
+        "this rank's whole C block";
   }
   // A notified record must fit its slot, and go to a target the spec names.
   const int64_t record_window = spec.enabled() ? spec.slot_bytes : window_bytes;
@@ -345,13 +316,15 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
                                  .Add(chunk_sizes)
                                  .Add(memory_kind)
                                  .Add(notify)
-                                 .value();
+                                 .value();  // not whether it defers: ranks decide alone
   if (ffi::Error err = Agree(call.comm, "osmm_reduce_start", call_id, problem,
                              {{"window_bytes", window_bytes}, {"window memory kind", memory_kind}},
                              signature, &private_comm);
       err.failure()) {
     return err;
   }
+  // The communicator's deferred reduces share its windows and notification state.
+  if (deferred_local == nullptr) DrainDeferred(private_comm);
 
   // Every rank accepted its records.
   MPI_Comm_rank(private_comm, &epoch.rank);
@@ -402,6 +375,12 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
   }
   epoch.start_time = MPI_Wtime();
   epoch.next_chunk = 1;
+  if (deferred_local != nullptr) {
+    // The waiter drives MPI's progress itself while it waits.
+    if (local.failure()) epoch.problem = local.message();
+    return DeferReduce(ops, std::make_unique<ReduceEpoch>(std::move(epoch)), chunk, *deferred_local,
+                       ticket);
+  }
   epoch.progress = call.size > 1 && WantsProgress(CommUsesNetwork(private_comm));
   ReduceEpoch* open = nullptr;
   {
@@ -426,6 +405,28 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
     }
   }
   return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::AnyBuffer> ticket,
+                       int64_t comm_handle, int64_t call_id, int64_t window_bytes,
+                       int64_t local_elements, int64_t overlap, ffi::Span<const int64_t> transfers,
+                       ffi::Span<const int64_t> chunk_ends, ffi::Span<const int64_t> chunk_sizes,
+                       ffi::Span<const int64_t> notify) {
+  return StartReduce(ops, chunk, nullptr, ticket, comm_handle, call_id, window_bytes,
+                     local_elements, overlap, transfers, chunk_ends, chunk_sizes, notify);
+}
+
+ffi::Error ReduceStartDeferred(BufferOps& ops, ffi::AnyBuffer chunk, ffi::AnyBuffer local,
+                               ffi::Result<ffi::AnyBuffer> ticket, int64_t comm_handle,
+                               int64_t call_id, int64_t window_bytes, int64_t local_elements,
+                               ffi::Span<const int64_t> transfers,
+                               ffi::Span<const int64_t> chunk_ends,
+                               ffi::Span<const int64_t> chunk_sizes,
+                               ffi::Span<const int64_t> notify) {
+  return StartReduce(ops, chunk, &local, ticket, comm_handle, call_id, window_bytes, local_elements,
+                     0, transfers, chunk_ends, chunk_sizes, notify);
 }
 
 ffi::Error ReduceIssue(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::AnyBuffer> ticket,

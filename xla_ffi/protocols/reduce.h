@@ -27,6 +27,17 @@ ffi::Error ReduceStart(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
                        ffi::Span<const int64_t> chunk_ends, ffi::Span<const int64_t> chunk_sizes,
                        ffi::Span<const int64_t> notify);
 
+// The deferred form (deferred.h): a notified reduce of one chunk, with this rank's whole C
+// block `local` (complete at the start), finished by its communicator's waiter; the ticket
+// names it to osmm_reduce_finish_deferred (CollectDeferred).
+ffi::Error ReduceStartDeferred(BufferOps& ops, ffi::AnyBuffer chunk, ffi::AnyBuffer local,
+                               ffi::Result<ffi::AnyBuffer> ticket, int64_t comm_handle,
+                               int64_t call_id, int64_t window_bytes, int64_t local_elements,
+                               ffi::Span<const int64_t> transfers,
+                               ffi::Span<const int64_t> chunk_ends,
+                               ffi::Span<const int64_t> chunk_sizes,
+                               ffi::Span<const int64_t> notify);
+
 ffi::Error ReduceIssue(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::AnyBuffer> ticket,
                        int64_t comm_handle, int64_t index);
 

@@ -181,8 +181,11 @@ WatchdogSettings GetWatchdogSettings() {
   return WatchdogSettings{static_cast<double>(s.timeout_ns.load()) * 1e-9, s.raise.load()};
 }
 
-PollWait::PollWait(Step step, MPI_Comm comm, const char* what)
-    : comm_(comm), what_(what), bounded_(Global().raise.load() && Global().timeout_ns.load() > 0) {
+PollWait::PollWait(Step step, MPI_Comm comm, const char* what, bool background)
+    : comm_(comm),
+      what_(what),
+      bounded_(Global().raise.load() && Global().timeout_ns.load() > 0),
+      yield_spins_(background ? kYieldSpins / 10 : kYieldSpins) {
   EnterStep(step, comm, bounded_);
   start_ns_ = MonotonicNs();
   next_look_ns_ = start_ns_ + kFailureLookNs;
@@ -214,7 +217,7 @@ ffi::Error PollWait::Idle() {
   }
   // Yield first (a rank waited for may need this core), then sleep: a waiting rank must not
   // starve the ranks it waits for when ranks outnumber cores.
-  if (spins_ > kYieldSpins) {
+  if (spins_ > yield_spins_) {
     std::this_thread::sleep_for(std::chrono::microseconds(kSleepMicros));
   } else {
     std::this_thread::yield();

@@ -144,7 +144,9 @@ class RmaIssueStep {
 // mode the watchdog thread bounds the step.
 class PollWait {
  public:
-  PollWait(Step step, MPI_Comm comm, const char* what);
+  // `background`: the wait runs beside the program's computation (a deferred reduce's
+  // waiter), so Idle sleeps after a tenth of the polls that yield the core otherwise.
+  PollWait(Step step, MPI_Comm comm, const char* what, bool background = false);
   ~PollWait();
   PollWait(const PollWait&) = delete;
   PollWait& operator=(const PollWait&) = delete;
@@ -156,6 +158,7 @@ class PollWait {
   MPI_Comm comm_;
   const char* what_;
   bool bounded_;
+  int64_t yield_spins_ = kYieldSpins;
   int64_t spins_ = 0;
   int64_t start_ns_ = 0;
   int64_t next_look_ns_ = 0;

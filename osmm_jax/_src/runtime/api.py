@@ -147,8 +147,9 @@ def stats() -> dict:
     (live persistent windows) and ``window_bytes`` (their total size); in the
     notified mode ``notifications`` (stamps sent), ``notify_wait_seconds``,
     ``deferred_deliveries``, ``credit_reads``, ``credit_pushes``,
-    ``slot_window_bytes`` and ``resyncs`` (times the ranks started again
-    together after a product abandoned by one of them).
+    ``slot_window_bytes``, ``resyncs`` (times the ranks started again
+    together after a product abandoned by one of them) and ``deferred_reduces``
+    (products whose finish a waiter thread ran, ``OSMM_DEFER=1``).
     """
     from osmm_jax._src.runtime import native
 

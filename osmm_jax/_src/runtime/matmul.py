@@ -189,10 +189,12 @@ def _resolve_sync(sync) -> one_sided.Sync:
     """``sync`` (or ``OSMM_SYNC``, or the default for this MPI), the slot budget and how the
     credits travel, as a product runs them."""
     waiting = communicators.accumulates_wait_for_target()
+    mode = config.resolve_sync(sync, waiting)
     return one_sided.Sync(
-        config.resolve_sync(sync, waiting),
+        mode,
         config.slot_budget(),
         credits="pull" if waiting else "push",
+        defer=mode == "notify" and config.defer_finishes() and jax.default_backend() == "cpu",
     )
 
 

@@ -68,6 +68,8 @@ def forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0, sync: Sync = FENC
     ticket, buffers = None, []
     if plan.has_deliveries:
         local, buffers, ticket, own = _deliver(operands, cells, local, chunk_bytes, own, sync)
+        if not buffers:  # deferred: `local` is the finished block
+            return local.astype(a.dtype)
     else:
         whole = _whole_block(operands, own)
         if whole is not None:
@@ -406,7 +408,9 @@ def _deliver(operands: _Operands, cells: list[_Cell], local, chunk_bytes: int, o
     Returns ``(local, buffers, ticket, own)``: this rank's C block with the partials computed
     here that it keeps added, every chunk's buffer (for ``reduce_finish``), the ticket the
     remaining GEMMs must wait for (None when there is a single chunk), and the pieces of
-    ``own`` still to compute.
+    ``own`` still to compute. A deferred product (``sync.defer`` in the notified mode, one
+    chunk) computes ``own`` first and returns its finished block as ``local`` and no buffers:
+    its finish is :func:`primitives.reduce_deferred`'s.
     """
     plan, acc = operands.plan, operands.acc
     chunks = _chunks(cells, acc.itemsize, chunk_bytes)
@@ -425,6 +429,22 @@ def _deliver(operands: _Operands, cells: list[_Cell], local, chunk_bytes: int, o
     if sync.mode == "notify" and plan.nranks > 1:
         notify = slots.notify_attribute(plan, operands.rank, acc.itemsize, sync)
         window_bytes = slots.window_bytes(plan, acc.itemsize, sync.slot_budget)
+    ids = (plan.fingerprint, "reduce", str(acc), chunk_bytes, sync.mode, notify[:3])
+    if sync.defer and notify and not overlap:
+        # Every piece this rank keeps is computed before the partials leave: the waiter sums
+        # the whole block. Ranks decide alone (the same protocol either way), so the call id
+        # does not say.
+        local, buffer = _chunk_partials(operands, chunks[0], local, None, own)
+        finished = primitives.reduce_deferred(
+            buffer,
+            local,
+            comm=plan.comm_key,
+            call_id=primitives.call_id(*ids),
+            window_bytes=window_bytes,
+            transfers=transfers[0],
+            notify=notify,
+        )
+        return finished, [], None, []
     for index, pieces in enumerate(chunks):
         local, buffer = _chunk_partials(operands, pieces, local, ticket, kept)
         buffers.append(buffer)
@@ -432,9 +452,7 @@ def _deliver(operands: _Operands, cells: list[_Cell], local, chunk_bytes: int, o
             ticket = primitives.reduce_start(
                 buffer,
                 comm=plan.comm_key,
-                call_id=primitives.call_id(
-                    plan.fingerprint, "reduce", str(acc), chunk_bytes, sync.mode, notify[:3]
-                ),
+                call_id=primitives.call_id(*ids),
                 window_bytes=window_bytes,
                 local_elements=int(np.prod(plan.c.local_shape(operands.rank))),
                 overlap=overlap,

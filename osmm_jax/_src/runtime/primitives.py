@@ -82,6 +82,8 @@ osmm_fetch_p = Primitive("osmm_fetch")
 osmm_reduce_start_p = Primitive("osmm_reduce_start")
 osmm_reduce_issue_p = Primitive("osmm_reduce_issue")
 osmm_reduce_finish_p = Primitive("osmm_reduce_finish")
+osmm_reduce_start_deferred_p = Primitive("osmm_reduce_start_deferred")
+osmm_reduce_finish_deferred_p = Primitive("osmm_reduce_finish_deferred")
 osmm_watch_p = Primitive("osmm_watch")
 osmm_allreduce_p = Primitive("osmm_allreduce")
 for _p in (
@@ -89,6 +91,8 @@ for _p in (
     osmm_reduce_start_p,
     osmm_reduce_issue_p,
     osmm_reduce_finish_p,
+    osmm_reduce_start_deferred_p,
+    osmm_reduce_finish_deferred_p,
     osmm_watch_p,
     osmm_allreduce_p,
 ):
@@ -156,6 +160,32 @@ def reduce_start(
         chunk_ends=chunk_ends,
         chunk_sizes=tuple(int(x) for x in chunk_sizes),
         notify=tuple(int(x) for x in notify),
+    )
+
+
+def reduce_deferred(chunk, local, *, comm, call_id, window_bytes, transfers, notify):
+    """A notified reduce of one chunk whose finish is deferred: this rank's partials ``chunk``
+    (1-D) leave by ``transfers`` (its records) now, a native waiter thread sums ``local`` (this
+    rank's whole C block, complete now) with what its origins deliver, and the result (shape
+    and dtype of ``local``) is waited for only by what reads it. ``osmm_reduce_start_deferred``
+    is on the ordered token chain; ``osmm_reduce_finish_deferred`` is not (the ticket links it
+    to its start), and is asynchronous. Same sum, bit for bit, as :func:`reduce_start` +
+    :func:`reduce_finish`. Other arguments as for :func:`reduce_start`."""
+    records = tuple(int(x) for x in transfers)
+    ticket = osmm_reduce_start_deferred_p.bind(
+        chunk,
+        local,
+        comm=int(comm),
+        call_id=int(call_id),
+        window_bytes=int(window_bytes),
+        local_elements=int(local.size),
+        transfers=records,
+        chunk_ends=(len(records) // native.RECORD_LENGTH,),
+        chunk_sizes=(int(chunk.size),),
+        notify=tuple(int(x) for x in notify),
+    )
+    return osmm_reduce_finish_deferred_p.bind(
+        ticket, shape=tuple(local.shape), dtype=np.dtype(local.dtype)
     )
 
 
@@ -229,7 +259,7 @@ def _fetch_abstract(a, b, *, fetched_elements, **_):
     return jax.core.ShapedArray((fetched_elements,), a.dtype), {ordered_effect}
 
 
-def _ticket_abstract(chunk, **_):
+def _ticket_abstract(chunk, *_, **__):
     return jax.core.ShapedArray((), np.int32), {ordered_effect}
 
 
@@ -241,6 +271,11 @@ osmm_fetch_p.def_effectful_abstract_eval(_fetch_abstract)
 osmm_reduce_start_p.def_effectful_abstract_eval(_ticket_abstract)
 osmm_reduce_issue_p.def_effectful_abstract_eval(_ticket_abstract)
 osmm_reduce_finish_p.def_effectful_abstract_eval(_reduce_finish_abstract)
+osmm_reduce_start_deferred_p.def_effectful_abstract_eval(_ticket_abstract)
+# Not ordered: XLA may run it beside anything; its ticket orders it after its start.
+osmm_reduce_finish_deferred_p.def_abstract_eval(
+    lambda ticket, *, shape, dtype: jax.core.ShapedArray(shape, dtype)
+)
 osmm_watch_p.def_effectful_abstract_eval(
     lambda marker, **_: (jax.core.ShapedArray((), np.int32), {ordered_effect})
 )
@@ -308,6 +343,15 @@ def _reduce_finish_lowering(ctx, local, *chunks, comm):
     )
 
 
+def _reduce_start_deferred_lowering(ctx, chunk, local, **attrs):
+    return _lower_with_token("osmm_reduce_start_deferred", ctx, chunk, local, **attrs)
+
+
+def _reduce_finish_deferred_lowering(ctx, ticket, *, shape, dtype):
+    # A side effect, so that XLA neither drops nor merges it; asynchronous in the handler.
+    return jax.ffi.ffi_lowering("osmm_reduce_finish_deferred", has_side_effect=True)(ctx, ticket)
+
+
 def _watch_lowering(ctx, marker, *, comm, begin):
     return _lower_with_token("osmm_watch", ctx, marker, aliases={0: 0}, comm=comm, begin=begin)
 
@@ -321,6 +365,12 @@ def _allreduce_unavailable(ctx, x, *, comm):
     raise NotImplementedError(
         "osmm_jax's native all-reduce runs on the CPU only: on a GPU the allreduce method and "
         "checksum verification need mpi4jax (`pip install osmm_jax[mpi4jax]`)"
+    )
+
+
+def _deferred_unavailable(ctx, *args, **kwargs):
+    raise NotImplementedError(
+        "osmm_jax defers a product's finish on the CPU only: unset OSMM_DEFER for GPU programs"
     )
 
 
@@ -357,6 +407,14 @@ for _platform in native.platforms():
 for _platform in native.platforms():
     mlir.register_lowering(osmm_watch_p, _watch_lowering, platform=_platform)
 mlir.register_lowering(osmm_allreduce_p, _allreduce_lowering, platform="cpu")
+mlir.register_lowering(
+    osmm_reduce_start_deferred_p, _reduce_start_deferred_lowering, platform="cpu"
+)
+mlir.register_lowering(
+    osmm_reduce_finish_deferred_p, _reduce_finish_deferred_lowering, platform="cpu"
+)
+for _p in (osmm_reduce_start_deferred_p, osmm_reduce_finish_deferred_p):
+    mlir.register_lowering(_p, _deferred_unavailable, platform="cuda")
 mlir.register_lowering(osmm_allreduce_p, _allreduce_unavailable, platform="cuda")
 for _platform in native.UNAVAILABLE:
     for _p in _LOWERINGS:
