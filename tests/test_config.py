@@ -139,3 +139,20 @@ def test_the_all_reduce_is_mpi4jax_when_installed_else_native(monkeypatch):
     monkeypatch.setenv(config.ALLREDUCE, "nccl")
     with pytest.raises(ValueError, match="OSMM_ALLREDUCE must be one of"):
         config.allreduce_implementation(True)
+
+
+@pytest.mark.parametrize(
+    ("text", "value"), [(None, False), ("0", False), ("1", True), (" on", True)]
+)
+def test_defer_is_a_flag_off_by_default(monkeypatch, text, value):
+    if text is None:
+        monkeypatch.delenv(config.DEFER, raising=False)
+    else:
+        monkeypatch.setenv(config.DEFER, text)
+    assert config.defer_finishes() is value
+
+
+def test_a_garbage_defer_value_is_an_error(monkeypatch):
+    monkeypatch.setenv(config.DEFER, "later")
+    with pytest.raises(ValueError, match=rf"{config.DEFER} must be one of"):
+        config.defer_finishes()

@@ -24,8 +24,13 @@ TARGETS = {
     "osmm_reduce_finish",
     "osmm_watch",
 }
-# The CPU module also holds the native all-reduce (the allreduce method without mpi4jax).
-CPU_TARGETS = TARGETS | {"osmm_allreduce"}
+# The CPU module also holds the native all-reduce (the allreduce method without mpi4jax) and
+# the deferred reduce (OSMM_DEFER=1).
+CPU_TARGETS = TARGETS | {
+    "osmm_allreduce",
+    "osmm_reduce_start_deferred",
+    "osmm_reduce_finish_deferred",
+}
 CUDA_BUILT = importlib.util.find_spec("osmm_jax._src.runtime._osmm_ffi_cuda") is not None
 
 
