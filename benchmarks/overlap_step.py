@@ -1,0 +1,158 @@
+"""Time data-parallel training steps with deferred finishes on and off, against the all-reduce.
+
+Run under mpiexec (every rank runs it), on this host or across emulated hosts::
+
+    .venv/bin/mpiexec -n 3 -bind-to user:0,0,1 .venv/bin/python -m benchmarks.overlap_step \\
+        --cases mlp,mlp:512:1536
+
+Entries, interleaved in shuffled rounds (medians of the slowest rank's time, after warm-up):
+``deferred`` (the notified mode with ``OSMM_DEFER=1``: each layer's weight gradient leaves
+when it is computed and is waited for only by that layer's update), ``in place``
+(``OSMM_DEFER=0``: each product's finish waits where the product is), ``allreduce`` (the
+mpi4jax baseline, one all-reduce per layer) and ``floor`` (the same step with local products
+only, no communication). Cases (``name[:width[:rows]]``):
+
+``mlp``     one jitted SGD step of a 4-layer MLP of :class:`osmm_jax.flax.Dense` (default width
+            256, 512 rows split evenly), gradients summed by the layers' products
+            (``osmm_jax.flax.value_and_grad``), as ``benchmarks.sync``'s ``mlp`` case.
+
+Per entry, also the fraction of communication time hidden: ``1 - (t - floor) / (in place -
+floor)`` for ``deferred`` (0: nothing hidden, 1: the step takes the floor's time).
+Rank 0 prints a Markdown table and one JSON line per case (``--json`` appends the records).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import osmm_jax as om
+from benchmarks import common
+from benchmarks.common import RANK, SIZE
+
+
+@contextlib.contextmanager
+def deferral(on: bool):
+    """``OSMM_SYNC=notify`` and ``OSMM_DEFER`` while a step is traced (the layers' products read
+    them then); the caller's own values afterwards."""
+    before = {k: os.environ.get(k) for k in ("OSMM_SYNC", "OSMM_DEFER")}
+    os.environ.update(OSMM_SYNC="notify", OSMM_DEFER="1" if on else "0")
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key)
+            else:
+                os.environ[key] = value
+
+
+def mlp_step(method: str | None, width: int, rows_total: int):
+    """A jitted SGD step of the 4-layer MLP and its arguments; ``method=None``: local
+    products (``flax.linen.Dense``), the floor."""
+    import flax.linen as nn
+
+    from osmm_jax.flax import Dense, value_and_grad
+
+    rows = om.split_sizes(rows_total, SIZE)
+
+    def layer():
+        if method is None:
+            return nn.Dense(width)
+        return Dense(width, row_sizes=rows, method=method)
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(3):
+                x = jnp.tanh(layer()(x))
+            return layer()(x)
+
+    model = MLP()
+    rng = np.random.default_rng(RANK)
+    x = jnp.asarray(rng.standard_normal((rows[RANK], width)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((rows[RANK], width)), jnp.float32)
+    params = model.init(jax.random.key(0), jnp.zeros((rows[RANK], width), jnp.float32))
+    grad = jax.value_and_grad if method is None else value_and_grad
+
+    def loss(p, x, y):
+        return jnp.sum((model.apply(p, x) - y) ** 2) / rows_total
+
+    @jax.jit
+    def step(p, x, y):
+        value, grads = grad(loss)(p, x, y)
+        return value, jax.tree.map(lambda w, g: w - 1e-3 * g, p, grads)
+
+    return step, (params, x, y)
+
+
+def entries(width: int, rows: int) -> dict:
+    fns = {}
+    for name, on in (("deferred", True), ("in place", False)):
+        with deferral(on):
+            step, args = mlp_step("one_sided", width, rows)
+            jax.block_until_ready(step(*args))  # traced now, under this setting
+        fns[name] = (step, args)
+    fns["allreduce"] = mlp_step("allreduce", width, rows)
+    fns["floor"] = mlp_step(None, width, rows)
+    return fns
+
+
+def run(case: str, repeats: int) -> dict:
+    kind, *sizes = case.split(":")
+    if kind != "mlp":
+        raise SystemExit(f"unknown case {case!r}")
+    width = int(sizes[0]) if sizes else 256
+    rows = int(sizes[1]) if len(sizes) > 1 else 512
+    fns = entries(width, rows)
+    before = om.stats()["deferred_reduces"]
+    times = common.interleaved_times(fns, repeats)
+    deferred = om.stats()["deferred_reduces"] - before
+    flops = 3 * 4 * 2 * rows * width * width
+    record = {
+        "title": f"{case} on {SIZE} ranks ({common.binding()})",
+        "case": case,
+        "ranks": SIZE,
+        "repeats": repeats,
+        "entries": common.summarise(times, flops),
+        "deferred_reduces": deferred,
+    }
+    seconds = {e["name"]: e["seconds"] for e in record["entries"]}
+    exposed = seconds["in place"] - seconds["floor"]
+    record["deferred_vs_allreduce"] = seconds["allreduce"] / seconds["deferred"]
+    record["in_place_vs_allreduce"] = seconds["allreduce"] / seconds["in place"]
+    record["hidden_fraction"] = (
+        1 - (seconds["deferred"] - seconds["floor"]) / exposed if exposed > 0 else None
+    )
+    hidden = record["hidden_fraction"]
+    record["notes"] = [
+        f"deferred / allreduce: {record['deferred_vs_allreduce']:.2f}x, in place / allreduce: "
+        f"{record['in_place_vs_allreduce']:.2f}x, communication hidden by deferring: "
+        + ("n/a (in place is not slower than the floor)" if hidden is None else f"{hidden:.2f}")
+        + f"; deferred reduces on rank {RANK}: {deferred}"
+    ]
+    return record
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="mlp")
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--json", default=None, help="append the records to this JSON list")
+    args = parser.parse_args(argv)
+    for case in args.cases.split(","):
+        record = run(case, args.repeats)
+        common.print_table(record, baseline="allreduce")
+        if RANK == 0:
+            print(json.dumps({k: v for k, v in record.items() if k != "entries"}))
+        common.save(record, args.json)
+
+
+if __name__ == "__main__":
+    main()
