@@ -184,18 +184,21 @@ def resolve_sync(sync: str | None, waiting_accumulates: bool = False) -> str:
 
 
 DEFER = "OSMM_DEFER"
-"""Whether a notified product's finish is deferred (``1``/``0``, default ``0``): its
-deliveries start where its partials are ready, a native waiter thread waits for the other
-ranks' deliveries and sums them, and only what reads the product's result waits for it, so that
-a layer's gradient travels while the rest of the backward pass computes
-(benchmarks/results/overlap.md). Applies to products run in the notified mode on the CPU whose
-partials leave in one chunk (the pieces a rank keeps are then computed before they leave);
-chunked products finish in place. Each rank decides alone (ranks of one product may differ).
-The sums are the same, bit for bit."""
+"""Whether the weight gradient of a product (``dB`` of ``A @ B``, what a layer's ``x @ W``
+gives its optimizer) has its finish deferred (``1``/``0``, default ``1``): its partials leave
+where they are computed, a native waiter thread waits for the other ranks' partials and sums
+them, and only what reads it (the update) waits, so that a layer's gradient travels while the
+rest of the backward pass computes (benchmarks/results/overlap.md). Applies in the notified
+mode on the CPU where the partials leave in one chunk; every other product finishes in place.
+Each rank decides alone (ranks of one product may differ). The sums are the same, bit for
+bit."""
 
 
 def defer_finishes() -> bool:
-    """``OSMM_DEFER`` (see there): whether notified products defer their finish."""
+    """``OSMM_DEFER`` (see there): whether weight gradients defer their finish; on unless set
+    to a no word."""
+    if not os.environ.get(DEFER, "").strip():
+        return True
     return _flag(DEFER)
 
 

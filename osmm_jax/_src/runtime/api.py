@@ -149,7 +149,7 @@ def stats() -> dict:
     ``deferred_deliveries``, ``credit_reads``, ``credit_pushes``,
     ``slot_window_bytes``, ``resyncs`` (times the ranks started again
     together after a product abandoned by one of them) and ``deferred_reduces``
-    (products whose finish a waiter thread ran, ``OSMM_DEFER=1``).
+    (weight gradients whose finish a waiter thread ran, ``OSMM_DEFER``).
     """
     from osmm_jax._src.runtime import native
 

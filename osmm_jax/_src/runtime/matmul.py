@@ -59,6 +59,7 @@ class _Options(NamedTuple):
     verify: bool
     chunk_bytes: int  # one_sided: overlap sends with GEMMs in chunks of this size; 0 = off
     sync: one_sided.Sync  # one_sided: how the partials are synchronised
+    defer_weight_grads: bool = False  # one_sided: dB's finish deferred (config.DEFER)
 
 
 def matmul(
@@ -190,12 +191,7 @@ def _resolve_sync(sync) -> one_sided.Sync:
     credits travel, as a product runs them."""
     waiting = communicators.accumulates_wait_for_target()
     mode = config.resolve_sync(sync, waiting)
-    return one_sided.Sync(
-        mode,
-        config.slot_budget(),
-        credits="pull" if waiting else "push",
-        defer=mode == "notify" and config.defer_finishes() and jax.default_backend() == "cpu",
-    )
+    return one_sided.Sync(mode, config.slot_budget(), credits="pull" if waiting else "push")
 
 
 def _resolve_options(method, verify, chunk_bytes, sync) -> _Options:
@@ -203,11 +199,15 @@ def _resolve_options(method, verify, chunk_bytes, sync) -> _Options:
     ``OSMM_ALLREDUCE`` is only checked here, with the other variables, so that a bad value is
     agreed on before any MPI traffic; primitives.allreduce_sum reads it where it is used."""
     config.allreduce_implementation(HAVE_MPI4JAX)
+    resolved = _resolve_sync(sync)
     return _Options(
         config.resolve_method(method),
         config.resolve_verify(verify),
         config.resolve_chunk_bytes(chunk_bytes),
-        _resolve_sync(sync),
+        resolved,
+        resolved.mode == "notify"
+        and config.defer_finishes()
+        and jax.default_backend() == "cpu",
     )
 
 
@@ -357,8 +357,17 @@ def _matmul_bwd(plan: Plan, options: _Options, residuals, d_c):
     if b_for_da is not None:
         d_a = _matmul(plan_da, options, d_c.astype(b_for_da.dtype), b_for_da.T)
     if a_for_db is not None:
-        d_b = _matmul(plan_db, options, a_for_db.T, d_c.astype(a_for_db.dtype))
+        d_b = _matmul(plan_db, _deferring(options), a_for_db.T, d_c.astype(a_for_db.dtype))
     return d_a, d_b
+
+
+def _deferring(options: _Options) -> _Options:
+    """The options of dB, B's gradient (the weight gradient of ``x @ W``): its finish is
+    deferred where ``OSMM_DEFER`` allows, since nothing but the optimizer reads it, while the
+    backward pass goes on to the layers before (dA, on the critical path, finishes in place)."""
+    if not options.defer_weight_grads:
+        return options
+    return options._replace(sync=options.sync._replace(defer=True))
 
 
 _matmul.defvjp(_matmul_fwd, _matmul_bwd, symbolic_zeros=True)

@@ -370,7 +370,7 @@ def _allreduce_unavailable(ctx, x, *, comm):
 
 def _deferred_unavailable(ctx, *args, **kwargs):
     raise NotImplementedError(
-        "osmm_jax defers a product's finish on the CPU only: unset OSMM_DEFER for GPU programs"
+        "osmm_jax defers a product's finish on the CPU only: set OSMM_DEFER=0 for GPU programs"
     )
 
 

@@ -119,14 +119,14 @@ class Sync(NamedTuple):
     origin reads the target's progress when it needs the slot. Pull is for MPIs whose RMA
     calls wait for the target to make MPI progress
     (``communicators.accumulates_wait_for_target``): there a push would hold the target,
-    its own part done, until the origin next calls MPI. ``defer``: whether a product whose
-    partials leave in one chunk is finished by a native waiter thread while the program goes on
-    (``OSMM_DEFER``)."""
+    its own part done, until the origin next calls MPI. ``defer``: whether this product, if its
+    partials leave in one chunk, is finished by a native waiter thread while the program goes
+    on (set for weight gradients under ``OSMM_DEFER``, see ``matmul._deferring``)."""
 
     mode: str = "fence"
     slot_budget: float = float("inf")
     credits: str = "push"
-    defer: bool = False  # notify only: finish eligible products on a waiter (config.DEFER)
+    defer: bool = False  # notify only: finish on a waiter (weight gradients, config.DEFER)
 
 
 FENCE = Sync("fence")

@@ -1,11 +1,13 @@
-"""Deferred finishes (``OSMM_DEFER=1``, xla_ffi/protocols/deferred.h): a notified product of one
-chunk whose wait runs on its communicator's waiter thread, off the ordered token chain.
+"""Deferred finishes (``OSMM_DEFER``, on by default; xla_ffi/protocols/deferred.h): the weight
+gradient of a product (dB of ``A @ B``), when it is a notified reduce of one chunk, waits on its
+communicator's waiter thread, off the ordered token chain.
 
-The same bits as the finish in place, run to run and on every rank holding a copy, for
-products, both gradients, vmap and a data-parallel training step; products that cannot defer
-(chunked, fetching, fenced) mixed with deferred ones on one communicator; products back to back
-with a late rank (deliveries the waiter issues once the slot is free); and a finish that fails
-on one rank fails that rank's product only, with every later product right everywhere.
+The same bits as the finish in place, run to run and on every rank holding a copy, for the
+gradients of data-parallel products, under vmap, outside jit and in a training step; products
+that finish in place (chunked, fetching, fenced, forward) mixed with deferred ones on one
+communicator; products back to back with a late rank (deliveries the waiter issues once the
+slot is free); and a finish that fails on one rank fails that rank's product only, with every
+later product right everywhere.
 """
 
 from __future__ import annotations
@@ -24,24 +26,22 @@ from osmm_jax._src.runtime import native
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
-M, K, N = 37, 12 * max(SIZE, 2), 29
+M, K, N = 12 * max(SIZE, 2) + 1, 23, 17
 pytestmark = pytest.mark.ranks(1, 2, 3, 4)
 
 
-def _layouts():
-    return {
-        "k_split": (om.Layout.cols((M, K)), om.Layout.rows((K, N)), om.Layout.rows((M, N))),
-        "data_parallel": (
-            om.Layout.cols((M, K)),
-            om.Layout.rows((K, N)),
-            om.Layout.replicated((M, N)),
-        ),
-        "grid": (
-            om.Layout.cols((M, K)),
-            om.Layout.rows((K, N)),
-            om.Layout.grid((M, N), (SIZE // 2, 2) if SIZE % 2 == 0 else (1, SIZE)),
-        ),
-    }
+def _data_parallel(weights=None):
+    """``x @ W`` of a data-parallel layer: rows of x (and of the result) split over the ranks,
+    W replicated; its weight gradient x.T @ dY is summed onto every rank."""
+    return om.plan(
+        om.Layout.rows((M, K), weights=weights),
+        om.Layout.replicated((K, N)),
+        om.Layout.rows((M, N), weights=weights),
+    )
+
+
+def _plans():
+    return {"even": _data_parallel(), "uneven": _data_parallel([1 + r for r in range(SIZE)])}
 
 
 def _blocks(plan, seed=5):
@@ -49,6 +49,11 @@ def _blocks(plan, seed=5):
     a = rng.standard_normal(plan.a.shape).astype(np.float32)
     b = rng.standard_normal(plan.b.shape).astype(np.float32)
     return a, b, plan.a.shard(a, RANK), plan.b.shard(b, RANK)
+
+
+def _weight_grad(plan):
+    """d/dW of sum(sin(x @ W)) on this rank's rows (the gradient summed over the ranks)."""
+    return jax.grad(lambda x, w: jnp.sum(jnp.sin(om.matmul(x, w, plan))), argnums=1)
 
 
 def _traced(monkeypatch, defer: bool, build):
@@ -65,9 +70,9 @@ def _deferred_count():
     return native.stats()["deferred_reduces"]
 
 
-@pytest.mark.parametrize("name", ["k_split", "data_parallel", "grid"])
-def test_deferred_products_and_gradients_have_the_bits_of_the_finish_in_place(name, monkeypatch):
-    plan = om.plan(*_layouts()[name])
+@pytest.mark.parametrize("name", ["even", "uneven"])
+def test_deferred_weight_gradients_have_the_bits_of_the_finish_in_place(name, monkeypatch):
+    plan = _plans()[name]
     a, b, a_loc, b_loc = _blocks(plan)
 
     def build():
@@ -81,14 +86,13 @@ def test_deferred_products_and_gradients_have_the_bits_of_the_finish_in_place(na
     before = _deferred_count()
     step, args, deferred = _traced(monkeypatch, True, build)
     runs = [deferred] + [jax.tree.map(np.asarray, step(*args)) for _ in range(19)]
-    # the forward product and dB (a K-split over M) deliver; dA only fetches dC's rows
-    assert _deferred_count() - before == (2 * 20 if SIZE > 1 else 0)
+    # dB, the weight gradient, is the one product that delivers (the forward and dA are local)
+    assert _deferred_count() - before == (20 if SIZE > 1 else 0)
     for run in runs:
         for x, y in zip(jax.tree.leaves(in_place), jax.tree.leaves(run)):
             assert x.tobytes() == y.tobytes()
     np.testing.assert_allclose(runs[0][0], plan.c.shard(a @ b, RANK), rtol=2e-5, atol=2e-4)
-    if plan.c.is_replicated:
-        assert len(set(COMM.allgather(runs[0][0].tobytes()))) == 1
+    assert len(set(COMM.allgather(runs[0][1][1].tobytes()))) == 1  # dW: the same bits everywhere
 
 
 def test_a_data_parallel_training_step_defers_every_weight_gradient(monkeypatch):
@@ -139,107 +143,125 @@ def test_a_data_parallel_training_step_defers_every_weight_gradient(monkeypatch)
     assert len(set(COMM.allgather(jax.tree.leaves(deferred)[0].tobytes()))) == 1
 
 
-def test_vmap_and_eager_products_defer_with_the_same_bits(monkeypatch):
-    plan = om.plan(*_layouts()["k_split"])
+def test_vmap_and_eager_weight_gradients_defer_with_the_same_bits(monkeypatch):
+    plan = _plans()["even"]
     _, _, a_loc, b_loc = _blocks(plan)
     batch_a = jnp.stack([a_loc, 2 * a_loc, -a_loc])
+    grad = _weight_grad(plan)
 
     def build():
-        return jax.jit(jax.vmap(lambda x: om.matmul(x, b_loc, plan))), (batch_a,)
+        return jax.jit(jax.vmap(lambda x: grad(x, b_loc))), (batch_a,)
 
     _, _, in_place = _traced(monkeypatch, False, build)
+    before = _deferred_count()
     _, _, deferred = _traced(monkeypatch, True, build)
     assert in_place.tobytes() == deferred.tobytes()
     monkeypatch.setenv(config.DEFER, "1")
-    eager = np.asarray(om.matmul(a_loc, b_loc, plan, sync="notify"))
+    monkeypatch.setenv(config.SYNC, "notify")
+    eager = np.asarray(grad(a_loc, b_loc))
     assert eager.tobytes() == in_place[0].tobytes()
+    assert _deferred_count() - before == (4 if SIZE > 1 else 0)  # three in the batch, one eager
 
 
-@pytest.mark.ranks(min=2, reason="products that cannot defer, beside deferred ones")
-def test_deferred_products_mix_with_chunked_fetching_and_fenced_ones(monkeypatch):
-    """One program: a deferred K-split, the same product chunked (its finish in place), a
-    product that fetches B's pieces, and a fenced one, all on COMM_WORLD, then the deferred
-    one again; the call that cannot defer waits for the waiter first."""
-    k_split = om.plan(*_layouts()["k_split"])
+@pytest.mark.ranks(min=2, reason="products that finish in place, beside deferred ones")
+def test_deferred_gradients_mix_with_chunked_fetching_and_fenced_products(monkeypatch):
+    """One program: a deferred weight gradient, a chunked K-split (its finish in place), a
+    product that fetches B's pieces, a fenced one, all on COMM_WORLD, then another deferred
+    weight gradient; each call that cannot defer waits for the waiter first."""
+    layer = _plans()["even"]
+    k_split = om.plan(om.Layout.cols((M, K)), om.Layout.rows((K, N)), om.Layout.rows((M, N)))
     fetching = om.plan(om.Layout.rows((M, K)), om.Layout.cols((K, N)), om.Layout.rows((M, N)))
-    a, b, a_loc, b_loc = _blocks(k_split)
+    a, b, xa, xb = _blocks(layer)
+    ka, kb = k_split.a.shard(a, RANK), k_split.b.shard(b, RANK)
     fa, fb = fetching.a.shard(a, RANK), fetching.b.shard(b, RANK)
+    grad = _weight_grad(layer)
 
     def build():
-        def program(x, y, u, v):
-            first = om.matmul(x, y, k_split)
-            chunked = om.matmul(x, y, k_split, chunk_bytes=64)
-            fetched = om.matmul(u, v, fetching)
-            fenced = om.matmul(x, y, k_split, sync="fence")
-            return first, chunked, fetched, fenced, om.matmul(2 * x, y, k_split)
+        def program(x, w, ka, kb, fa, fb):
+            first = grad(x, w)
+            chunked = om.matmul(ka, kb, k_split, chunk_bytes=64)
+            fetched = om.matmul(fa, fb, fetching)
+            fenced = om.matmul(ka, kb, k_split, sync="fence")
+            return first, chunked, fetched, fenced, grad(2 * x, w)
 
-        return jax.jit(program), (a_loc, b_loc, fa, fb)
+        return jax.jit(program), (xa, xb, ka, kb, fa, fb)
 
+    _, _, in_place = _traced(monkeypatch, False, build)
     before = _deferred_count()
     fn, args, results = _traced(monkeypatch, True, build)
     results = [results] + [jax.tree.map(np.asarray, fn(*args)) for _ in range(4)]
-    assert _deferred_count() - before == 10  # the first and the last product, five runs
-    expected = k_split.c.shard(a @ b, RANK)
+    assert _deferred_count() - before == 10  # the two weight gradients, five runs
     for first, chunked, fetched, fenced, doubled in results:
-        for c in (first, chunked, fenced):
-            np.testing.assert_allclose(c, expected, rtol=1e-4, atol=1e-4)
+        assert first.tobytes() == in_place[0].tobytes()
+        assert doubled.tobytes() == in_place[4].tobytes()
+        for c in (chunked, fenced):
+            np.testing.assert_allclose(c, k_split.c.shard(a @ b, RANK), rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(fetched, fetching.c.shard(a @ b, RANK), rtol=1e-4, atol=1e-4)
-        np.testing.assert_allclose(doubled, 2 * expected, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.ranks(min=3, reason="origins that run ahead of a late target")
-def test_deferred_products_back_to_back_with_a_late_target(monkeypatch):
-    """Ranks 1.. only deliver (rank 0 owns C), and rank 0 sleeps before every product: their
-    deferred products pile up on their waiters, whose deliveries wait for rank 0's slots."""
-    m, n = 24, 16  # partials cheaper to send than A's and B's pieces: a K-split
-    plan = om.plan(
-        om.Layout.cols((m, K)),
-        om.Layout.rows((K, n)),
-        om.Layout.rows((m, n), sizes=[m] + [0] * (SIZE - 1)),
-    )
+def test_deferred_gradients_back_to_back_with_a_late_rank(monkeypatch):
+    """Three weight gradients in one program, rank 0 late to the first (its input comes from a
+    slow host callback): the others start all three at once, find the slots of the second and
+    third still busy, and their waiters deliver once the targets have summed the one before."""
+    plan = _plans()["even"]
+    a, b, a_loc, b_loc = _blocks(plan)
     monkeypatch.setenv(config.DEFER, "1")
-    product = jax.jit(lambda x, y: om.matmul(x, y, plan, sync="notify"))
-    before = native.stats()
-    rng = np.random.default_rng(13)
-    results = []
-    for _ in range(8):
-        a = rng.standard_normal((m, K)).astype(np.float32)
-        b = rng.standard_normal((K, n)).astype(np.float32)
+    monkeypatch.setenv(config.SYNC, "notify")
+    grad = _weight_grad(plan)
+
+    def late(x):
         if RANK == 0:
             time.sleep(0.2)
-        results.append((product(plan.a.shard(a, RANK), plan.b.shard(b, RANK)), a @ b))
-    for c, full in results:
-        np.testing.assert_allclose(np.asarray(c), plan.c.shard(full, RANK), rtol=1e-4, atol=1e-4)
+        return x
+
+    @jax.jit
+    def program(x, w):
+        x = jax.pure_callback(late, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        return [grad(s * x, w) for s in (1.0, 2.0, 3.0)]
+
+    before = native.stats()
+    for _ in range(3):
+        for s, dw in zip((1.0, 2.0, 3.0), program(a_loc, b_loc)):
+            expected = (s * a).T @ np.cos((s * a) @ b)
+            np.testing.assert_allclose(np.asarray(dw), expected, rtol=1e-4, atol=1e-4)
     after = native.stats()
     counts = COMM.allgather(
         {k: after[k] - before[k] for k in ("deferred_reduces", "deferred_deliveries")}
     )
-    assert [c["deferred_reduces"] for c in counts] == [8] * SIZE  # rank 0 waits on its waiter
+    assert [c["deferred_reduces"] for c in counts] == [9] * SIZE
     assert sum(c["deferred_deliveries"] for c in counts) > 0
 
 
 @pytest.mark.ranks(min=2, reason="one rank's finish fails while the others complete")
-def test_a_deferred_finish_that_fails_on_one_rank_fails_its_product_there_only(monkeypatch):
-    """The waiter completes the failed rank's part (its partials were sent at the start), so
-    the other ranks' products are right; the failed rank's program raises, and every product
-    after it is right everywhere."""
-    plan = om.plan(*_layouts()["data_parallel"])
+def test_a_deferred_finish_that_fails_on_one_rank_fails_its_gradient_there_only(monkeypatch):
+    """The waiter completes the failed rank's part (its partials left at the start), so the
+    other ranks' gradients are right; the failed rank's program raises, and every gradient
+    after it is right everywhere, with no rank starting again."""
+    plan = _plans()["even"]
     a, b, a_loc, b_loc = _blocks(plan)
     monkeypatch.setenv(config.DEFER, "1")
-    product = jax.jit(lambda x, y: om.matmul(x, y, plan, sync="notify"))
-    expected = plan.c.shard(a @ b, RANK)
-    np.testing.assert_allclose(np.asarray(product(a_loc, b_loc)), expected, rtol=1e-4, atol=1e-4)
+    monkeypatch.setenv(config.SYNC, "notify")
+    grad = jax.jit(_weight_grad(plan))
+    expected = a.T @ np.cos(a @ b)
+    np.testing.assert_allclose(np.asarray(grad(a_loc, b_loc)), expected, rtol=1e-4, atol=1e-4)
     resyncs = native.stats()["resyncs"]
     if RANK == 0:
         native.inject_failure("osmm_reduce_finish")
         with pytest.raises(jax.errors.JaxRuntimeError, match="injected failure"):
-            np.asarray(product(a_loc, b_loc))
+            np.asarray(grad(a_loc, b_loc))
     else:
-        np.testing.assert_allclose(
-            np.asarray(product(a_loc, b_loc)), expected, rtol=1e-4, atol=1e-4
-        )
+        np.testing.assert_allclose(np.asarray(grad(a_loc, b_loc)), expected, rtol=1e-4, atol=1e-4)
     for _ in range(3):
-        np.testing.assert_allclose(
-            np.asarray(product(a_loc, b_loc)), expected, rtol=1e-4, atol=1e-4
-        )
-    assert COMM.allreduce(native.stats()["resyncs"] - resyncs) == 0  # nobody started again
+        np.testing.assert_allclose(np.asarray(grad(a_loc, b_loc)), expected, rtol=1e-4, atol=1e-4)
+    assert COMM.allreduce(native.stats()["resyncs"] - resyncs) == 0
+
+
+def test_forward_products_finish_in_place(monkeypatch):
+    """Only weight gradients defer: a forward K-split's result is read at once."""
+    plan = om.plan(om.Layout.cols((M, K)), om.Layout.rows((K, N)), om.Layout.rows((M, N)))
+    _, _, a_loc, b_loc = _blocks(plan)
+    monkeypatch.setenv(config.DEFER, "1")
+    before = _deferred_count()
+    jax.block_until_ready(jax.jit(lambda x, y: om.matmul(x, y, plan, sync="notify"))(a_loc, b_loc))
+    assert _deferred_count() == before
