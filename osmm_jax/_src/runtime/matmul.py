@@ -205,9 +205,7 @@ def _resolve_options(method, verify, chunk_bytes, sync) -> _Options:
         config.resolve_verify(verify),
         config.resolve_chunk_bytes(chunk_bytes),
         resolved,
-        resolved.mode == "notify"
-        and config.defer_finishes()
-        and jax.default_backend() == "cpu",
+        resolved.mode == "notify" and config.defer_finishes() and jax.default_backend() == "cpu",
     )
 
 
