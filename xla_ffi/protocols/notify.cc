@@ -29,6 +29,11 @@ struct SyncState {
   uint64_t key = 0;
   uint64_t window = 0;  // the sync window's generation (windows.h) the state belongs to
   int64_t products = 0;
+  // Bytes of the slots window the last product used (its accumulator [0, last_acc) and its
+  // slots [last_lo, last_hi)), which a target may still be summing when the next one arrives.
+  int64_t last_acc = 0;
+  int64_t last_lo = 0;
+  int64_t last_hi = 0;
   int64_t generation = 0;  // how many times the ranks started again together (Resync)
   // Failed a product for an abandonment: start again at the next. Atomic: a communicator's
   // waiter (deferred.h) sets it while its next start may read it.
@@ -53,6 +58,13 @@ SyncState& StateOf(MPI_Comm comm, int size) {
   s.stamps.assign(static_cast<size_t>(size), 0);
   s.credits.assign(static_cast<size_t>(size), 0);
   return s;
+}
+
+// Where `origin`'s stamp for this product is in a sync window: products of the second of two
+// sets of slots have entries of their own, so that an origin may stamp one product while its
+// target still reads the stamps of the one before.
+int64_t StampIndex(const NotifiedReduce& n, int64_t origin) {
+  return n.first_slot > 0 ? 2 * int64_t{n.size} + 2 + origin : origin;
 }
 
 int64_t ReadEntry(const NotifiedReduce& n, int64_t index) {
@@ -137,13 +149,15 @@ ffi::Error Resync(const NotifiedReduce& n, SyncState& state, int64_t slot_bytes)
   MPI_Win_sync(n.slot_win);
   MPI_Win_sync(n.sync_win);
   std::memset(n.slot_base, 0, static_cast<size_t>(slot_bytes));
-  for (int64_t i = 0; i <= 2 * n.size; ++i) {
+  for (int64_t i = 0; i < 3 * n.size + 2; ++i) {
+    if (i == 2 * n.size + 1) continue;  // the notice stays: it names the generation
     __atomic_store_n(n.sync_base + i, int64_t{0}, __ATOMIC_RELEASE);
   }
   MPI_Win_sync(n.slot_win);
   MPI_Win_sync(n.sync_win);
   if (ffi::Error err = barrier(); err.failure()) return err;  // nobody writes before all cleared
   state.products = 0;
+  state.last_acc = state.last_lo = state.last_hi = 0;
   state.own = 0;
   state.generation += 1;
   state.resync = false;
@@ -174,7 +188,11 @@ ffi::Error TargetProgress(NotifiedReduce& n, size_t i, int64_t needed, int64_t* 
 
 // The progress `target` must have made before this rank writes its slot in this product.
 int64_t NeededProgress(const NotifiedReduce& n, size_t i) {
-  return (n.product - 1) * kNotifyRoundScale + n.spec.positions[i] / n.spec.slots;
+  const int64_t round = n.spec.positions[i] / n.spec.per_product();
+  // The first round's slots were last used by the product before the one before (the product
+  // before used the other set), which the target has summed once it is done with that one.
+  if (round == 0 && n.other_set_before) return (n.product - 2) * kNotifyRoundScale;
+  return (n.product - 1) * kNotifyRoundScale + round;
 }
 
 // This rank's progress as a target is now `value`: into its own window entry, and pushed to
@@ -281,7 +299,7 @@ ffi::Error OpenNotified(BufferOps& ops, MPI_Comm comm, const NotifySpec& spec, i
   MPI_Comm_rank(comm, &out->rank);
   MPI_Comm_size(comm, &out->size);
   int64_t slot_bytes = 0;  // of the whole slots window
-  const int64_t sync_bytes = (2 * int64_t{out->size} + 2) * 8;
+  const int64_t sync_bytes = (3 * int64_t{out->size} + 2) * 8;
   if (!WindowHolds(comm, WindowSlot::kSlots, window_bytes) ||
       !WindowHolds(comm, WindowSlot::kSync, sync_bytes)) {
     DrainDeferred(comm);  // the waiter may not use a window being replaced
@@ -317,6 +335,7 @@ ffi::Error OpenNotified(BufferOps& ops, MPI_Comm comm, const NotifySpec& spec, i
       // numbering starts again.
       state.window = lease.generation();
       state.products = 0;
+      state.last_acc = state.last_lo = state.last_hi = 0;
       state.generation = 0;
       state.resync = false;
     }
@@ -331,6 +350,17 @@ ffi::Error OpenNotified(BufferOps& ops, MPI_Comm comm, const NotifySpec& spec, i
     if (!failed_already) return ffi::Error::Internal(VoidedBy(*out));
   }
   out->product = ++state.products;
+  // Two sets: this product's set, and whether its slots are clear of the bytes the product
+  // before uses, accumulator included (products of other sizes lay their slots out
+  // differently). Every rank runs the same products on `comm` in the same order: all agree.
+  out->first_slot = spec.two_sets && out->product % 2 == 1 ? spec.slots / 2 : 0;
+  const int64_t lo = (1 + out->first_slot) * spec.slot_bytes;
+  const int64_t hi = lo + spec.per_product() * spec.slot_bytes;
+  out->other_set_before =
+      spec.two_sets && lo >= state.last_acc && (hi <= state.last_lo || lo >= state.last_hi);
+  state.last_acc = spec.slot_bytes;
+  state.last_lo = lo;
+  state.last_hi = hi;
   out->stamp = (out->product << kStampShift) | ((call_id & kIdMask) << 2);
   out->target_state.assign(spec.targets.size(), 0);
   out->last_read.assign(spec.targets.size(), -1.0);
@@ -342,7 +372,8 @@ MPI_Aint SlotDisplacement(const NotifiedReduce& n, int64_t target) {
   const auto it = std::lower_bound(n.spec.targets.begin(), n.spec.targets.end(), target);
   const size_t i = static_cast<size_t>(it - n.spec.targets.begin());
   const int64_t position = n.spec.positions[i];
-  return static_cast<MPI_Aint>((1 + position % n.spec.slots) * n.spec.slot_bytes + n.spec.bases[i]);
+  const int64_t slot = n.first_slot + position % n.spec.per_product();
+  return static_cast<MPI_Aint>((1 + slot) * n.spec.slot_bytes + n.spec.bases[i]);
 }
 
 bool MayDeliverNow(NotifiedReduce& n, int64_t target) {
@@ -397,7 +428,7 @@ struct Deliveries {
     for (size_t i : ready) {
       const int64_t target = n.spec.targets[i];
       const int64_t stamp = n.stamp | (abandoned ? kAbandoned : (problem.empty() ? 0 : kFailed));
-      if (ffi::Error err = WriteEntry(n, static_cast<int>(target), n.rank, stamp,
+      if (ffi::Error err = WriteEntry(n, static_cast<int>(target), StampIndex(n, n.rank), stamp,
                                       &state.stamps[static_cast<size_t>(target)],
                                       "osmm_reduce (notified): MPI_Accumulate (stamp)");
           err.failure()) {
@@ -419,7 +450,7 @@ ffi::Error RoundArrived(const NotifiedReduce& n, SyncState& state,
   MPI_Win_sync(n.sync_win);
   *arrived = true;
   for (int64_t origin : round) {
-    const int64_t stamp = ReadEntry(n, origin);
+    const int64_t stamp = ReadEntry(n, StampIndex(n, origin));
     const int64_t product = stamp >> kStampShift;
     if (product < n.product) {
       *arrived = false;
@@ -464,7 +495,7 @@ ffi::Error FinishNotified(BufferOps& ops, NotifiedReduce& n,
   Deliveries targets{n, state, deliver, problem, abandoned, {}, 0};
   for (int s : n.target_state) targets.phase.push_back(s == 1 ? 1 : 0);
   const std::vector<int64_t>& origins = n.spec.origins;
-  const size_t slots = static_cast<size_t>(n.spec.slots);
+  const size_t slots = static_cast<size_t>(n.spec.per_product());  // per round
   const bool above = !origins.empty() && origins.back() > n.rank;
   OrderedSum sum(ops, dtype, local, out, n.slot_base, elements, above);
   bool local_added = false;
@@ -485,7 +516,8 @@ ffi::Error FinishNotified(BufferOps& ops, NotifiedReduce& n,
       if (arrived) {
         MPI_Win_sync(n.slot_win);
         for (size_t k = 0; k < round.size(); ++k) {
-          std::byte* slot = n.slot_base + (1 + (next_origin + k) % slots) * n.spec.slot_bytes;
+          const size_t index = static_cast<size_t>(n.first_slot) + (next_origin + k) % slots;
+          std::byte* slot = n.slot_base + (1 + index) * n.spec.slot_bytes;
           if (out == nullptr) {
             std::memset(slot, 0, static_cast<size_t>(elements) * ffi::ByteWidth(dtype));
             continue;

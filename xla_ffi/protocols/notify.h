@@ -12,6 +12,11 @@
 // order: the same sum, bit for bit, on every run, and the same on every rank that holds a
 // copy of a replicated block.
 //
+// Two sets of slots (a deferred reduce's products, deferred.h): product p uses set p % 2, so
+// when product p - 1 used none of its bytes (the other set, of the same slot size), its first
+// round waits only until the target has summed product p - 2, and it may be delivered while
+// the target still sums product p - 1.
+//
 // Slot reuse: a target tells an origin when the slot it will write next is free by pushing
 // its progress (products and rounds consumed) into the origin's sync window; an origin whose
 // credit has not arrived (it did not deliver to that target last time) reads the target's
@@ -36,7 +41,8 @@
 // Sync window layout (int64 entries, P = communicator size): [0, P) the stamp each origin last
 // sent this rank; [P, 2P) the progress each target last pushed to this rank; [2P] this rank's
 // own progress as a target; [2P + 1] the newest abandonment notice ((generation + 1) << 20 |
-// (abandoning rank + 1), MPI_MAX; generation: the number of times the ranks started again).
+// (abandoning rank + 1), MPI_MAX; generation: the number of times the ranks started again);
+// [2P + 2, 3P + 2) the stamps of products that use the second of two sets of slots.
 // A stamp is (product << 24) | (22 bits of the call id << 2) |
 // status: a mismatched call id means the ranks are out of step; the status says that the
 // origin could not deliver (an error on that rank) or abandoned the product. Progress is
@@ -62,16 +68,20 @@ namespace osmm {
 constexpr int64_t kNotifyRoundScale = int64_t{1} << 16;
 
 // This rank's part of a notified reduce, from the "notify" attribute of osmm_reduce_start:
-// [slots, slot_bytes, pull_credits, n_origins, origins..., n_targets, targets...], optionally
-// followed by [n_origins, bases...]; empty means the fence mode. A base is where, in bytes from
-// the start of this rank's slot for that origin, the origin's records land (0 without them):
-// the notified fetch lays each owner's pieces out in the getter's buffer, which only the getter
-// knows. The positions and the bases at each target are learnt from the targets
+// [slots, slot_bytes, flags, n_origins, origins..., n_targets, targets...], optionally
+// followed by [n_origins, bases...]; empty means the fence mode. Flags: 1, pull credits; 2,
+// two sets of slots/2 slots, product number p using set p % 2, so that a product may deliver
+// while its target still sums the one before (a deferred reduce's successor, deferred.h). A base is
+// where, in bytes from the start of this rank's slot for that origin, the origin's records land (0
+// without them): the notified fetch lays each owner's pieces out in the getter's buffer, which only
+// the getter knows. The positions and the bases at each target are learnt from the targets
 // (ResolvePositions).
 struct NotifySpec {
-  int64_t slots = 0;                  // slots per target window (identical on every rank)
-  int64_t slot_bytes = 0;             // bytes of a slot (identical on every rank)
-  bool pull_credits = false;          // origins read targets' progress; targets push none
+  int64_t slots = 0;          // slots per target window (identical on every rank)
+  int64_t slot_bytes = 0;     // bytes of a slot (identical on every rank)
+  bool pull_credits = false;  // origins read targets' progress; targets push none
+  bool two_sets = false;      // the slots are two sets, used by alternate products
+  int64_t per_product() const { return two_sets ? slots / 2 : slots; }  // a product's slots
   std::vector<int64_t> origins;       // ranks that deliver into this rank's block, ascending
   std::vector<int64_t> targets;       // ranks this rank delivers to, ascending
   std::vector<int64_t> origin_bases;  // per origin: where its records land in its slot here
@@ -108,8 +118,10 @@ struct NotifiedReduce {
   MPI_Comm comm = MPI_COMM_NULL;  // the private communicator
   int rank = 0;
   int size = 1;
-  int64_t product = 0;  // this product's number among the notified ones on `comm` (1, 2, ...)
-  int64_t stamp = 0;    // the stamp this rank sends (failed bit clear)
+  int64_t product = 0;     // this product's number among the notified ones on `comm` (1, 2, ...)
+  int64_t first_slot = 0;  // two sets: where this product's set starts (0 or slots / 2)
+  bool other_set_before = false;  // the product before used none of this one's slots
+  int64_t stamp = 0;              // the stamp this rank sends (failed bit clear)
   MPI_Win slot_win = MPI_WIN_NULL;
   std::byte* slot_base = nullptr;
   MPI_Win sync_win = MPI_WIN_NULL;

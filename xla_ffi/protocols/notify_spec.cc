@@ -29,12 +29,13 @@ std::string ParseNotifySpec(ffi::Span<const int64_t> flat, int rank, int size, i
   const int64_t* v = flat.begin();
   const int64_t count = static_cast<int64_t>(flat.size());
   int64_t at = 4;
-  if (count < 5 || (v[2] != 0 && v[2] != 1) || v[3] < 0 || v[3] > count - 5) {
+  if (count < 5 || v[2] < 0 || v[2] > 3 || v[3] < 0 || v[3] > count - 5) {
     return "notify: malformed attribute";
   }
   out->slots = v[0];
   out->slot_bytes = v[1];
-  out->pull_credits = v[2] == 1;
+  out->pull_credits = (v[2] & 1) != 0;
+  out->two_sets = (v[2] & 2) != 0;
   out->origins.assign(v + at, v + at + v[3]);
   at += v[3];
   const int64_t ntargets = v[at++];
@@ -47,6 +48,10 @@ std::string ParseNotifySpec(ffi::Span<const int64_t> flat, int rank, int size, i
     out->origin_bases.assign(v + at + 1, v + count);
   }
   int64_t expected = 0;
+  if (out->two_sets && (out->slots < 2 || out->slots % 2 != 0)) {
+    return "notify: two sets of slots need an even number of slots, got " +
+           std::to_string(out->slots);
+  }
   if (out->slots < 1 || out->slot_bytes < block_bytes || out->slot_bytes % 64 != 0 ||
       !MulOk(out->slots + 1, out->slot_bytes, &expected) || expected != window_bytes) {
     return "notify: slots (" + std::to_string(out->slots) + ") x slot_bytes (" +
@@ -63,7 +68,7 @@ std::string ParseNotifySpec(ffi::Span<const int64_t> flat, int rank, int size, i
   std::string problem = CheckRanks(out->origins, rank, size, "origins");
   if (problem.empty()) problem = CheckRanks(out->targets, rank, size, "targets");
   if (problem.empty() &&
-      static_cast<int64_t>(out->origins.size()) / out->slots >= kNotifyRoundScale) {
+      static_cast<int64_t>(out->origins.size()) / out->per_product() >= kNotifyRoundScale) {
     problem = "notify: too many rounds of origins for the slots";
   }
   return problem;

@@ -45,29 +45,43 @@ def _aligned(nbytes: int) -> int:
     return max(native.WINDOW_ALIGN, native.aligned(nbytes))
 
 
-def window_bytes(plan: Plan, itemsize: int, budget: float) -> int:
-    """Bytes of every rank's slots window: the accumulator and ``S`` slots."""
-    return (1 + slot_count(plan, itemsize, budget)) * slot_bytes(plan, itemsize)
+def two_set_count(plan: Plan, itemsize: int, budget: float) -> int:
+    """``S`` of two sets of slots (product p uses set p % 2: a deferred product may deliver
+    while its target still sums the product before, xla_ffi/protocols/notify.h), even, as
+    many as ``budget`` holds up to twice the most origins; 0 if it holds fewer than two."""
+    count = _count(2 * plan.facts.max_origins, slot_bytes(plan, itemsize), budget)
+    return 0 if count < 2 else count - count % 2
+
+
+def window_bytes(plan: Plan, itemsize: int, budget: float, two_sets: bool = False) -> int:
+    """Bytes of every rank's slots window: the accumulator and ``S`` slots (in two sets if
+    ``two_sets`` and the budget holds them, see :func:`two_set_count`)."""
+    count = (two_sets and two_set_count(plan, itemsize, budget)) or slot_count(
+        plan, itemsize, budget
+    )
+    return (1 + count) * slot_bytes(plan, itemsize)
 
 
 def notify_attribute(plan: Plan, rank: int, itemsize: int, sync: Sync) -> tuple[int, ...]:
     """The ``notify`` attribute of ``osmm_reduce_start`` for ``rank``: ``(S, slot_bytes,
-    pull, n_origins, *origins, n_targets, *targets)``, from ``rank``'s own part of the plan
-    only (``pull``: 1 when ``sync.credits`` is ``"pull"``). (Its number among each target's
-    origins, which picks its slot there, the native layer learns from the targets the first
-    time the product runs.)"""
+    flags, n_origins, *origins, n_targets, *targets)``, from ``rank``'s own part of the plan
+    only (flags: 1 when ``sync.credits`` is ``"pull"``, 2 for two sets of slots, which a
+    deferred product (``sync.defer``) uses where the budget holds them). (Its number among
+    each target's origins, which picks its slot there, the native layer learns from the
+    targets the first time the product runs.)"""
     origins = plan.for_rank(rank).origins
     targets = sorted({t.target for t in plan.deliveries_from(rank)})
-    count = slot_count(plan, itemsize, sync.slot_budget)
-    return _attribute(count, slot_bytes(plan, itemsize), sync, origins, targets)
+    two = two_set_count(plan, itemsize, sync.slot_budget) if sync.defer else 0
+    count = two or slot_count(plan, itemsize, sync.slot_budget)
+    return _attribute(count, slot_bytes(plan, itemsize), sync, origins, targets, two_sets=two > 0)
 
 
-def _attribute(count: int, nbytes: int, sync: Sync, origins, targets, bases=None):
+def _attribute(count: int, nbytes: int, sync: Sync, origins, targets, bases=None, two_sets=False):
     """The ``notify`` attribute's layout (see :func:`notify_attribute`), with ``bases`` (bytes
     into this rank's slot for each origin where that origin's records land) if given."""
-    pull = int(sync.credits == "pull")
+    flags = int(sync.credits == "pull") | (2 if two_sets else 0)
     tail = () if bases is None else (len(bases), *bases)
-    return (count, nbytes, pull, len(origins), *origins, len(targets), *targets, *tail)
+    return (count, nbytes, flags, len(origins), *origins, len(targets), *targets, *tail)
 
 
 def fetch_attribute(

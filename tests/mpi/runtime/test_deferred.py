@@ -95,10 +95,13 @@ def test_deferred_weight_gradients_have_the_bits_of_the_finish_in_place(name, mo
     assert len(set(COMM.allgather(runs[0][1][1].tobytes()))) == 1  # dW: the same bits everywhere
 
 
-def test_a_data_parallel_training_step_defers_every_weight_gradient(monkeypatch):
+@pytest.mark.parametrize("widths", [(16, 24, 24, 8), (24, 24, 24, 24)])
+def test_a_data_parallel_training_step_defers_every_weight_gradient(monkeypatch, widths):
     """A 3-layer MLP of osmm_jax.flax.Dense: every layer's weight gradient is one deferred
     product, and the parameters after three steps are those of the finish in place, bit for
-    bit, on every rank."""
+    bit, on every rank. With layers of one size, each gradient is delivered into the other set
+    of slots while its targets still sum the one before; with layers of several sizes the slot
+    layouts differ and a gradient waits for the one before to be summed."""
     flax_linen = pytest.importorskip("flax.linen")
     from osmm_jax.flax import Dense, value_and_grad
 
@@ -107,14 +110,14 @@ def test_a_data_parallel_training_step_defers_every_weight_gradient(monkeypatch)
     class MLP(flax_linen.Module):
         @flax_linen.compact
         def __call__(self, x):
-            x = jnp.tanh(Dense(24, row_sizes=rows)(x))
-            x = jnp.tanh(Dense(24, row_sizes=rows)(x))
-            return Dense(8, row_sizes=rows)(x)
+            x = jnp.tanh(Dense(widths[1], row_sizes=rows)(x))
+            x = jnp.tanh(Dense(widths[2], row_sizes=rows)(x))
+            return Dense(widths[3], row_sizes=rows)(x)
 
     model = MLP()
     rng = np.random.default_rng(RANK)
-    x = jnp.asarray(rng.standard_normal((rows[RANK], 16)), jnp.float32)
-    y = jnp.asarray(rng.standard_normal((rows[RANK], 8)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((rows[RANK], widths[0])), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((rows[RANK], widths[3])), jnp.float32)
     params = model.init(jax.random.key(0), x)
 
     def build():
