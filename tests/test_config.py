@@ -142,9 +142,9 @@ def test_the_all_reduce_is_mpi4jax_when_installed_else_native(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("text", "value"), [(None, True), ("", True), ("0", False), ("off", False), (" on", True)]
+    ("text", "value"), [(None, None), ("", None), ("0", False), ("off", False), (" on", True)]
 )
-def test_defer_is_a_flag_on_by_default(monkeypatch, text, value):
+def test_defer_is_a_flag_left_to_the_communicator_by_default(monkeypatch, text, value):
     if text is None:
         monkeypatch.delenv(config.DEFER, raising=False)
     else:

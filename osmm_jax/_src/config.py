@@ -185,20 +185,23 @@ def resolve_sync(sync: str | None, waiting_accumulates: bool = False) -> str:
 
 DEFER = "OSMM_DEFER"
 """Whether the weight gradient of a product (``dB`` of ``A @ B``, what a layer's ``x @ W``
-gives its optimizer) has its finish deferred (``1``/``0``, default ``1``): its partials leave
-where they are computed, a native waiter thread waits for the other ranks' partials and sums
-them, and only what reads it (the update) waits, so that a layer's gradient travels while the
-rest of the backward pass computes (benchmarks/results/overlap.md). Applies in the notified
-mode on the CPU where the partials leave in one chunk; every other product finishes in place.
-Each rank decides alone (ranks of one product may differ). The sums are the same, bit for
-bit."""
+gives its optimizer) has its finish deferred: its partials leave where they are computed, a
+native waiter thread waits for the other ranks' partials and sums them, and only what reads it
+(the update) waits, so that a layer's gradient travels while the rest of the backward pass
+computes. ``1``: always; ``0``: never; unset (default): where the plan's communicator spans
+several nodes, where it was measured to pay (benchmarks/results/overlap.md: a 4-layer MLP step
+over TCP between 3 emulated hosts 1.1-1.4x faster; in shared memory with ranks sharing cores
+up to 10% slower, the hand-offs to the waiter costing more than the wait they hide). Applies in
+the notified mode on the CPU where the partials leave in one chunk; every other product
+finishes in place. The sums are the same, bit for bit. Set it alike on every rank (a deferred
+product's slots window differs; a mismatch is an error on every rank)."""
 
 
-def defer_finishes() -> bool:
-    """``OSMM_DEFER`` (see there): whether weight gradients defer their finish; on unless set
-    to a no word."""
+def defer_finishes() -> bool | None:
+    """``OSMM_DEFER`` (see there): True or False when set, None (decide by the communicator)
+    when unset or blank."""
     if not os.environ.get(DEFER, "").strip():
-        return True
+        return None
     return _flag(DEFER)
 
 

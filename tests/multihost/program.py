@@ -108,7 +108,13 @@ def main() -> int:
             sources.append(profile.source)
     jax.effects_barrier()
     everyone = COMM.gather(
-        {"where": where, "checked": checked, "failures": failures, "seconds": (imported, products)},
+        {
+            "where": where,
+            "checked": checked,
+            "failures": failures,
+            "seconds": (imported, products),
+            "deferred": om.stats()["deferred_reduces"],
+        },
         root=0,
     )
     if RANK == 0:
@@ -118,6 +124,7 @@ def main() -> int:
             "netns": [e["where"][1] for e in everyone],
             "fi_provider": [e["where"][2] for e in everyone],
             "checked": [e["checked"] for e in everyone],
+            "deferred": [e["deferred"] for e in everyone],
             "failures": {r: e["failures"] for r, e in enumerate(everyone) if e["failures"]},
             "sources": sources,
             "seconds": round(time.perf_counter() - start, 2),

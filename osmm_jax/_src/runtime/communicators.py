@@ -24,6 +24,7 @@ from osmm_jax._src.runtime import native
 _lock = threading.Lock()
 _private: dict[int, tuple] = {}  # handle of the user's comm -> (that comm, private duplicate)
 _by_key: dict[int, MPI.Intracomm] = {}  # handle of a private duplicate -> itself
+_spans_nodes: dict[int, bool] = {}  # private communicator key -> spans several nodes
 _in_graph: dict[int, MPI.Intracomm] = {}  # handle of a private duplicate -> its in-graph twin
 
 
@@ -73,7 +74,17 @@ def private_comm(comm=None) -> MPI.Intracomm:
         _private[handle] = (comm, dup)
         _by_key[comm_key(dup)] = dup
         _in_graph[comm_key(dup)] = dup.Dup()
+        node = dup.Split_type(MPI.COMM_TYPE_SHARED)
+        _spans_nodes[comm_key(dup)] = node.Get_size() < dup.Get_size()
+        node.Free()
         return dup
+
+
+def spans_nodes(key: int) -> bool:
+    """Whether the ranks of the private communicator ``key`` are on more than one node
+    (``MPI_COMM_TYPE_SHARED``, found when it was made: the same answer on every rank)."""
+    comm_for_key(key)  # a clear error for an unknown communicator
+    return _spans_nodes[key]
 
 
 SINGLE_RANK_HINT = (

@@ -59,7 +59,7 @@ class _Options(NamedTuple):
     verify: bool
     chunk_bytes: int  # one_sided: overlap sends with GEMMs in chunks of this size; 0 = off
     sync: one_sided.Sync  # one_sided: how the partials are synchronised
-    defer_weight_grads: bool = False  # one_sided: dB's finish deferred (config.DEFER)
+    defer_weight_grads: bool | None = False  # one_sided: dB deferred? None: by comm (DEFER)
 
 
 def matmul(
@@ -205,7 +205,9 @@ def _resolve_options(method, verify, chunk_bytes, sync) -> _Options:
         config.resolve_verify(verify),
         config.resolve_chunk_bytes(chunk_bytes),
         resolved,
-        resolved.mode == "notify" and config.defer_finishes() and jax.default_backend() == "cpu",
+        config.defer_finishes()
+        if resolved.mode == "notify" and jax.default_backend() == "cpu"
+        else False,
     )
 
 
@@ -355,15 +357,19 @@ def _matmul_bwd(plan: Plan, options: _Options, residuals, d_c):
     if b_for_da is not None:
         d_a = _matmul(plan_da, options, d_c.astype(b_for_da.dtype), b_for_da.T)
     if a_for_db is not None:
-        d_b = _matmul(plan_db, _deferring(options), a_for_db.T, d_c.astype(a_for_db.dtype))
+        d_b = _matmul(plan_db, _deferring(options, plan_db), a_for_db.T, d_c.astype(a_for_db.dtype))
     return d_a, d_b
 
 
-def _deferring(options: _Options) -> _Options:
-    """The options of dB, B's gradient (the weight gradient of ``x @ W``): its finish is
-    deferred where ``OSMM_DEFER`` allows, since nothing but the optimizer reads it, while the
-    backward pass goes on to the layers before (dA, on the critical path, finishes in place)."""
-    if not options.defer_weight_grads:
+def _deferring(options: _Options, plan: Plan) -> _Options:
+    """The options of dB (``plan``), B's gradient (the weight gradient of ``x @ W``): its
+    finish is deferred where ``OSMM_DEFER`` says (unset: where the communicator spans several
+    nodes), since nothing but the optimizer reads it while the backward pass goes on to the
+    layers before (dA, on the critical path, finishes in place)."""
+    defer = options.defer_weight_grads
+    if defer is None:
+        defer = communicators.spans_nodes(plan.comm_key)
+    if not defer:
         return options
     return options._replace(sync=options.sync._replace(defer=True))
 
