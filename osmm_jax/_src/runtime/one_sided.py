@@ -428,7 +428,7 @@ def _deliver(operands: _Operands, cells: list[_Cell], local, chunk_bytes: int, o
     notify, window_bytes = (), plan.receive_elements * acc.itemsize
     if sync.mode == "notify" and plan.nranks > 1:
         notify = slots.notify_attribute(plan, operands.rank, acc.itemsize, sync)
-        window_bytes = slots.window_bytes(plan, acc.itemsize, sync.slot_budget, sync.defer)
+        window_bytes = (1 + notify[0]) * notify[1]  # the accumulator and S slots
     ids = (plan.fingerprint, "reduce", str(acc), chunk_bytes, sync.mode, notify[:3])
     if sync.defer and notify and not overlap:
         # Every piece this rank keeps is computed before the partials leave: the waiter sums

@@ -53,13 +53,9 @@ def two_set_count(plan: Plan, itemsize: int, budget: float) -> int:
     return 0 if count < 2 else count - count % 2
 
 
-def window_bytes(plan: Plan, itemsize: int, budget: float, two_sets: bool = False) -> int:
-    """Bytes of every rank's slots window: the accumulator and ``S`` slots (in two sets if
-    ``two_sets`` and the budget holds them, see :func:`two_set_count`)."""
-    count = (two_sets and two_set_count(plan, itemsize, budget)) or slot_count(
-        plan, itemsize, budget
-    )
-    return (1 + count) * slot_bytes(plan, itemsize)
+def window_bytes(plan: Plan, itemsize: int, budget: float) -> int:
+    """Bytes of every rank's slots window: the accumulator and ``S`` slots."""
+    return (1 + slot_count(plan, itemsize, budget)) * slot_bytes(plan, itemsize)
 
 
 def notify_attribute(plan: Plan, rank: int, itemsize: int, sync: Sync) -> tuple[int, ...]:
