@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -156,3 +157,31 @@ def test_a_garbage_defer_value_is_an_error(monkeypatch):
     monkeypatch.setenv(config.DEFER, "later")
     with pytest.raises(ValueError, match=rf"{config.DEFER} must be one of"):
         config.defer_finishes()
+
+
+def test_the_memory_budget_setting_is_one_number_or_one_per_rank(monkeypatch):
+    monkeypatch.delenv(config.MEMORY_BUDGET, raising=False)
+    assert config.memory_budget_setting() is None
+    monkeypatch.setenv(config.MEMORY_BUDGET, " 2GiB ")
+    assert config.memory_budget_setting() == 2**31
+    monkeypatch.setenv(config.MEMORY_BUDGET, "1GiB,none, 512 MiB")
+    assert config.memory_budget_setting() == (2**30, float("inf"), 2**29)
+    with pytest.raises(ValueError, match="one budget per rank; this entry point takes one"):
+        config.memory_budget()
+    monkeypatch.setenv(config.MEMORY_BUDGET, "1GiB,")
+    with pytest.raises(ValueError, match="OSMM_MEMORY_BUDGET entry must be a number of bytes"):
+        config.memory_budget_setting()
+
+
+def test_the_host_budget_is_a_share_of_the_smaller_of_memory_and_the_cgroup_limit(
+    monkeypatch, tmp_path
+):
+    limit = tmp_path / "memory.max"
+    limit.write_text("1073741824\n")
+    monkeypatch.setattr(config, "_CGROUP_LIMITS", (str(tmp_path / "absent"), str(limit)))
+    assert config.cgroup_memory_limit() == 2**30
+    assert config.host_memory_budget() == config.DEFAULT_MEMORY_FRACTION * 2**30
+    limit.write_text("max\n")
+    assert config.cgroup_memory_limit() == float("inf")
+    physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert config.host_memory_budget() == config.DEFAULT_MEMORY_FRACTION * physical

@@ -19,16 +19,22 @@ ValueError. Default: unset (no verification)."""
 METHODS = ("one_sided", "allreduce")
 
 MEMORY_BUDGET = "OSMM_MEMORY_BUDGET"
-"""Bytes of its operands one rank may hold, for :func:`osmm_jax.auto_layouts` (which leaves out
-layouts that need more): a number of bytes with an optional binary unit (``"8GiB"``,
-``"512 MiB"``, ``"1.5e9"``); ``0``, ``none`` or ``inf`` for no limit. Default: unset, which is
-:data:`DEFAULT_MEMORY_FRACTION` of the host's physical memory. Layouts must be the same on
-every rank: on hosts with unequal memory, set it (or pass ``memory_budget``) to the same value
-everywhere."""
+"""Bytes one rank may hold for a product (its blocks and the product's buffers), for
+:func:`osmm_jax.auto_layouts` (which leaves out layouts that need more) and
+:func:`osmm_jax.memory_budgets`: a number of bytes with an optional binary unit (``"8GiB"``,
+``"512 MiB"``, ``"1.5e9"``), the same for every rank; or one such number per rank, comma
+separated in rank order (``"4GiB,16GiB,16GiB"``); ``0``, ``none`` or ``inf`` for no limit.
+Default: unset, which is the rank's own memory (:func:`osmm_jax.memory_budgets`: a share of the
+device's free memory on a GPU, of the host's or the cgroup's limit on a CPU)."""
 
 DEFAULT_MEMORY_FRACTION = 0.25
-"""The share of the host's physical memory one rank may use for its operands by default:
-conservative for a few ranks per host. On a GPU pass the device's memory instead."""
+"""The share of the host's physical memory (or of the process's cgroup limit, when lower) one
+rank may use for a product by default on a CPU: conservative for a few ranks per host."""
+
+DEFAULT_DEVICE_FRACTION = 0.8
+"""The share of a GPU's free memory (``bytes_limit`` less ``bytes_in_use`` of the device's
+``memory_stats()``) one rank may use for a product by default: the rest stays for the model,
+the optimizer state and XLA's temporaries."""
 
 _BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
@@ -54,17 +60,55 @@ def parse_bytes(text: str, source: str) -> float:
     return value
 
 
-def memory_budget() -> float:
-    """Bytes per rank (blocks and a product's buffers) :func:`osmm_jax.auto_layouts` allows when
-    given none."""
-    text = os.environ.get(MEMORY_BUDGET)
-    if text is not None and text.strip():
-        return parse_bytes(text, MEMORY_BUDGET)
+def memory_budget_setting() -> float | tuple[float, ...] | None:
+    """``OSMM_MEMORY_BUDGET`` parsed: one budget for every rank (bytes, ``math.inf`` for none),
+    a tuple of one per rank (the comma-separated form), or None when it is unset or blank."""
+    text = os.environ.get(MEMORY_BUDGET, "")
+    if not text.strip():
+        return None
+    if "," in text:
+        return tuple(parse_bytes(part, f"{MEMORY_BUDGET} entry") for part in text.split(","))
+    return parse_bytes(text, MEMORY_BUDGET)
+
+
+def host_memory_budget() -> float:
+    """:data:`DEFAULT_MEMORY_FRACTION` of this host's physical memory, or of the process's
+    cgroup memory limit when that is lower (a container, a batch job's allocation); bytes."""
     try:
         physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
         return float("inf")
-    return DEFAULT_MEMORY_FRACTION * physical
+    return DEFAULT_MEMORY_FRACTION * min(physical, cgroup_memory_limit())
+
+
+_CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def cgroup_memory_limit() -> float:
+    """The memory limit of this process's cgroup (v2 ``memory.max`` or v1
+    ``memory.limit_in_bytes``) in bytes; ``math.inf`` when there is none or it cannot be read."""
+    for path in _CGROUP_LIMITS:
+        try:
+            with open(path) as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < 2**60:  # v1 reports "no limit" as a huge number
+            return float(int(text))
+    return float("inf")
+
+
+def memory_budget() -> float:
+    """Bytes per rank (blocks and a product's buffers) :func:`osmm_jax.auto_layouts` allows when
+    given none and ``OSMM_MEMORY_BUDGET`` holds one number or is unset (then
+    :func:`host_memory_budget`). The per-rank form is read by :func:`memory_budget_setting`."""
+    setting = memory_budget_setting()
+    if isinstance(setting, tuple):
+        raise ValueError(
+            f"{MEMORY_BUDGET} holds one budget per rank; this entry point takes one budget "
+            "(pass memory_budget= explicitly)"
+        )
+    return host_memory_budget() if setting is None else setting
 
 
 _TRUE = ("1", "true", "yes", "on")

@@ -7,13 +7,12 @@ import math
 
 import pytest
 
-from osmm_jax._src.planning import comm_bound, totals
+from osmm_jax._src.planning import comm_bound, memory, totals
 from osmm_jax._src.planning import plan as plan_module
 from osmm_jax._src.planning.auto_layout import (
     DEFAULT_BANDWIDTH,
     THREE_D_CANDIDATES,
     LayoutChoice,
-    _memory_bytes,
     _three_d_grids,
     auto_layouts,
     candidate_layouts,
@@ -203,7 +202,11 @@ def test_the_memory_budget_leaves_out_layouts_that_do_not_fit(monkeypatch):
     assert by_name[tight.name].memory_bytes <= budget
     assert "Over the memory budget of 900 MiB per rank: " in tight.reason
     assert "rows" in tight.reason.split("Over the memory budget")[1]
-    with pytest.raises(ValueError, match=r"fits the memory budget of 1 MiB per rank: the smallest"):
+    with pytest.raises(
+        ValueError,
+        match=r"fits the memory budgets, even .* on rank 0 at shares by speed, "
+        r"which has 1 MiB",
+    ):
         auto_layouts(M, K, N, speeds, memory_budget=2**20)
 
 
@@ -425,6 +428,60 @@ def test_memory_counts_the_pieces_a_rank_fetches_and_the_partials_it_delivers():
     n = 1024
     owned = 3 * n * n // 64 * 4
     a, b, c, work = three_d_layouts((n, n, n), (4, 4, 4))
-    assert _memory_bytes((a, b, c), PlanTotals(a, b, c, work), 4, 4) == 4 * owned
+    box = PlanTotals(a, b, c, work)
+    slots = memory.slots_bytes(c, box, 4)
+    assert set(memory.memory_per_rank((a, b, c), box, 4, 4)) == {4 * owned + slots}
     grid = [Layout.grid((n, n), (8, 8)) for _ in range(3)]
-    assert _memory_bytes(grid, PlanTotals(*grid), 4, 4) * 3 == 17 * owned
+    held = memory.memory_per_rank(grid, PlanTotals(*grid), 4, 4)
+    assert {3 * (h - memory.slots_bytes(grid[2], PlanTotals(*grid), 4)) for h in held} == {
+        17 * owned
+    }
+
+
+def test_per_rank_budgets_hold_a_rank_below_its_speed_share(monkeypatch):
+    from osmm_jax._src import config
+
+    monkeypatch.delenv(config.SYNC, raising=False)
+    M, K, N, speeds = 8192, 4096, 4096, [1.0, 1.0, 2.0]
+    mib = 2**20
+    free = auto_layouts(M, K, N, speeds, replication="free", memory_budget=math.inf)
+    assert free.name == "rows" and free.candidates[0].memory_per_rank == (
+        128 * mib,
+        128 * mib,
+        192 * mib,
+    )
+    # Rank 2 has room for 120 MiB: B whole (64 MiB) and 56 MiB of A and C rows, not its
+    # speed share (half the rows, 128 MiB). It keeps what fits; ranks 0 and 1 share the rest.
+    tight = auto_layouts(
+        M, K, N, speeds, replication="free", memory_budget=[math.inf, math.inf, 120 * mib]
+    )
+    rows = tight.candidates[0]
+    assert tight.name == "rows" and rows.fits and rows.held_back == (2,)
+    assert rows.memory_per_rank[2] <= 120 * mib and rows.memory_per_rank[2] > 119 * mib
+    sizes = [r1 - r0 for (r0, r1), _ in tight.a.blocks]
+    assert sizes[0] == sizes[1] and sum(sizes) == M
+    assert "Shares held below speed by memory: ranks [2]" in tight.reason
+    assert "Over the memory budget of no limit, no limit, 120 MiB (by rank): cols" in tight.reason
+    assert rows.compute_seconds > free.candidates[0].compute_seconds
+    # Every figure is the plan's: the layouts chosen hold what the candidate says.
+    held = memory.memory_per_rank(
+        (tight.a, tight.b, tight.c), PlanTotals(tight.a, tight.b, tight.c), 4, 4
+    )
+    assert held == rows.memory_per_rank
+
+
+def test_a_budget_no_layout_fits_names_the_rank_its_need_and_what_it_has():
+    with pytest.raises(ValueError) as error:
+        auto_layouts(
+            8192,
+            4096,
+            4096,
+            [1.0, 1.0, 2.0],
+            replication="free",
+            memory_budget=[2**40, 2**40, 60 * 2**20],
+        )
+    assert str(error.value).startswith(
+        "no layout for 8192 x 4096 @ 4096 x 4096 on 3 ranks fits the memory budgets, even with "
+        "work moved off the ranks short of memory: the closest, rows, needs 192 MiB on rank 2 "
+        "at shares by speed, which has 60 MiB"
+    )

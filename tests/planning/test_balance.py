@@ -340,3 +340,88 @@ def test_predicted_times_in_seconds():
     assert seconds == pytest.approx([200.0, 300.0, 0.0])
     assert imbalance == pytest.approx(300.0 / 200.0 - 1)  # ideal 400 * 2 / 4 = 200 s
     assert _predicted_times([0, 0], [1.0, 1.0], 0, 1.0) == ([0.0, 0.0], 0.0)
+
+
+# -- memory budgets ------------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(problems(), st.lists(st.integers(0, 3000), min_size=6, max_size=6), st.booleans())
+def test_a_memory_budget_is_never_exceeded_and_binds_only_where_it_must(problem, rooms, cap):
+    total, speeds, min_rows, align = problem
+    total = min(total, 8000)
+    bytes_per_row = 16.0
+    budgets = [math.inf if r == 3000 else (r + 0.5) * bytes_per_row for r in rooms[: len(speeds)]]
+    kwargs = {"min_rows": min_rows, "align": align, "cap": 1.0 if cap else None}
+    try:
+        result = balance(
+            total, speeds, memory_budget=budgets, bytes_per_row=bytes_per_row, **kwargs
+        )
+    except ValueError as error:
+        assert "do not fit the memory budgets" in str(error)
+        room = [total if r == 3000 else min(total, r) for r in rooms[: len(speeds)]]
+        held = sum(n for n, s in zip(room, speeds) if s > 0)
+        # Refused only when whole units of the granularity (and the remainder) cannot fit.
+        assert held < total + math.lcm(min_rows, align) * len(speeds)
+        return
+    assert sum(result.sizes) == total
+    for r, n in enumerate(result.sizes):
+        assert n * bytes_per_row <= budgets[r]
+        assert n == 0 or speeds[r] > 0
+    if all(b == math.inf for b in budgets):
+        assert result.sizes == balance(total, speeds, **kwargs).sizes
+
+
+def test_a_budget_holds_a_fast_rank_below_its_share_and_the_rest_goes_by_speed():
+    budgets = [math.inf, math.inf, 300 * 100, math.inf]
+    result = balance(1200, [1, 1, 4, 2], min_rows=1, memory_budget=budgets, bytes_per_row=100)
+    assert result.sizes == (225, 225, 300, 450)
+    assert result.notes == (
+        "rank 2 held to 300 rows by its memory budget (room for 300; its speed share is 600)",
+    )
+    # A budget with room to spare changes nothing; fixed bytes count against the budget.
+    plain = balance(1200, [1, 1, 4, 2], min_rows=1)
+    roomy = balance(1200, [1, 1, 4, 2], min_rows=1, memory_budget=1e9, bytes_per_row=100)
+    assert roomy.sizes == plain.sizes and roomy.notes == ()
+    fixed = balance(
+        1200,
+        [1, 1, 4, 2],
+        min_rows=1,
+        memory_budget=budgets,
+        bytes_per_row=100,
+        fixed_bytes=[0, 0, 100 * 100, 0],
+    )
+    assert fixed.sizes[2] == 200
+
+
+def test_a_rank_whose_budget_holds_no_unit_gets_no_rows():
+    result = balance(
+        4096, [1, 1, 2], min_rows=512, memory_budget=[1e9, 1e9, 511 * 8], bytes_per_row=8
+    )
+    assert result.sizes[2] == 0 and sum(result.sizes) == 4096
+    assert "rank 2 held to 0 rows by its memory budget" in result.describe()
+
+
+def test_an_infeasible_budget_names_the_rank_its_need_and_what_it_has():
+    with pytest.raises(ValueError) as error:
+        balance(1000, [1, 1, 2], min_rows=8, memory_budget=[3e4, 3e4, 3e4], bytes_per_row=100)
+    assert str(error.value) == (
+        "1000 rows do not fit the memory budgets: rank 2 would need 48.8 KiB for its speed "
+        "share of 500 rows but has 29.3 KiB; all ranks together hold at most 900 rows at "
+        "100 B per row (raise the budgets, lower the bytes per row, or use more ranks)"
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"memory_budget": 1e9}, ValueError, "memory_budget needs bytes_per_row"),
+        ({"bytes_per_row": 8}, ValueError, "bytes_per_row is only used with memory_budget"),
+        ({"memory_budget": [1e9], "bytes_per_row": 8}, ValueError, "has 1 budgets but there are 2"),
+        ({"memory_budget": 1e9, "bytes_per_row": 0}, ValueError, "bytes_per_row must be finite"),
+        ({"memory_budget": 0, "bytes_per_row": 8}, ValueError, "memory_budget must be finite"),
+    ],
+)
+def test_memory_arguments_are_checked(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        balance(100, [1, 1], **kwargs)

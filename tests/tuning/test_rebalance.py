@@ -298,3 +298,32 @@ def test_streaks_and_the_change_event():
     assert _advance_streaks([0, 2, 1], {1: (1.0, "slow")}) == [0, 3, 0]
     event = _change_event(7, ["rank 1 slow", "rank 2 slow"], (64, 64, 64), (128, 32, 32))
     assert event == "step 7: rank 1 slow; rank 2 slow; sizes [64, 64, 64] -> [128, 32, 32]"
+
+
+def test_a_memory_budget_holds_a_rank_below_its_speed_share_from_the_start():
+    rb, _ = _make(
+        1024, (1.0, 1.0, 2.0), quantum=64, memory_budget=[1e9, 1e9, 300 * 100], bytes_per_row=100
+    )
+    assert rb.sizes == (384, 384, 256)  # rank 2 holds 300 rows: 4 quanta; the rest by speed
+
+
+def test_rows_taken_from_a_straggler_never_overfill_a_rank_short_of_memory():
+    budget = [1e9, 1e9, 400 * 100, 1e9]
+    rb, cluster = _make(
+        2048, (1.0, 1.0, 1.0, 1.0), quantum=64, memory_budget=budget, bytes_per_row=100
+    )
+    assert rb.sizes == (576, 576, 384, 512)
+    cluster.speeds = [0.25, 1.0, 4.0, 1.0]  # rank 0 slows down, rank 2 speeds up
+    changes = [step for step in range(60) if cluster.step(rb)]
+    assert changes and sum(rb.sizes) == 2048
+    assert rb.sizes[0] < 576 and rb.sizes[2] <= 400
+    assert rb.sizes[1] > 576 or rb.sizes[3] > 512
+
+
+def test_rows_that_fit_no_budget_are_refused_at_construction():
+    with pytest.raises(ValueError, match=r"1024 rows do not fit the memory budgets: rank 2 would"):
+        _make(1024, (1.0, 1.0, 2.0), memory_budget=[100 * 100] * 3, bytes_per_row=100)
+    with pytest.raises(ValueError, match="memory_budget needs bytes_per_row"):
+        _make(1024, (1.0, 1.0, 2.0), memory_budget=1e9)
+    with pytest.raises(ValueError, match="has 2 budgets but there are 3 ranks"):
+        _make(1024, (1.0, 1.0, 2.0), memory_budget=[1e9, 1e9], bytes_per_row=1)

@@ -40,12 +40,14 @@ gets the rest of its box's inputs and delivers its partial sum; the choice then 
 * ``"fetched"``: not replicated at all: split like the other operand over K, and
   fetching the pieces a rank lacks is counted by the planner.
 
-Every candidate's memory per rank (the most one rank holds during a product: its
-A, B and C blocks, a replicated operand whole, plus the input pieces it fetches and
-the partials it computes for other ranks) must fit
-``memory_budget`` (default: ``OSMM_MEMORY_BUDGET``, else a quarter of the
-host's physical memory: on hosts of unequal memory give the same budget
-everywhere, since the choice must be the same on every rank).
+Every candidate's memory on each rank (what it holds during a product: its A, B and C
+blocks, a replicated operand whole, plus the input pieces it fetches, the partials it
+computes for other ranks and the slots window, :func:`osmm_jax._src.planning.memory.memory_per_rank`)
+must fit that rank's ``memory_budget`` (one number, or one per rank: the choice must be the
+same on every rank, so on hosts of unequal memory pass :func:`osmm_jax.memory_budgets`, which
+gathers each rank's own; default ``OSMM_MEMORY_BUDGET``, else a quarter of the host's physical
+memory). A candidate whose speed shares overshoot a rank's budget is tried with that rank's
+share lowered to what fits, the rest going to the others by speed.
 Predictions within :data:`TIE_TOLERANCE` of the fastest tie; a tie goes to the
 candidate that moves the fewest bytes, then to the earlier one.
 
@@ -67,11 +69,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from osmm_jax._src import checks, config, units
-from osmm_jax._src.planning import comm_bound
+from osmm_jax._src.planning import comm_bound, memory
 from osmm_jax._src.planning.layout import Layout
 from osmm_jax._src.planning.plan import Plan
 from osmm_jax._src.planning.plan_totals import PlanTotals
-from osmm_jax._src.planning.totals import block_area
 from osmm_jax._src.planning.work import Work, three_d_layouts
 
 DEFAULT_BANDWIDTH = 5e9
@@ -133,8 +134,10 @@ class Candidate(NamedTuple):
     ``memory_bytes``: the most bytes one rank holds during a product (its own A, B
     and C blocks, the input pieces it fetches and the partials it computes for other
     ranks, and in the notified mode the slots its window holds for them; not the other MPI
-    windows); ``fits``: whether that is within the memory budget
-    (a candidate that does not fit is never chosen).
+    windows); ``memory_per_rank``: the same for each rank; ``fits``: whether every rank's is
+    within its memory budget (a candidate that does not fit is never chosen).
+    ``held_back``: the ranks whose shares were lowered below their speed share to fit their
+    budgets (the rest of their work went to the others in proportion to speed).
     """
 
     name: str
@@ -149,6 +152,8 @@ class Candidate(NamedTuple):
     link_bytes: int = 0
     link_elements: int = 0
     moved_elements: int = 0
+    memory_per_rank: tuple[int, ...] = ()
+    held_back: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -337,10 +342,13 @@ def auto_layouts(
         itemsize: bytes per input element (4 for float32, 2 for bfloat16, 8 for float64).
         replication: ``"synced"`` (default), ``"free"`` or ``"fetched"``: how an
             operand held on every rank is priced (see the module docstring).
-        memory_budget: bytes one rank may hold during a product (its blocks, the pieces
-            it fetches, its partials for others; ``math.inf``: no limit);
-            default ``OSMM_MEMORY_BUDGET``, else a quarter of the host's memory. On a
-            GPU, pass (a share of) the device's memory.
+        memory_budget: bytes a rank may hold during a product (its blocks, the pieces
+            it fetches, its partials for others, the slots window; ``math.inf``: no limit):
+            one number for every rank, or one per rank (:func:`osmm_jax.memory_budgets`
+            gathers each rank's own). A candidate whose speed shares would put a rank over
+            its budget is tried again with that rank's share lowered to what fits and the
+            rest given to the others by speed (``Candidate.held_back``). Default
+            ``OSMM_MEMORY_BUDGET``, else a quarter of the host's memory on every rank.
         replicated_is_free: the older spelling: True is ``"free"``, False ``"fetched"``.
 
     Returns:
@@ -360,15 +368,20 @@ def auto_layouts(
     )
     itemsize = checks.integer(itemsize, "itemsize", 1)
     replication = _replication(replication, replicated_is_free)
-    budget = _memory_budget(memory_budget)
+    budgets = memory.budgets_per_rank(memory_budget, len(speeds))
 
-    strategies = candidate_layouts(M, K, N, speeds, replication=replication)
-    scored = [_price(s, speeds, bandwidth, itemsize, replication, budget) for s in strategies]
+    strategies = list(candidate_layouts(M, K, N, speeds, replication=replication))
+    scored = [_price(s, speeds, bandwidth, itemsize, replication, budgets) for s in strategies]
+    for i, candidate in enumerate(scored):
+        if not candidate.fits and any(candidate.memory_per_rank):
+            fitted = _fitted(i, (M, K, N), speeds, bandwidth, itemsize, replication, budgets)
+            if fitted is not None:
+                strategies[i], scored[i] = fitted
     if not any(s.fits for s in scored):
-        raise _over_budget((M, K, N), len(speeds), budget, scored)
+        raise _over_budget((M, K, N), len(speeds), budgets, scored)
     pick = _pick(scored)
     best, (_, a, b, c, work) = scored[pick], strategies[pick]
-    reason = _choice_reason(scored, pick, replication, bandwidth, budget)
+    reason = _choice_reason(scored, pick, replication, bandwidth, budgets)
     # The layouts carry the reason, so the plan of them says why they were chosen.
     a, b, c = (
         dataclasses.replace(x, reason=f"chosen by auto_layouts: {reason}") for x in (a, b, c)
@@ -386,21 +399,33 @@ def auto_layouts(
     )
 
 
-def _memory_budget(memory_budget) -> float:
-    """``memory_budget`` checked (bytes per rank, positive, or ``math.inf``: no limit); None:
-    ``OSMM_MEMORY_BUDGET``, else a quarter of the host's memory."""
-    if memory_budget is None:
-        return config.memory_budget()
-    if memory_budget == math.inf:
-        return math.inf
-    return checks.positive_real(memory_budget, "memory_budget")
+def _fitted(index: int, dims, speeds, bandwidth, itemsize, replication, budgets):
+    """``(strategy, candidate)``: candidate ``index`` of :func:`candidate_layouts` with its
+    shares moved off the ranks over their ``budgets`` (:func:`memory.fit_shares`), priced at
+    the true ``speeds``; None when no shares fit."""
+
+    def build(weights):
+        return candidate_layouts(*dims, weights, replication=replication)[index]
+
+    def held(weights):
+        return _price(
+            build(weights), speeds, bandwidth, itemsize, replication, budgets
+        ).memory_per_rank
+
+    found = memory.fit_shares(held, speeds, budgets)
+    if found is None:
+        return None
+    weights, moved = found
+    strategy = build(weights)
+    candidate = _price(strategy, speeds, bandwidth, itemsize, replication, budgets)
+    return strategy, candidate._replace(held_back=moved)
 
 
 def _price(
-    strategy: Strategy, speeds, bandwidth: float, itemsize: int, replication: str, budget: float
+    strategy: Strategy, speeds, bandwidth: float, itemsize: int, replication: str, budgets
 ) -> Candidate:
     """The model's :class:`Candidate` for one strategy: its time, the bytes it moves and
-    holds per rank, and whether it fits ``budget``."""
+    holds per rank, and whether it fits ``budgets`` (bytes, one per rank)."""
     layouts = (strategy.a, strategy.b, strategy.c)
     accum = max(itemsize, 4)
     # The plan's totals alone (not the cached make_plan(): trial plans must not evict the
@@ -410,9 +435,7 @@ def _price(
     compute = _compute_seconds(totals.flops, speeds)
     link = max(totals.link_bytes(itemsize, accum))
     comm = (link + sync) / bandwidth
-    memory = _memory_bytes(layouts, totals, itemsize, accum) + _slots_bytes(
-        layouts[2], totals, accum
-    )
+    held = memory.memory_per_rank(layouts, totals, itemsize, accum)
     return Candidate(
         strategy.name,
         compute + comm,
@@ -420,12 +443,13 @@ def _price(
         comm,
         sent_bytes=max(totals.bytes_sent(itemsize, accum)),
         sync_bytes=sync,
-        memory_bytes=memory,
-        fits=memory <= budget,
+        memory_bytes=max(held),
+        fits=all(h <= b for h, b in zip(held, budgets)),
         sent_elements=max(totals.bytes_sent(1, 1)),
         link_bytes=link,
         link_elements=max(totals.link_bytes(1, 1)),
         moved_elements=max(totals.bytes_issued(1, 1)),
+        memory_per_rank=held,
     )
 
 
@@ -443,14 +467,21 @@ def _sync_bytes(inputs, p: int, accum: int) -> int:
     return sync
 
 
-def _over_budget(dims, p: int, budget: float, scored) -> ValueError:
-    """The error when no candidate of ``scored`` fits ``budget``: it names the smallest need."""
+def _over_budget(dims, p: int, budgets, scored) -> ValueError:
+    """The error when no candidate of ``scored`` fits ``budgets``: it names the candidate that
+    overshoots least, its rank that overshoots most, what that rank needs and what it has."""
     M, K, N = dims
-    least = min(scored, key=lambda s: s.memory_bytes)
+
+    def excess(candidate):
+        return max((h - b, -r) for r, (h, b) in enumerate(zip(candidate.memory_per_rank, budgets)))
+
+    least = min(scored, key=excess)
+    rank = -excess(least)[1]
     return ValueError(
-        f"no layout for {M} x {K} @ {K} x {N} on {p} ranks fits the memory budget of "
-        f"{units.format_bytes(budget)} per rank: the smallest, {least.name}, needs "
-        f"{units.format_bytes(least.memory_bytes)} (raise memory_budget or "
+        f"no layout for {M} x {K} @ {K} x {N} on {p} ranks fits the memory budgets, even with "
+        f"work moved off the ranks short of memory: the closest, {least.name}, needs "
+        f"{units.format_bytes(least.memory_per_rank[rank])} on rank {rank} at shares by speed, "
+        f"which has {units.format_bytes(budgets[rank])} (raise memory_budget or "
         f"{config.MEMORY_BUDGET}, or use more ranks)"
     )
 
@@ -464,7 +495,7 @@ def _pick(scored) -> int:
     return min(tied, key=lambda i: (scored[i].link_bytes + scored[i].sync_bytes, i))
 
 
-def _choice_reason(scored, pick: int, replication: str, bandwidth: float, budget: float) -> str:
+def _choice_reason(scored, pick: int, replication: str, bandwidth: float, budgets) -> str:
     """Why ``scored[pick]`` won, against the fastest other candidate that fits, and which
     candidates the memory budget left out."""
     rest = sorted(
@@ -473,13 +504,20 @@ def _choice_reason(scored, pick: int, replication: str, bandwidth: float, budget
     )
     runner_up = rest[0] if rest else None
     reason = _reason(scored[pick], runner_up, replication, bandwidth)
+    if scored[pick].held_back:
+        reason += f". Shares held below speed by memory: ranks {list(scored[pick].held_back)}"
     left_out = [s.name for s in scored if not s.fits]
     if left_out:
-        reason += (
-            f". Over the memory budget of {units.format_bytes(budget)} per rank: "
-            + ", ".join(left_out)
-        )
+        reason += f". Over the memory budget {_budgets_text(budgets)}: " + ", ".join(left_out)
     return reason
+
+
+def _budgets_text(budgets) -> str:
+    """The budgets in words: one figure when they are all equal, else one per rank."""
+    words = ["no limit" if math.isinf(b) else units.format_bytes(b) for b in budgets]
+    if len(set(words)) == 1:
+        return f"of {words[0]} per rank"
+    return "of " + ", ".join(words) + " (by rank)"
 
 
 def _replication(replication: str | None, replicated_is_free: bool | None) -> str:
@@ -497,47 +535,6 @@ def _replication(replication: str | None, replicated_is_free: bool | None) -> st
     if replication not in REPLICATION:
         raise ValueError(f"replication must be one of {REPLICATION}, got {replication!r}")
     return replication
-
-
-def _memory_bytes(layouts, totals: PlanTotals, itemsize: int, accum: int) -> int:
-    """The most bytes one rank holds during a product: its A, B and C blocks (a replicated one
-    whole), the input pieces it fetches and the partials it computes for other ranks (kept
-    until the reduce finishes). A 3-D rank at 4 x 4 x 4 holds 4 times its own slices so; a rank
-    of an 8 x 8 grid nearly 6 times. Not counted: the MPI windows (persistent, sized by the
-    largest block), XLA's temporaries."""
-    t = totals.totals
-    most = 0
-    for rank, blocks in enumerate(zip(*(layout.blocks for layout in layouts))):
-        owned = sum((r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in blocks) * itemsize
-        transient = t.received_inputs[rank] * itemsize + t.partials[rank] * accum
-        most = max(most, owned + transient)
-    return most
-
-
-def _slots_bytes(c: Layout, totals: PlanTotals, accum: int) -> int:
-    """The notified mode's slots window, the same on every rank (``OSMM_SYNC=notify``, the
-    default, counted unless ``OSMM_SYNC=fence``: the layouts do not know which MPI runs
-    them). One window serves the reduce and the fetch, so it is the larger of theirs: an
-    accumulator and a slot per origin, each the size of the largest C block (the reduce) or
-    of the most A and B elements a rank fetches (the notified fetch,
-    :mod:`osmm_jax._src.runtime.fetch`), at most ``P - 1`` slots and no more than
-    ``OSMM_SLOT_BUDGET`` holds (at least one). 0 in the fence mode, or when no rank delivers
-    or fetches anything."""
-    if config.resolve_sync(None) != "notify":
-        return 0
-    t = totals.totals
-    reduce = max(block_area(c, r) for r in range(c.nranks)) if any(t.received_partials) else 0
-    fetch = max(t.received_inputs, default=0)
-    return max(_window(reduce * accum, c.nranks), _window(fetch * accum, c.nranks))
-
-
-def _window(slot: int, nranks: int) -> int:
-    """Bytes of a slots window of ``slot``-byte slots (0: no window) on ``nranks`` ranks."""
-    if slot == 0:
-        return 0
-    budget = config.slot_budget()
-    slots = nranks - 1 if math.isinf(budget) else min(nranks - 1, int(budget // slot))
-    return (1 + max(1, slots)) * slot
 
 
 def _bound_ratio(M, K, N, speeds, best: Candidate, itemsize, accum, replication) -> float:

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from osmm_jax._src import checks
+from osmm_jax._src.planning import memory
 
 NOISE_THRESHOLD = 0.2
 """Default largest coefficient of variation of a rank's timings still trusted as a speed."""
@@ -110,7 +111,7 @@ def guarantees_balance(total: int, speeds, granularity: int) -> bool:
     return granularity * math.fsum(positive) / min(positive) <= GUARANTEED_IMBALANCE * total
 
 
-def _water_fill(total: float, weights: list[float], limits: list[float]) -> tuple[list[float], set]:
+def water_fill(total: float, weights: list[float], limits: list[float]) -> tuple[list[float], set]:
     """Shares of ``total`` proportional to ``weights``, none above its limit, excess redistributed.
 
     Returns (shares, the ranks held at their limit). Ranks with weight 0 get 0.
@@ -160,11 +161,18 @@ def _round_units(targets: list[float], units_total: int, room: list[int]) -> lis
 
 
 def _split(
-    total: int, weights: list[float], granularity: int, last: int, cap: float | None
-) -> tuple[list[int], list[int]]:
-    """Sizes proportional to ``weights``, whole units of ``granularity``, the remainder on ``last``.
+    total: int,
+    weights: list[float],
+    granularity: int,
+    last: int,
+    cap: float | None,
+    room: tuple[float, ...] | None = None,
+) -> tuple[list[int], list[int]] | None:
+    """Sizes proportional to ``weights``, whole units of ``granularity``, the remainder on ``last``,
+    none above its ``room`` (rows its memory budget allows, per rank; None: no limits).
 
-    Returns (sizes, the ranks a cap holds at its limit).
+    Returns (sizes, the ranks a cap or their room holds at its limit); None when the rooms
+    cannot take all rows this way.
     """
     nranks = len(weights)
     units_total, remainder = divmod(total, granularity)
@@ -180,8 +188,13 @@ def _split(
             cap_units = math.ceil(exact - _EPS)
         limit_units = [cap_units] * nranks
         limit_units[last] = cap_units - (1 if remainder else 0)
+    if room is not None:
+        limit_units = _room_units(limit_units, room, granularity, last, remainder)
+        holders = [r for r, w in enumerate(weights) if w > 0]
+        if min(limit_units) < 0 or sum(limit_units[r] for r in holders) < units_total:
+            return None
     limits = [u * granularity + (remainder if r == last else 0) for r, u in enumerate(limit_units)]
-    shares, held = _water_fill(total, weights, limits)
+    shares, held = water_fill(total, weights, limits)
 
     targets = [x / granularity for x in shares]
     targets[last] = max(0.0, (shares[last] - remainder) / granularity)
@@ -189,6 +202,17 @@ def _split(
     sizes = [u * granularity for u in units]
     sizes[last] += remainder
     return sizes, [r for r in sorted(held) if sizes[r] >= limits[r]]
+
+
+def _room_units(limit_units, room, granularity: int, last: int, remainder: int) -> list[int]:
+    """``limit_units`` lowered to the whole units of rows each rank has ``room`` for; the
+    remainder rank ``last`` must also hold the ``remainder`` rows (-1: it cannot)."""
+    out = list(limit_units)
+    for r, rows in enumerate(room):
+        if not math.isinf(rows):
+            held = rows - (remainder if r == last else 0)
+            out[r] = min(out[r], math.floor(held / granularity) if held >= 0 else -1)
+    return out
 
 
 def balance(
@@ -201,6 +225,9 @@ def balance(
     spread=None,
     align: int = 1,
     flops_per_row: float = 1.0,
+    memory_budget=None,
+    bytes_per_row: float | None = None,
+    fixed_bytes=0,
 ) -> Balance:
     """Split ``total`` rows over ranks in proportion to ``speeds``.
 
@@ -227,6 +254,17 @@ def balance(
             e.g. the vector width.
         flops_per_row: floating-point operations per row, so that
             ``predicted_seconds`` are seconds (see :class:`Balance`).
+        memory_budget: bytes each rank may hold: one number for every rank or one per rank
+            (``math.inf``: no limit), e.g. :func:`osmm_jax.memory_budgets`. A rank gets at most
+            ``(budget - fixed_bytes) / bytes_per_row`` rows, rounded down to the granularity:
+            the speed-proportional split where it fits; where a rank's share would not fit, it
+            gets what fits and the rest goes to the others in proportion to their speeds (and
+            ``notes`` say so). None (default): no memory limit.
+        bytes_per_row: what one more row costs a rank, bytes (> 0): its rows of the inputs
+            and outputs, and what the step keeps per row (activations, gradients, optimizer
+            state of a tensor-parallel shard). Required with ``memory_budget``.
+        fixed_bytes: what a rank holds whatever its share (a replicated weight), bytes: one
+            number or one per rank.
 
     Returns:
         A :class:`Balance`. See the module docstring for the 5% guarantee.
@@ -236,7 +274,10 @@ def balance(
         ValueError: negative ``total``, ``min_rows``/``align`` below 1, speeds not
             finite, negative or all zero, ``spread`` of the wrong length or
             negative, ``cap`` outside (0, 1] or too small for the ranks,
-            ``flops_per_row`` not finite and positive.
+            ``flops_per_row`` not finite and positive; ``memory_budget`` without
+            ``bytes_per_row`` or of the wrong length; rows that fit no split within the
+            budgets (the message names the rank whose speed share overshoots most, what it
+            would need and what it has: the same on every rank given the same arguments).
     """
     speeds, spread = _unpack_profile(speeds, spread)
     total = checks.integer(total, "total", 0)
@@ -249,11 +290,18 @@ def balance(
         noise_threshold = checks.at_least(noise_threshold, "noise_threshold", 0, allow_inf=True)
     cap = _checked_cap(cap, len(active))
     flops_per_row = checks.positive_real(flops_per_row, "flops_per_row")
+    room = _memory_room(memory_budget, bytes_per_row, fixed_bytes, len(speeds))
 
     weights, notes = _trusted_weights(speeds, spread, noise_threshold)
     granularity, lowered = _granularity(total, min_rows, align, len(active))
-    last, sizes, capped = _best_split(total, weights, granularity, active, cap)
-    notes += lowered + _split_notes(total, granularity, active, last, sizes, capped, cap)
+    found = _best_split(total, weights, granularity, active, cap, room)
+    if found is None:
+        raise _over_budget(total, weights, room, memory_budget, bytes_per_row, fixed_bytes)
+    last, sizes, capped = found
+    capped = [r for r in capped if cap is not None and (room is None or room[r] >= cap * total)]
+    held = _held(active, room, granularity)
+    notes += lowered + _split_notes(total, granularity, held, last, sizes, capped, cap)
+    notes += _memory_notes(total, weights, sizes, room, granularity)
     seconds, imbalance = _predicted_times(sizes, speeds, total, flops_per_row)
     return Balance(tuple(sizes), tuple(seconds), imbalance, granularity, tuple(notes))
 
@@ -332,29 +380,85 @@ def _granularity(total: int, min_rows: int, align: int, holders: int) -> tuple[i
     return granularity, []
 
 
+def _memory_room(memory_budget, bytes_per_row, fixed_bytes, nranks: int):
+    """The rows each rank's memory budget lets it take (:func:`memory.row_limits`), or None
+    when there is no budget."""
+    if memory_budget is None:
+        if bytes_per_row is not None:
+            raise ValueError("bytes_per_row is only used with memory_budget; give both")
+        return None
+    if bytes_per_row is None:
+        raise ValueError("memory_budget needs bytes_per_row: what one row costs a rank, in bytes")
+    bytes_per_row = checks.positive_real(bytes_per_row, "bytes_per_row")
+    budgets = memory.budgets_per_rank(memory_budget, nranks)
+    return memory.row_limits(budgets, bytes_per_row, fixed_bytes)
+
+
+def _over_budget(total, weights, room, memory_budget, bytes_per_row, fixed_bytes) -> ValueError:
+    """The error of :func:`memory.over_budget_error` for a split no budget allows."""
+    budgets = memory.budgets_per_rank(memory_budget, len(weights))
+    shares = [total * w / math.fsum(weights) for w in weights]
+    return memory.over_budget_error(total, shares, room, budgets, bytes_per_row, fixed_bytes)
+
+
+def _memory_notes(total: int, weights, sizes, room, granularity: int) -> list[str]:
+    """In words: the ranks their memory budget holds below their speed share (no room for
+    another unit of ``granularity`` rows)."""
+    if room is None:
+        return []
+    weight_sum = math.fsum(weights)
+    notes = []
+    for r, rows in enumerate(room):
+        share = total * weights[r] / weight_sum
+        if sizes[r] < share and sizes[r] + granularity > rows:
+            notes.append(
+                f"rank {r} held to {sizes[r]} rows by its memory budget (room for {rows:.0f}; "
+                f"its speed share is {share:.0f})"
+            )
+    return notes
+
+
 def _best_split(
-    total: int, weights: list[float], granularity: int, active: list[int], cap: float | None
-) -> tuple[int, list[int], list[int]]:
+    total: int,
+    weights: list[float],
+    granularity: int,
+    active: list[int],
+    cap: float | None,
+    room: tuple[float, ...] | None = None,
+) -> tuple[int, list[int], list[int]] | None:
     """``(remainder rank, sizes, capped ranks)`` of the split that finishes first.
 
     The remainder piece (``total % granularity`` rows) goes to the last rank with
     rows, so every block starts on the granularity. Normally that is the last of
     the ``active`` ranks (nonzero speed); but when the ranks at the end are so slow
     that their shares are below one unit, the remainder fits better on an earlier
-    rank, the ones after it left empty. Finish times are rows / weight (relative).
+    rank, the ones after it left empty. Finish times are rows / weight (relative). None when
+    no split fits the ranks' ``room`` (rows their memory allows).
     """
     best = None
     for last in reversed(active):
         if cap is None or cap * sum(1 for r in active if r <= last) >= 1 - _EPS:
             weights_upto = [w if r <= last else 0.0 for r, w in enumerate(weights)]
-            sizes, capped = _split(total, weights_upto, granularity, last, cap)
-            finish = max(n / w for n, w in zip(sizes, weights) if n) if total else 0.0
-            if best is None or finish < best[0] * (1 - _EPS):
-                best = (finish, last, sizes, capped)
-        if total % granularity == 0 or total * weights[last] / math.fsum(weights) >= granularity:
+            split = _split(total, weights_upto, granularity, last, cap, room)
+            if split is not None:
+                sizes, capped = split
+                finish = max(n / w for n, w in zip(sizes, weights) if n) if total else 0.0
+                if best is None or finish < best[0] * (1 - _EPS):
+                    best = (finish, last, sizes, capped)
+        whole = (
+            total % granularity == 0 or total * weights[last] / math.fsum(weights) >= granularity
+        )
+        if whole and best is not None:
             break  # an earlier remainder rank would leave a whole unit's worth of work undone
+    if best is None:
+        return None
     _, last, sizes, capped = best
     return last, sizes, capped
+
+
+def _held(active: list[int], room, granularity: int) -> list[int]:
+    """The ranks of ``active`` whose memory ``room`` takes at least one unit of rows."""
+    return [r for r in active if room is None or room[r] >= granularity]
 
 
 def _split_notes(
@@ -362,7 +466,7 @@ def _split_notes(
 ) -> list[str]:
     """In words: ranks left empty before the remainder rank ``last``, and caps that bound."""
     notes = []
-    if last != active[-1]:
+    if active and last < active[-1]:
         empty = [r for r in active if r > last]
         notes.append(
             f"ranks {empty} left empty (their shares are below the granularity): rank {last} "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from osmm_jax._src import config
 from osmm_jax._src.planning.auto_layout import LayoutChoice
 from osmm_jax._src.planning.layout import Layout
 from osmm_jax._src.planning.plan import Plan, RankPlan, make_plan
@@ -134,6 +135,57 @@ def gather(x_local, layout: Layout, *, comm=None) -> np.ndarray:
         rows, cols = layout.local_slices(r)
         out[rows, cols] = part
     return out
+
+
+def memory_budgets(comm=None) -> tuple[float, ...]:
+    """Every rank's memory budget in bytes, in rank order: the same tuple on every rank.
+
+    A collective over ``comm`` (default COMM_WORLD): each rank states its own budget and the
+    ranks exchange them (one small allgather), so ranks of unequal memory can be given their
+    own: pass the result as ``memory_budget=`` to :func:`osmm_jax.balance`,
+    :func:`osmm_jax.auto_layouts` or :class:`osmm_jax.Rebalancer`. A rank's own budget is
+    ``OSMM_MEMORY_BUDGET`` as set in its environment (one number, or its entry of the
+    per-rank form), else :func:`local_memory_budget`. ``math.inf`` means no limit.
+
+    Raises:
+        ValueError: on every rank together, when any rank's ``OSMM_MEMORY_BUDGET`` cannot be
+            read or its per-rank form has the wrong number of entries.
+    """
+    from osmm_jax._src.runtime import communicators
+
+    private = communicators.private_comm(comm)
+    rank, size = private.Get_rank(), private.Get_size()
+    own, error = None, None
+    try:
+        setting = config.memory_budget_setting()
+        if isinstance(setting, tuple) and len(setting) != size:
+            raise ValueError(
+                f"{config.MEMORY_BUDGET} has {len(setting)} budgets but the communicator has "
+                f"{size} ranks"
+            )
+        own = setting[rank] if isinstance(setting, tuple) else setting
+        if own is None:
+            own = local_memory_budget()
+    except ValueError as exc:
+        error = exc
+    return tuple(communicators.agree(private, "osmm_jax.memory_budgets", "", error, share=own))
+
+
+def local_memory_budget() -> float:
+    """This process's default budget, bytes: on a GPU,
+    :data:`~osmm_jax._src.config.DEFAULT_DEVICE_FRACTION` of its first local device's free
+    memory (``bytes_limit`` less ``bytes_in_use`` of ``memory_stats()``); on a CPU (or a
+    device that reports no limit), :func:`~osmm_jax._src.config.host_memory_budget`: a share
+    of the host's memory or the cgroup's limit, when lower. No MPI."""
+    import jax
+
+    device = jax.local_devices()[0]
+    if device.platform != "cpu":
+        stats_ = device.memory_stats() or {}
+        if "bytes_limit" in stats_:
+            free = stats_["bytes_limit"] - stats_.get("bytes_in_use", 0)
+            return config.DEFAULT_DEVICE_FRACTION * max(free, 0)
+    return config.host_memory_budget()
 
 
 def stats() -> dict:

@@ -30,6 +30,8 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 from osmm_jax._src import checks
+from osmm_jax._src.planning import memory
+from osmm_jax._src.planning.balance import water_fill
 from osmm_jax._src.planning.layout import Layout, split_sizes
 from osmm_jax._src.planning.plan import Plan, make_plan
 from osmm_jax._src.runtime import metrics
@@ -77,10 +79,49 @@ def _local_nranks(speeds, comm, nranks, exchange) -> int:
     return nranks
 
 
-def _proportional(total: int, speeds) -> list[float]:
-    """``total`` rows split in proportion to ``speeds`` (any common unit), as fractional rows."""
-    weight = math.fsum(speeds)
-    return [total * s / weight for s in speeds]
+def _proportional(total: int, speeds, room=None) -> list[float]:
+    """``total`` rows split in proportion to ``speeds`` (any common unit), as fractional rows,
+    none above its ``room`` (rows, per rank; what a full rank cannot take goes to the others
+    by speed)."""
+    if room is None:
+        weight = math.fsum(speeds)
+        return [total * s / weight for s in speeds]
+    return water_fill(total, list(speeds), list(room))[0]
+
+
+def _memory_room(total: int, speeds, memory_budget, bytes_per_row, fixed_bytes):
+    """The rows each rank's memory budget allows (:func:`memory.row_limits`), or None without
+    a budget; ValueError when all ranks together cannot hold ``total`` rows."""
+    if memory_budget is None:
+        if bytes_per_row is not None:
+            raise ValueError("bytes_per_row is only used with memory_budget; give both")
+        return None
+    if bytes_per_row is None:
+        raise ValueError("memory_budget needs bytes_per_row: what one row costs a rank, in bytes")
+    bytes_per_row = checks.positive_real(bytes_per_row, "bytes_per_row")
+    room = memory.row_limits(
+        memory.budgets_per_rank(memory_budget, len(speeds)), bytes_per_row, fixed_bytes
+    )
+    if math.fsum(min(r, total) for r, s in zip(room, speeds) if s > 0) < total:
+        raise _over_budget(total, speeds, memory_budget, bytes_per_row, fixed_bytes)
+    return room
+
+
+def _memory_room_or_error(total: int, speeds, memory_budget, bytes_per_row, fixed_bytes):
+    """``(room, None)`` from :func:`_memory_room`, or ``(None, error)``: on MPI the error is
+    raised on every rank together, by the agreement of the settings."""
+    try:
+        return _memory_room(total, speeds, memory_budget, bytes_per_row, fixed_bytes), None
+    except (TypeError, ValueError) as error:
+        return None, error
+
+
+def _over_budget(total: int, speeds, memory_budget, bytes_per_row, fixed_bytes) -> ValueError:
+    """:func:`memory.over_budget_error` for ``total`` rows split by ``speeds``."""
+    budgets = memory.budgets_per_rank(memory_budget, len(speeds))
+    room = memory.row_limits(budgets, bytes_per_row, fixed_bytes)
+    shares = _proportional(total, speeds)
+    return memory.over_budget_error(total, shares, room, budgets, bytes_per_row, fixed_bytes)
 
 
 def _as_seconds(step_seconds) -> float:
@@ -151,39 +192,64 @@ def _slowest(sizes, speed) -> float:
     return max(sizes[r] / speed[r] if sizes[r] else 0.0 for r in speed)
 
 
-def _quantise(targets, sizes, shrinking, active, *, total: int, quantum: int, min_units: int):
+def _quantise(
+    targets, sizes, shrinking, active, *, total: int, quantum: int, min_units: int, room=None
+):
     """Whole quanta near ``targets`` (fractional rows, one per rank, summing to ``total``).
 
     Every rank of ``active`` (those that may have rows) keeps ``min_units`` quanta (fewer when
-    the rows cannot cover it). Ranks in ``shrinking`` get the nearest count of quanta but at
-    least one fewer than in ``sizes`` (the current rows); the others share the rest by largest
-    remainder. The ``total % quantum`` rows left over go to the last non-empty rank. Returns
-    ``sizes`` when the floors leave nothing to share.
+    the rows cannot cover it, or its ``room`` does not). Ranks in ``shrinking`` get the nearest
+    count of quanta but at least one fewer than in ``sizes`` (the current rows); the others
+    share the rest by largest remainder, none above its ``room`` (rows its memory budget
+    allows; None: no limits). The ``total % quantum`` rows left over go to the last non-empty
+    rank with room for them. Returns ``sizes`` when the floors or the rooms leave no such split.
     """
     units_total, leftover = divmod(total, quantum)
     scale = units_total / total
+    limit = [
+        units_total if room is None else int(min(units_total, room[r] // quantum))
+        for r in range(len(targets))
+    ]
     floor = min(min_units, units_total // len(active))
     units = [0] * len(targets)
     for r in active:
-        units[r] = floor
+        units[r] = min(floor, limit[r])
     for r in shrinking:
         current = sizes[r] // quantum
-        units[r] = max(floor, min(round(targets[r] * scale), current - 1))
+        units[r] = max(units[r], min(round(targets[r] * scale), current - 1))
     rest = units_total - sum(units)
     others = [r for r in active if r not in shrinking]
     if rest < 0 or not others:
         return sizes
-    weights = [max(targets[r] * scale - units[r], 0.0) for r in others]
-    if not any(weights):
-        weights = [1.0] * len(others)
-    for r, extra in zip(others, split_sizes(rest, len(others), weights)):
-        units[r] += extra
+    wanted = [max(targets[r] * scale - units[r], 0.0) for r in others]
+    extra = _fill_units(rest, wanted, [max(0, limit[r] - units[r]) for r in others])
+    if extra is None:
+        return sizes
+    for r, e in zip(others, extra):
+        units[r] += e
     rows = [u * quantum for u in units]
     if leftover:
-        nonempty = [r for r in range(len(rows)) if rows[r]]
-        last = nonempty[-1] if nonempty else max(active, key=lambda r: (targets[r], -r))
-        rows[last] += leftover
+        fits = [r for r in active if room is None or rows[r] + leftover <= room[r]]
+        nonempty = [r for r in fits if rows[r]]
+        if not fits:
+            return sizes
+        rows[nonempty[-1] if nonempty else max(fits, key=lambda r: (targets[r], -r))] += leftover
     return tuple(rows)
+
+
+def _fill_units(rest: int, wanted, room) -> list[int] | None:
+    """``rest`` whole units shared in proportion to ``wanted`` (evenly when all are 0), none
+    above its ``room``, what a full one cannot take going to the others by ``wanted``; None
+    when the rooms hold fewer than ``rest``."""
+    if rest == 0:
+        return [0] * len(room)
+    if sum(room) < rest:
+        return None
+    weights = list(wanted) if any(wanted) else [1.0] * len(room)
+    shares, _ = water_fill(rest, weights, [float(r) for r in room])
+    if math.fsum(shares) < rest - 1e-6:  # the ranks that want rows are full: the rest evenly
+        shares, _ = water_fill(rest, [1.0] * len(room), [float(r) for r in room])
+    return list(split_sizes(rest, len(room), shares))
 
 
 class Rebalancer:
@@ -235,6 +301,12 @@ class Rebalancer:
         nranks, exchange: run without MPI: ``exchange(seconds)`` returns the list
             of all ``nranks`` ranks' times (default ``nranks = len(speeds)``);
             ``comm`` must be None then.
+        memory_budget, bytes_per_row, fixed_bytes: as for :func:`osmm_jax.balance`: bytes each
+            rank may hold (one number or one per rank, e.g. :func:`osmm_jax.memory_budgets`),
+            what one row costs a rank, and what it holds whatever its rows. No rank is ever
+            given more rows than its budget holds, neither at the start nor when it takes
+            rows from a straggler; rows that fit no split raise the same ValueError on every
+            rank at construction. Default: no memory limit.
     """
 
     def __init__(
@@ -253,6 +325,9 @@ class Rebalancer:
         confirm: int = 2,
         nranks: int | None = None,
         exchange: Callable[[float], Sequence[float]] | None = None,
+        memory_budget=None,
+        bytes_per_row: float | None = None,
+        fixed_bytes=0,
     ):
         self._total = checks.integer(total_rows, "total_rows", 1)
         self._window = checks.integer(window, "window", 2)
@@ -264,17 +339,16 @@ class Rebalancer:
         self._shrink = _checked_shrink(shrink)
         self._min_units = _min_units(min_rows, self._quantum)
         speeds = checks.speeds(speeds)
-        if exchange is not None:
-            self._nranks = _local_nranks(speeds, comm, nranks, exchange)
-            self._comm, self.rank, self._exchange = None, None, exchange
-        elif nranks is not None:
-            raise ValueError("nranks is only for exchange=; with MPI it is the comm's size")
-        else:
-            self._init_mpi(comm, speeds)
-
+        self._room, room_error = _memory_room_or_error(
+            self._total, speeds, memory_budget, bytes_per_row, fixed_bytes
+        )
+        self._connect(comm, speeds, nranks, exchange, room_error)
         self._sizes = ()
         active = [r for r, s in enumerate(speeds) if s > 0]
-        self._sizes = self._quantise(_proportional(self._total, speeds), frozenset(), active)
+        targets = _proportional(self._total, speeds, self._room)
+        self._sizes = self._quantise(targets, frozenset(), active)
+        if not self._sizes:
+            raise _over_budget(self._total, speeds, memory_budget, bytes_per_row, fixed_bytes)
         self._restart_window()
         self._cache: OrderedDict[tuple[int, ...], dict] = OrderedDict()
         self._seen: set[tuple[int, ...]] = set()
@@ -292,19 +366,33 @@ class Rebalancer:
         self.times: tuple[float, ...] = ()
         """Every rank's time of the last observed step, seconds (for logs)."""
 
-    def _init_mpi(self, comm, speeds) -> None:
+    def _connect(self, comm, speeds, nranks, exchange, error) -> None:
+        """Set up the exchange of step times: ``exchange`` without MPI, else ``comm``'s private
+        duplicate, where every rank checks the settings (and raises ``error``, the budget's,
+        found on any rank) together."""
+        if exchange is not None:
+            self._nranks = _local_nranks(speeds, comm, nranks, exchange)
+            self._comm, self.rank, self._exchange = None, None, exchange
+            if error is not None:
+                raise error
+        elif nranks is not None:
+            raise ValueError("nranks is only for exchange=; with MPI it is the comm's size")
+        else:
+            self._init_mpi(comm, speeds, error)
+
+    def _init_mpi(self, comm, speeds, error=None) -> None:
         from osmm_jax._src.runtime import communicators
 
         private = communicators.private_comm(comm)
         self._comm, self.rank, self._nranks = private, private.Get_rank(), private.Get_size()
         self._exchange = private.allgather
-        error = None
         if len(speeds) != self._nranks:
             error = (
                 f"speeds has {len(speeds)} entries but the communicator has {self._nranks} ranks"
             )
         settings = (self._total, speeds, self._window, self._sigma, self._shrink, self._quantum)
         settings += (self._max_variants, self._min_units, self._tolerance, self._confirm)
+        settings += (self._room,)
         communicators.agree(private, "osmm_jax.Rebalancer", repr(settings), error)
 
     # -- state ----------------------------------------------------------------
@@ -505,4 +593,5 @@ class Rebalancer:
             total=self._total,
             quantum=self._quantum,
             min_units=self._min_units,
+            room=self._room,
         )

@@ -188,3 +188,27 @@ def test_a_freed_communicators_handle_reused_by_a_new_one_gets_a_fresh_duplicate
     c = om.matmul(a, np.eye(4, dtype=np.float32), plan)
     np.testing.assert_allclose(c, 1.0)
     second.Free()
+
+
+def test_memory_budgets_gathers_each_ranks_own(monkeypatch):
+    monkeypatch.setenv("OSMM_MEMORY_BUDGET", f"{RANK + 1} GiB")  # each rank states its own
+    assert om.memory_budgets() == tuple(float((r + 1) << 30) for r in range(SIZE))
+    per_rank = ",".join(f"{64 * (r + 1)}MiB" for r in range(SIZE))
+    monkeypatch.setenv("OSMM_MEMORY_BUDGET", per_rank)
+    assert om.memory_budgets() == tuple(float((64 * (r + 1)) << 20) for r in range(SIZE))
+    monkeypatch.delenv("OSMM_MEMORY_BUDGET")
+    budgets = om.memory_budgets()
+    assert len(budgets) == SIZE and all(0 < b < float("inf") for b in budgets)
+    assert budgets[RANK] == om._src.runtime.api.local_memory_budget()
+
+
+def test_a_bad_memory_budget_on_one_rank_raises_on_every_rank(monkeypatch):
+    if RANK == SIZE - 1:
+        monkeypatch.setenv("OSMM_MEMORY_BUDGET", "plenty")
+    else:
+        monkeypatch.setenv("OSMM_MEMORY_BUDGET", "1GiB")
+    with pytest.raises(ValueError, match=f"rank {SIZE - 1}: OSMM_MEMORY_BUDGET must be a number"):
+        om.memory_budgets()
+    monkeypatch.setenv("OSMM_MEMORY_BUDGET", ",".join(["1GiB"] * (SIZE + 1)))
+    with pytest.raises(ValueError, match=f"has {SIZE + 1} budgets but the communicator has"):
+        om.memory_budgets()

@@ -112,3 +112,32 @@ def test_a_rank_slowed_mid_run_by_extra_work_is_detected_and_loses_rows():
     )
     assert rebalancer.sizes[SIZE - 1] < 512 and sum(rebalancer.sizes) == SIZE * 512
     assert len(set(MPI.COMM_WORLD.allgather(rebalancer.sizes))) == 1
+
+
+@pytest.mark.ranks(min=2, reason="one rank must hold every row")
+def test_gathered_budgets_hold_the_fast_rank_below_its_share(monkeypatch):
+    # The last rank is the fastest but can hold only 96 rows of 100 bytes.
+    monkeypatch.setenv("OSMM_MEMORY_BUDGET", "9600" if RANK == SIZE - 1 else "1GiB")
+    speeds = [1.0] * (SIZE - 1) + [4.0]
+    rb = Rebalancer(
+        128 * SIZE, speeds, quantum=32, memory_budget=om.memory_budgets(), bytes_per_row=100
+    )
+    assert sum(rb.sizes) == 128 * SIZE
+    assert rb.sizes[-1] <= 96
+    for _step in range(20):  # the others slow down: no rows may go to the last rank
+        slow = 1.0 if RANK == SIZE - 1 else 3.0
+        rb.observe(rb.sizes[RANK] / 64 * 1e-3 * slow)
+    assert rb.sizes[-1] <= 96 and sum(rb.sizes) == 128 * SIZE
+
+
+def test_a_budget_that_cannot_fit_raises_on_every_rank():
+    with pytest.raises(ValueError, match=f"invalid input on {SIZE} of {SIZE} ranks: .*do not fit"):
+        Rebalancer(1024 * SIZE, [1.0] * SIZE, memory_budget=1e5, bytes_per_row=1000)
+
+
+@pytest.mark.ranks(min=2, reason="a rank cannot disagree with itself")
+def test_budgets_that_differ_between_ranks_raise_on_every_rank():
+    budgets = [1e9] * SIZE
+    budgets[RANK] = 100.0  # each rank passes its own view
+    with pytest.raises(ValueError, match="osmm_jax.Rebalancer: ranks disagree"):
+        Rebalancer(1024 * SIZE, [1.0] * SIZE, memory_budget=budgets, bytes_per_row=1000)

@@ -1,0 +1,195 @@
+"""Memory per rank: one budget per rank, what a product holds on each rank, and the rows a
+rank's budget lets it take.
+
+Clusters mix devices of unequal memory as well as unequal speed, so a budget is one number of
+bytes per rank (:func:`budgets_per_rank`; ``math.inf``: no limit). Work that is split by rows
+(a data-parallel batch, a tensor-parallel layer's columns) costs a rank ``fixed_bytes`` plus
+``bytes_per_row`` per row it takes; :func:`row_limits` turns the budgets into the most rows
+each rank may take, and :func:`over_budget_error` is the one message, the same on every rank,
+when the rows cannot fit anywhere. :func:`memory_per_rank` counts what one product holds on
+each rank (the figure :func:`osmm_jax.auto_layouts` keeps within the budgets).
+
+Pure Python: no JAX, no MPI; every result is the same on every rank given the same arguments.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from osmm_jax._src import checks, config, units
+from osmm_jax._src.planning.layout import Layout
+from osmm_jax._src.planning.plan_totals import PlanTotals
+from osmm_jax._src.planning.totals import block_area
+
+
+def budgets_per_rank(memory_budget, nranks: int, name: str = "memory_budget") -> tuple:
+    """``memory_budget`` as one budget per rank, bytes (``math.inf``: no limit).
+
+    ``memory_budget``: one number for every rank, a sequence of ``nranks`` numbers in rank
+    order, or None: ``OSMM_MEMORY_BUDGET`` (one number, or one per rank), else
+    :func:`osmm_jax._src.config.host_memory_budget` for every rank. Each budget is positive
+    (``math.inf`` allowed). ValueError / TypeError otherwise, naming ``name``.
+    """
+    if memory_budget is None:
+        setting = config.memory_budget_setting()
+        if setting is None:
+            return (config.host_memory_budget(),) * nranks
+        memory_budget, name = setting, config.MEMORY_BUDGET
+    if isinstance(memory_budget, (str, bytes)):
+        raise TypeError(f"{name} must be a number of bytes or one per rank, got {memory_budget!r}")
+    if isinstance(memory_budget, Sequence) or hasattr(memory_budget, "__len__"):
+        values = tuple(memory_budget)
+        if len(values) != nranks:
+            raise ValueError(
+                f"{name} has {len(values)} budgets but there are {nranks} ranks: give one "
+                "number for every rank or one per rank"
+            )
+        return tuple(_budget(v, f"{name}[{r}]") for r, v in enumerate(values))
+    return (_budget(memory_budget, name),) * nranks
+
+
+def _budget(value, name: str) -> float:
+    """One budget in bytes: positive, or ``math.inf`` for no limit."""
+    out = checks.real(value, name)
+    if math.isinf(out) and out > 0:
+        return math.inf
+    return checks.positive_real(out, name)
+
+
+def per_rank(value, nranks: int, name: str) -> tuple[float, ...]:
+    """``value`` (bytes, >= 0) for every rank, or its ``nranks`` values given one per rank."""
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        values = checks.non_negative_reals(value, name)
+        if len(values) != nranks:
+            raise ValueError(f"{name} has {len(values)} entries but there are {nranks} ranks")
+        return values
+    return (checks.at_least(value, name, 0.0),) * nranks
+
+
+def row_limits(budgets, bytes_per_row: float, fixed_bytes) -> tuple[float, ...]:
+    """The most rows each rank may take: ``(budget - fixed) / bytes_per_row``, rounded down
+    (``math.inf`` for a rank without a limit; 0 when even its fixed bytes do not fit).
+
+    ``budgets``: bytes per rank; ``bytes_per_row``: what one more row costs a rank (its slice of
+    the inputs and outputs, gradients, optimizer state...), > 0; ``fixed_bytes``: what a rank
+    holds whatever its share (a replicated weight), one number or one per rank.
+    """
+    fixed = per_rank(fixed_bytes, len(budgets), "fixed_bytes")
+    return tuple(
+        math.inf if math.isinf(b) else float(max(0, math.floor((b - f) / bytes_per_row)))
+        for b, f in zip(budgets, fixed)
+    )
+
+
+def over_budget_error(
+    total: int, shares, limits, budgets, bytes_per_row: float, fixed_bytes, what: str = "rows"
+) -> ValueError:
+    """The error when ``total`` rows cannot fit: it names the rank whose speed share overshoots
+    its budget most, what that share would need and what the rank has, and how many rows all
+    ranks' budgets hold together."""
+    fixed = per_rank(fixed_bytes, len(budgets), "fixed_bytes")
+    needs = [f + s * bytes_per_row for s, f in zip(shares, fixed)]
+    worst = max(range(len(budgets)), key=lambda r: (needs[r] - budgets[r], -r))
+    held = math.fsum(min(limit, total) for limit in limits)
+    return ValueError(
+        f"{total} {what} do not fit the memory budgets: rank {worst} would need "
+        f"{units.format_bytes(needs[worst])} for its speed share of {shares[worst]:.0f} {what} "
+        f"but has {units.format_bytes(budgets[worst])}; all ranks together hold at most "
+        f"{held:.0f} {what} at {units.format_bytes(bytes_per_row)} per row (raise the budgets, "
+        "lower the bytes per row, or use more ranks)"
+    )
+
+
+def memory_per_rank(layouts, totals: PlanTotals, itemsize: int, accum: int) -> tuple[int, ...]:
+    """The bytes each rank holds during one product of the layouts of A, B and C: its blocks
+    (a replicated one whole, ``itemsize`` bytes an element), the input pieces it fetches and
+    the partials it computes for other ranks (``accum`` bytes an element, kept until the reduce
+    finishes), and the notified mode's slots window (:func:`slots_bytes`, the same on every
+    rank). Not counted: the other MPI windows (persistent, sized by the largest block) and
+    XLA's temporaries."""
+    t = totals.totals
+    slots = slots_bytes(layouts[2], totals, accum)
+    out = []
+    for rank, blocks in enumerate(zip(*(layout.blocks for layout in layouts))):
+        owned = sum((r1 - r0) * (c1 - c0) for (r0, r1), (c0, c1) in blocks) * itemsize
+        transient = t.received_inputs[rank] * itemsize + t.partials[rank] * accum
+        out.append(owned + transient + slots)
+    return tuple(out)
+
+
+def slots_bytes(c: Layout, totals: PlanTotals, accum: int) -> int:
+    """The notified mode's slots window, the same on every rank (``OSMM_SYNC=notify``, the
+    default, counted unless ``OSMM_SYNC=fence``: the layouts do not know which MPI runs
+    them). One window serves the reduce and the fetch, so it is the larger of theirs: an
+    accumulator and a slot per origin, each the size of the largest C block (the reduce) or
+    of the most A and B elements a rank fetches (the notified fetch,
+    :mod:`osmm_jax._src.runtime.fetch`), at most ``P - 1`` slots and no more than
+    ``OSMM_SLOT_BUDGET`` holds (at least one). 0 in the fence mode, or when no rank delivers
+    or fetches anything."""
+    if config.resolve_sync(None) != "notify":
+        return 0
+    t = totals.totals
+    reduce = max(block_area(c, r) for r in range(c.nranks)) if any(t.received_partials) else 0
+    fetch = max(t.received_inputs, default=0)
+    return max(_window(reduce * accum, c.nranks), _window(fetch * accum, c.nranks))
+
+
+def _window(slot: int, nranks: int) -> int:
+    """Bytes of a slots window of ``slot``-byte slots (0: no window) on ``nranks`` ranks."""
+    if slot == 0:
+        return 0
+    budget = config.slot_budget()
+    slots = nranks - 1 if math.isinf(budget) else min(nranks - 1, int(budget // slot))
+    return (1 + max(1, slots)) * slot
+
+
+FIT_ROUNDS = 12
+"""Rounds :func:`fit_shares` moves work off ranks over their budget before it gives up."""
+
+
+def fit_shares(held, speeds, budgets):
+    """Weights near ``speeds`` whose split holds within ``budgets`` on every rank, and the
+    ranks it had to hold below their speed share; None when no such split was found.
+
+    ``held(weights)`` is what each rank holds (bytes) when the work is shared in proportion to
+    ``weights``. A rank over its budget is pinned at a lower share, the other ranks share the
+    rest by speed, and the split is measured again, for at most :data:`FIT_ROUNDS` rounds.
+    What a rank holds grows with its share, plus a part that does not (a replicated operand):
+    the first cut scales the share by ``budget / held``, later ones follow the line through the
+    rank's last two measurements (a pinned share only falls). Ranks of speed 0 keep none.
+    """
+    weights = list(speeds)
+    pinned: dict[int, float] = {}
+    seen: dict[int, tuple[float, float]] = {}  # rank -> (share, bytes held) last measured
+    for _ in range(FIT_ROUNDS):
+        need = held(weights)
+        total = math.fsum(weights)
+        over = [r for r, (n, b) in enumerate(zip(need, budgets)) if n > b]
+        if not over:
+            return weights, tuple(sorted(pinned))
+        for r in over:
+            share = _share_within(weights[r] / total, need[r], budgets[r], seen.get(r))
+            seen[r] = (weights[r] / total, need[r])
+            pinned[r] = min(share, pinned.get(r, share))
+        free = [r for r, s in enumerate(speeds) if s > 0 and r not in pinned]
+        rest = 1 - math.fsum(pinned.values())
+        if not free or rest <= 0:
+            return None
+        free_speed = math.fsum(speeds[r] for r in free)
+        weights = [
+            pinned.get(r, rest * s / free_speed if r in free else 0.0) for r, s in enumerate(speeds)
+        ]
+    return None
+
+
+def _share_within(share: float, need: float, budget: float, before) -> float:
+    """The share at which a rank holding ``need`` bytes at ``share`` would hold just under
+    ``budget``: on the line through ``before`` (an earlier ``(share, need)``) when there is
+    one with a rising slope, else scaled by ``budget / need``."""
+    target = budget * (1 - 1e-6)
+    if before is not None and before[0] != share:
+        slope = (need - before[1]) / (share - before[0])
+        if slope > 0:
+            return max(0.0, share + (target - need) / slope)
+    return share * target / need

@@ -1,0 +1,95 @@
+"""Memory budgets per rank, rows a budget allows and the shares fitted to budgets: no MPI."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from osmm_jax._src import config
+from osmm_jax._src.planning import memory
+
+
+def test_a_budget_is_one_number_for_every_rank_or_one_per_rank(monkeypatch):
+    monkeypatch.delenv(config.MEMORY_BUDGET, raising=False)
+    assert memory.budgets_per_rank(2**30, 3) == (2**30,) * 3
+    assert memory.budgets_per_rank([1, 2.5, math.inf], 3) == (1.0, 2.5, math.inf)
+    assert memory.budgets_per_rank((4,), 1) == (4.0,)
+    host = memory.budgets_per_rank(None, 2)
+    assert host[0] == host[1] == config.host_memory_budget() > 0
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("1GiB", (2**30,) * 3), ("1GiB, 2 GiB,512MiB", (2**30, 2**31, 2**29)), ("0,none,8", None)],
+)
+def test_the_environment_gives_one_budget_or_one_per_rank(monkeypatch, text, expected):
+    monkeypatch.setenv(config.MEMORY_BUDGET, text)
+    if expected is None:
+        expected = (math.inf, math.inf, 8.0)
+    assert memory.budgets_per_rank(None, 3) == expected
+
+
+def test_bad_budgets_are_refused_with_their_name(monkeypatch):
+    with pytest.raises(ValueError, match=r"memory_budget has 2 budgets but there are 3 ranks"):
+        memory.budgets_per_rank([1, 2], 3)
+    with pytest.raises(ValueError, match=r"memory_budget\[1\] must be finite and > 0"):
+        memory.budgets_per_rank([1, 0, 2], 3)
+    with pytest.raises(ValueError, match=r"memory_budget must be finite and > 0"):
+        memory.budgets_per_rank(-5, 3)
+    with pytest.raises(TypeError, match="memory_budget must be a number"):
+        memory.budgets_per_rank("8GiB", 3)
+    with pytest.raises(TypeError, match=r"memory_budget\[0\] must be a number"):
+        memory.budgets_per_rank([None, 1], 2)
+    monkeypatch.setenv(config.MEMORY_BUDGET, "1GiB,2GiB")
+    with pytest.raises(ValueError, match=r"OSMM_MEMORY_BUDGET has 2 budgets but there are 3"):
+        memory.budgets_per_rank(None, 3)
+    monkeypatch.setenv(config.MEMORY_BUDGET, "1GiB,lots")
+    with pytest.raises(ValueError, match="OSMM_MEMORY_BUDGET entry must be a number of bytes"):
+        memory.budgets_per_rank(None, 3)
+
+
+def test_row_limits_subtract_the_fixed_bytes_and_round_down():
+    assert memory.row_limits((1000, math.inf, 50), 100, 0) == (10, math.inf, 0)
+    assert memory.row_limits((1050, 1000), 100, [99, 2000]) == (9, 0)
+    with pytest.raises(ValueError, match="fixed_bytes has 1 entries but there are 2 ranks"):
+        memory.row_limits((1, 2), 1, [0])
+    with pytest.raises(ValueError, match="fixed_bytes must be finite and at least 0"):
+        memory.row_limits((1, 2), 1, -1)
+
+
+def test_the_over_budget_error_names_the_rank_its_need_and_what_it_has():
+    error = memory.over_budget_error(
+        1000, [250, 250, 500], (400, 400, 100), (4e4, 4e4, 1e4), 100, 0
+    )
+    text = str(error)
+    assert "1000 rows do not fit the memory budgets: rank 2 would need 48.8 KiB" in text
+    assert "its speed share of 500 rows but has 9.77 KiB" in text
+    assert "all ranks together hold at most 900 rows" in text
+
+
+def _affine(fixed, per_share):
+    """What each rank holds at weights w: fixed[r] + per_share * its share of the work."""
+
+    def held(weights):
+        total = math.fsum(weights)
+        return [f + per_share * w / total for f, w in zip(fixed, weights)]
+
+    return held
+
+
+def test_fitted_shares_hold_a_rank_at_its_budget_and_give_the_rest_by_speed():
+    held = _affine([64.0, 64.0, 64.0], 256.0)
+    speeds = [1.0, 1.0, 2.0]
+    weights, moved = memory.fit_shares(held, speeds, [1e9, 1e9, 120.0])
+    assert moved == (2,)
+    need = held(weights)
+    assert need[2] <= 120.0 and need[2] > 119.9  # at its budget, not far below it
+    assert weights[0] == pytest.approx(weights[1])  # the others keep their speed ratio
+    assert memory.fit_shares(held, speeds, [1e9] * 3) == (speeds, ())
+
+
+def test_fitted_shares_are_refused_when_nothing_fits():
+    speeds = [1.0, 1.0]
+    assert memory.fit_shares(_affine([64.0, 64.0], 256.0), speeds, [100.0, 100.0]) is None
+    assert memory.fit_shares(_affine([200.0, 0.0], 10.0), speeds, [100.0, 1e9]) is None
