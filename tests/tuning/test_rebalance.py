@@ -72,13 +72,14 @@ def test_a_slowed_rank_is_caught_within_a_window_and_loses_a_fifth(start):
     assert "rank 3" in rb.last_event
 
 
-def test_a_sudden_slowdown_is_caught_on_its_second_step():
+def test_a_sudden_slowdown_is_caught_on_its_third_step():
     rb, cluster = _make()
     for _ in range(4):  # warm-up, then 3 steps of baseline
         assert not cluster.step(rb)
     cluster.speeds[2] = 0.5
     assert not cluster.step(rb)  # stands out once
-    assert cluster.step(rb)  # and again: a straggler
+    assert not cluster.step(rb)  # twice
+    assert cluster.step(rb)  # three times of the last three (of five): a straggler
     assert rb.stragglers == (2,)
     assert rb.sizes == (1088, 1088, 832, 1088)
 
@@ -292,10 +293,9 @@ def test_step_times_are_checked_alike_on_every_rank():
         _checked_times([1.0, math.nan, -1.0], 3)
 
 
-def test_streaks_and_the_change_event():
-    from osmm_jax._src.tuning.rebalance import _advance_streaks, _change_event
+def test_the_change_event():
+    from osmm_jax._src.tuning.rebalance import _change_event
 
-    assert _advance_streaks([0, 2, 1], {1: (1.0, "slow")}) == [0, 3, 0]
     event = _change_event(7, ["rank 1 slow", "rank 2 slow"], (64, 64, 64), (128, 32, 32))
     assert event == "step 7: rank 1 slow; rank 2 slow; sizes [64, 64, 64] -> [128, 32, 32]"
 

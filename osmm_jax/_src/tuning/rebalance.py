@@ -7,12 +7,12 @@ small allgather) and run the same deterministic rule on the same numbers, so
 all of them always hold the same sizes (``sizes``, ``row_slice()``, and the
 cached ``layouts`` / ``plan`` for them) without further agreement.
 
-A rank whose time stands out (suddenly, for ``confirm`` steps in a row, or
-persistently, by its median over the ``window``) loses ``shrink`` of its rows
-(less when less balances it, at least one ``quantum``) to the others in
-proportion to their speeds, only when that lowers the slowest rank's predicted
-time. Sizes
-change at most once every ``1 + min(window, 2 + confirm)`` steps, and at most
+A rank whose time stands out (suddenly, against its own usual time and the
+other ranks', in ``confirm`` of the last ``2 * confirm - 1`` steps, or
+persistently, by its median over the ``window``; :mod:`.stragglers`) loses
+``shrink`` of its rows (less when less balances it, at least one ``quantum``)
+to the others in proportion to their speeds, only when that lowers the slowest
+rank's predicted time by ``MIN_GAIN`` or more. Sizes change at most once every ``1 + min(window, 3 + confirm)`` steps, and at most
 ``max_variants`` size tuples keep their plans, so recompiles stay bounded.
 
 What to time: this rank's own work, before the step's first communicating
@@ -25,8 +25,7 @@ while training"). Pure Python except for the exchange: pass ``exchange=``
 from __future__ import annotations
 
 import math
-import statistics
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from osmm_jax._src import checks
@@ -35,12 +34,14 @@ from osmm_jax._src.planning.balance import water_fill
 from osmm_jax._src.planning.layout import Layout, split_sizes
 from osmm_jax._src.planning.plan import Plan, make_plan
 from osmm_jax._src.runtime import metrics
+from osmm_jax._src.tuning.stragglers import StragglerRules
 
 WARMUP_STEPS = 1
 """Observations ignored after construction and after every change of sizes."""
 
-MIN_BASELINE_STEPS = 2
-"""Steps the window must hold before the sudden-straggler rule applies."""
+MIN_GAIN = 0.05
+"""A move must shorten the slowest rank's predicted time by at least this fraction: less is
+within what the step times can tell, and not worth a recompile."""
 
 _TINY = 1e-12  # seconds; a time of 0 (a coarse clock) must not divide by zero
 
@@ -148,11 +149,6 @@ def _checked_times(exchanged, nranks: int) -> tuple[float, ...]:
         detail = ", ".join(f"rank {r}: {t}" for r, t in bad)
         raise ValueError(f"step times must be finite, non-negative seconds; got {detail}")
     return times
-
-
-def _advance_streaks(streak: list[int], standing_out) -> list[int]:
-    """Consecutive steps each rank has stood out, after one more step: +1, or back to 0."""
-    return [n + 1 if r in standing_out else 0 for r, n in enumerate(streak)]
 
 
 def _change_event(step: int, reasons, old, new) -> str:
@@ -287,17 +283,22 @@ class Rebalancer:
         comm: an mpi4py intracommunicator (default COMM_WORLD); the times travel
             on osmm_jax's private duplicate of it.
         window: steps of history per size tuple (>= 2).
-        sigma: standard deviations above the window mean that make a step a
-            sudden straggler (>= 0).
+        sigma: robust standard deviations (scaled median absolute deviation) of the window's
+            relative step times: a sudden straggler's relative time must exceed ``1 + sigma``
+            of them, a persistent one's median ``sigma`` standard errors (>= 0).
         shrink: fraction of a straggler's rows taken away (0 < shrink < 1).
         quantum: sizes are multiples of it (>= 1), so few distinct shapes occur.
         max_variants: size tuples whose layouts and plans stay cached (>= 1).
         min_rows: no rank that has rows goes below this (rounded up to a
             quantum; lowered when the rows cannot cover it). Default one quantum,
             so a straggler keeps being measured and can win rows back.
-        tolerance: a straggler must also be this fraction slower than the mean (>= 0).
-        confirm: consecutive steps a rank must stand out before it counts as a
-            sudden straggler (>= 1); 1 acts on a single slow step.
+        tolerance: a persistent straggler's median must also be this fraction slower than
+            the mean of all ranks' times (>= 0).
+        confirm: a sudden straggler stands out in ``confirm`` of the last
+            ``2 * confirm - 1`` steps (>= 1); 1 acts on a single slow step.
+        sudden: a step stands out when the rank's time over its usual time is at least
+            this many times the other ranks' same ratio (> 1; default 1.5: a rank that
+            slowed down 2x stands out, scheduling noise on ranks that share cores does not).
         nranks, exchange: run without MPI: ``exchange(seconds)`` returns the list
             of all ``nranks`` ranks' times (default ``nranks = len(speeds)``);
             ``comm`` must be None then.
@@ -316,13 +317,14 @@ class Rebalancer:
         *,
         comm=None,
         window: int = 10,
-        sigma: float = 2.0,
+        sigma: float = 2.5,
         shrink: float = 0.2,
         quantum: int = 64,
         max_variants: int = 8,
         min_rows: int | None = None,
         tolerance: float = 0.1,
-        confirm: int = 2,
+        confirm: int = 3,
+        sudden: float = 1.5,
         nranks: int | None = None,
         exchange: Callable[[float], Sequence[float]] | None = None,
         memory_budget=None,
@@ -336,6 +338,9 @@ class Rebalancer:
         self._confirm = checks.integer(confirm, "confirm", 1)
         self._sigma = checks.at_least(sigma, "sigma", 0.0)
         self._tolerance = checks.at_least(tolerance, "tolerance", 0.0)
+        self._sudden = checks.real(sudden, "sudden")
+        if not self._sudden > 1:
+            raise ValueError(f"sudden must be greater than 1, got {sudden!r}")
         self._shrink = _checked_shrink(shrink)
         self._min_units = _min_units(min_rows, self._quantum)
         speeds = checks.speeds(speeds)
@@ -343,6 +348,9 @@ class Rebalancer:
             self._total, speeds, memory_budget, bytes_per_row, fixed_bytes
         )
         self._connect(comm, speeds, nranks, exchange, room_error)
+        self._rules = StragglerRules(
+            self._nranks, self._window, self._sigma, self._tolerance, self._confirm, self._sudden
+        )
         self._sizes = ()
         active = [r for r, s in enumerate(speeds) if s > 0]
         targets = _proportional(self._total, speeds, self._room)
@@ -392,6 +400,7 @@ class Rebalancer:
             )
         settings = (self._total, speeds, self._window, self._sigma, self._shrink, self._quantum)
         settings += (self._max_variants, self._min_units, self._tolerance, self._confirm)
+        settings += (self._sudden,)
         settings += (self._room,)
         communicators.agree(private, "osmm_jax.Rebalancer", repr(settings), error)
 
@@ -490,7 +499,7 @@ class Rebalancer:
             self._warmup -= 1
             return False
         active = [r for r in range(self._nranks) if self._sizes[r] > 0]
-        flagged = self._flag_stragglers(times, active)
+        flagged = self._rules.flag(times, self._sizes, active)
         if not flagged:
             return False
         new, shrunk = self._redistribute(flagged, active)
@@ -498,22 +507,6 @@ class Rebalancer:
             return False
         self._resize(new, shrunk, [flagged[r][1] for r in shrunk])
         return True
-
-    def _flag_stragglers(self, times, active) -> dict[int, tuple[float, str]]:
-        """This step's stragglers, rank -> (seconds, why); records the step in the window.
-
-        Sudden stragglers count once they have stood out ``confirm`` steps in a
-        row; once the window is full, persistent ones are added (a rank flagged
-        both ways keeps its sudden time, this step's).
-        """
-        standing_out = self._stand_out(times, active)
-        self._streak = _advance_streaks(self._streak, standing_out)
-        flagged = {r: v for r, v in standing_out.items() if self._streak[r] >= self._confirm}
-        self._history.append((times, bool(standing_out)))
-        if len(self._history) == self._window:
-            for r, found in self._persistent(active).items():
-                flagged.setdefault(r, found)
-        return flagged
 
     def _resize(self, new, shrunk, reasons) -> None:
         """Adopt the ``new`` sizes: cache them, restart the window, count and describe the change."""
@@ -529,57 +522,24 @@ class Rebalancer:
 
     def _restart_window(self) -> None:
         """Forget the step times (they were measured with other sizes) and skip the next step."""
-        self._history: deque[tuple[tuple[float, ...], bool]] = deque(maxlen=self._window)
-        self._streak = [0] * self._nranks
+        self._rules.restart()
         self._warmup = WARMUP_STEPS
 
-    def _stand_out(self, times, active) -> dict[int, tuple[float, str]]:
-        """Ranks whose time this step stands out of the baseline: rank -> (time, why)."""
-        baseline = [step for step, stood_out in self._history if not stood_out]
-        if len(baseline) < MIN_BASELINE_STEPS:
-            return {}
-        pooled = [step[r] for step in baseline for r in active]
-        mean = math.fsum(pooled) / len(pooled)
-        std = math.sqrt(math.fsum((t - mean) ** 2 for t in pooled) / len(pooled))
-        limit = max(mean + self._sigma * std, (1 + self._tolerance) * mean)
-        return {
-            r: (
-                times[r],
-                f"rank {r} took {times[r]:.3g} s > {limit:.3g} s (mean {mean:.3g} s, "
-                f"std {std:.3g} s over {len(baseline)} steps)",
-            )
-            for r in active
-            if times[r] > limit
-        }
-
-    def _median_times(self, active) -> dict[int, float]:
-        return {r: statistics.median(step[r] for step, _ in self._history) for r in active}
-
-    def _persistent(self, active) -> dict[int, tuple[float, str]]:
-        """Ranks slower over the full window: rank -> (median time, why)."""
-        medians = self._median_times(active)
-        overall = math.fsum(medians.values()) / len(medians)
-        limit = (1 + self._tolerance) * overall
-        return {
-            r: (
-                m,
-                f"rank {r}'s median {m:.3g} s > {limit:.3g} s (mean of all ranks' medians "
-                f"{overall:.3g} s over {len(self._history)} steps)",
-            )
-            for r, m in medians.items()
-            if m > limit
-        }
-
     def _redistribute(self, flagged, active) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """New sizes and the ranks that shrank; the current sizes if no move would help."""
-        medians = self._median_times(active)
+        """New sizes and the ranks that shrank; the current sizes if no move would help.
+        All stragglers shrink where the others can take their rows; where they cannot (the
+        rest are short of memory), the slowest ones alone."""
+        medians = self._rules.medians(active)
         seconds = {r: flagged[r][0] if r in flagged else medians[r] for r in active}
         speed = {r: self._sizes[r] / max(seconds[r], _TINY) for r in active}
-        targets, shrinking = _shrink_targets(self._sizes, seconds, speed, flagged, self._shrink)
-        if shrinking:
-            new = self._quantise(targets, frozenset(shrinking), active)
-            if _slowest(new, speed) < _slowest(self._sizes, speed):
-                return new, shrinking
+        slowest_first = sorted(flagged, key=lambda r: (-seconds[r], r))
+        for count in range(len(slowest_first), 0, -1):
+            some = {r: flagged[r] for r in slowest_first[:count]}
+            targets, shrinking = _shrink_targets(self._sizes, seconds, speed, some, self._shrink)
+            if shrinking:
+                new = self._quantise(targets, frozenset(shrinking), active)
+                if _slowest(new, speed) < (1 - MIN_GAIN) * _slowest(self._sizes, speed):
+                    return new, shrinking
         return self._sizes, ()
 
     def _quantise(self, targets, shrinking, active) -> tuple[int, ...]:

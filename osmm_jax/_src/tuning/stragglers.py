@@ -1,0 +1,165 @@
+"""Telling a rank that slowed down from scheduling noise: the :class:`~.rebalance.Rebalancer`'s
+straggler rules (docs/design.md, "Rebalancing while training").
+
+Step times on a shared machine are heavy-tailed: a rank descheduled for a moment takes several
+times its usual time once, and ranks that outnumber cores take turns. A slowdown worth moving
+rows for is different in two ways: it lasts, and it is the rank's own, not the machine's. So
+each rank's time is compared with *its own* baseline (its median over the window), divided by the same ratio of the other ranks (a machine-wide slowdown cancels out), and
+a rank counts as a straggler when that relative time stands out in most of the last few steps
+(a majority, not a run: one fast step amid slow ones does not reset the count). Where the
+limit lies comes from the window itself: a robust spread (median absolute deviation) of the
+relative times, so that a noisy machine needs a clearer slowdown and a quiet one a smaller.
+
+Pure Python, deterministic: every rank runs it on the same exchanged times.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+
+MIN_BASELINE_STEPS = 3
+"""Quiet steps the window must hold before the sudden rule applies."""
+
+MAD_SCALE = 1.4826
+"""Median absolute deviation times this estimates a normal distribution's standard deviation."""
+
+_TINY = 1e-12  # seconds; a time of 0 (a coarse clock) must not divide by zero
+
+
+def relative_times(times, base, active) -> dict[int, float]:
+    """Each rank of ``active``'s time over its ``base`` (seconds), divided by the median of the
+    other active ranks' same ratio: about 1 in a steady run, 2 for a rank that alone slowed
+    down 2x, still about 1 for every rank when the whole machine slowed down."""
+    ratio = {r: times[r] / max(base[r], _TINY) for r in active}
+    return {
+        r: ratio[r] / max(statistics.median(ratio[o] for o in active if o != r), _TINY)
+        for r in active
+    }
+
+
+def balanced_seconds(times, sizes, active) -> float:
+    """A step's time with its rows split in proportion to each rank's speed that step
+    (``sizes[r] / times[r]`` rows per second): all rows over all speeds."""
+    speed = math.fsum(sizes[r] / max(times[r], _TINY) for r in active)
+    return math.fsum(sizes[r] for r in active) / max(speed, _TINY)
+
+
+def robust_spread(values) -> float:
+    """A standard deviation that a few outliers do not inflate: the scaled median absolute
+    deviation from the median (0 for fewer than two values)."""
+    values = list(values)
+    if len(values) < 2:
+        return 0.0
+    centre = statistics.median(values)
+    return MAD_SCALE * statistics.median(abs(v - centre) for v in values)
+
+
+class StragglerRules:
+    """The window of step times since the last change of sizes, and who stands out in it.
+
+    Args:
+        nranks: ranks whose times every step carries.
+        window: steps of history kept (>= 2).
+        sigma: robust standard deviations of the window's relative times: a step stands out
+            above ``1 + sigma`` of them (and above ``sudden``), a median above ``sigma``
+            standard errors of itself (and above ``1 + tolerance``).
+        tolerance: a persistent straggler's median is at least this fraction above a
+            balanced step's time.
+        confirm: a sudden straggler stands out in ``confirm`` of the last ``2 * confirm - 1``
+            steps (1: a single step).
+        sudden: the least relative time that stands out (> 1).
+    """
+
+    def __init__(
+        self, nranks: int, window: int, sigma: float, tolerance: float, confirm: int, sudden: float
+    ):
+        self._nranks, self._window = nranks, window
+        self._sigma, self._tolerance, self._confirm = sigma, tolerance, confirm
+        self._sudden = sudden
+        self.restart()
+
+    def restart(self) -> None:
+        """Forget every step (the sizes changed: old times say nothing about the new ones)."""
+        self._history: deque[tuple[float, ...]] = deque(maxlen=self._window)
+        self._votes: deque[dict[int, tuple[float, str]]] = deque(maxlen=2 * self._confirm - 1)
+        self._steps = 0
+
+    def flag(self, times, sizes, active) -> dict[int, tuple[float, str]]:
+        """This step's stragglers among ``active`` (ranks with rows, ``sizes[r]`` each), rank
+        -> (seconds it is taken to need, why); records the step. Sudden stragglers first;
+        each time the window has filled with new steps (every ``window`` steps), persistent
+        ones are added (a rank flagged both ways keeps its sudden time). Judging each window's
+        medians once, not at every step of a sliding window, keeps noise from getting many
+        chances at the same steps."""
+        standing_out = self._stand_out(times, active) if len(active) > 1 else {}
+        self._votes.append(standing_out)
+        flagged = {}
+        for r in active:
+            slow = [v[r] for v in self._votes if r in v]
+            if len(slow) >= self._confirm:
+                flagged[r] = (
+                    statistics.median(t for t, _ in slow),
+                    f"{slow[-1][1]}; slow in {len(slow)} of the last {len(self._votes)} steps",
+                )
+        self._history.append(tuple(times))
+        self._steps += 1
+        if self._steps % self._window == 0 and len(active) > 1:
+            for r, found in self._persistent(sizes, active).items():
+                flagged.setdefault(r, found)
+        return flagged
+
+    def medians(self, active) -> dict[int, float]:
+        """Each active rank's median time over the window (seconds)."""
+        return {r: statistics.median(step[r] for step in self._history) for r in active}
+
+    def _stand_out(self, times, active) -> dict[int, tuple[float, str]]:
+        """Ranks whose relative time this step exceeds the window's limit: rank -> (seconds,
+        why). The baseline is the window's steps before this one; medians and the median
+        absolute deviation keep the few slow ones it may hold from moving it."""
+        baseline = list(self._history)
+        if len(baseline) < MIN_BASELINE_STEPS:
+            return {}
+        base = {r: statistics.median(step[r] for step in baseline) for r in active}
+        spread = robust_spread(
+            q for step in baseline for q in relative_times(step, base, active).values()
+        )
+        limit = max(self._sudden, 1 + self._sigma * spread)
+        now = relative_times(times, base, active)
+        return {
+            r: (
+                times[r],
+                f"rank {r} took {times[r]:.3g} s, {now[r]:.2f}x its usual {base[r]:.3g} s "
+                f"against the others' (limit {limit:.2f}x over {len(baseline)} steps)",
+            )
+            for r in active
+            if now[r] > limit
+        }
+
+    def _persistent(self, sizes, active) -> dict[int, tuple[float, str]]:
+        """Ranks slower than a balanced split over the whole window: rank -> (median seconds,
+        why). A rank's median time over the window against the balanced time of the medians
+        (:func:`balanced_seconds`), with a limit of ``1 + tolerance`` or ``sigma`` standard
+        errors of the difference of two medians of that many steps (sqrt(2) * 1.25 spread /
+        sqrt(steps), the spread pooled over the ranks), whichever is larger. Medians, not each step's balanced time:
+        noise lowers a step's balanced time below its typical one (the fastest rank that step
+        sets the pace), which would make every rank look slow."""
+        medians = self.medians(active)
+        balanced = balanced_seconds(medians, sizes, active)
+        n = len(self._history)
+        spread = robust_spread(  # pooled: every rank sees the same machine's noise
+            step[r] / max(medians[r], _TINY) for step in self._history for r in active
+        )
+        error = 1.25 * spread / math.sqrt(n)  # of one median of n steps
+        limit = 1 + max(self._tolerance, self._sigma * math.sqrt(2) * error)
+        found = {}
+        for r in active:
+            centre = medians[r] / max(balanced, _TINY)
+            if centre > limit:
+                found[r] = (
+                    medians[r],
+                    f"rank {r}'s median {medians[r]:.3g} s is {centre:.2f}x a balanced step's "
+                    f"(limit {limit:.2f}x over {n} steps)",
+                )
+        return found
