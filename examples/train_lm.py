@@ -66,6 +66,18 @@ first compiles; the slowest rank's time). ``--method`` picks osmm_jax's method
 (``one_sided`` or the ``allreduce`` baseline) to compare them; ``--plot PATH``
 saves a loss plot on rank 0 when matplotlib is installed.
 
+``--budgets`` (``dp``, ``tp``, ``sp``) splits within memory as well as by speed: bytes per
+rank, comma-separated (``64MiB,256MiB,256MiB``; or one for all), or ``auto``
+(``osmm_jax.memory_budgets()``). ``examples/lm_memory.py`` estimates a rank's bytes: in ``dp``
+parameters, gradients and adam's moments (fixed) plus the activations kept per sequence, passed
+to ``osmm_jax.balance(batch, speeds, memory_budget=, bytes_per_row=, fixed_bytes=)``; in
+``tp``/``sp`` the replicated parameters, their state and the residual activations (fixed), the
+rest of each budget shared by heads and MLP hidden features in proportion to their need, each
+split by ``balance`` within its part. A rank whose speed share does not fit gets what fits, the
+others the rest by speed; budgets nothing fits are an error naming the rank. Rank 0 prints the
+split, predicted bytes against budgets, the ranks memory held back, and every rank's peak
+resident memory at the end (``ru_maxrss``: the runtime too, which the estimate leaves out).
+
 At the default size the model is small enough that communication, not
 arithmetic, sets the pace: one process alone is faster than 3 ranks on one
 machine. The example shows that the distributed modes train exactly like one
@@ -80,6 +92,7 @@ import argparse
 import functools
 import json
 import os
+import resource
 import sys
 import time
 
@@ -187,12 +200,14 @@ class Block(nnx.Module):
         # This rank's heads: all of them, or (tensor parallel) its share of whole heads, for
         # every sequence (sequence parallel: gathered from every rank).
         b, t = qkv.shape[:2]
-        qkv = jnp.reshape(qkv, (b, t, -1, 3, self.head_dim))
+        local_heads = qkv.shape[-1] // (3 * self.head_dim)  # 0 on a rank memory held to none
+        qkv = jnp.reshape(qkv, (b, t, local_heads, 3, self.head_dim))
         q, k, v = qkv[..., 0, :], qkv[..., 1, :], qkv[..., 2, :]
         scores = jnp.einsum("bthd,bshd->bhts", q, k) / np.sqrt(self.head_dim)
         causal = jnp.tril(jnp.ones((t, t), bool))
         weights = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1)
-        attended = jnp.reshape(jnp.einsum("bhts,bshd->bthd", weights, v), (b, t, -1))
+        attended = jnp.einsum("bhts,bshd->bthd", weights, v)
+        attended = jnp.reshape(attended, (b, t, local_heads * self.head_dim))
         x = x + self.proj(attended)
         return x + self.down(jax.nn.gelu(self.up(self.ln2(x))))
 
@@ -348,6 +363,24 @@ def train(model, data, args, *, rows=None, dp=False, comm=None, mesh=None):
     return losses, seconds
 
 
+def _lm_memory():
+    """``examples/lm_memory.py`` (its folder is put on ``sys.path`` when this file is loaded by
+    path rather than run as a script)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import lm_memory
+
+    return lm_memory
+
+
+def _budgets_arg(text: str):
+    try:
+        return _lm_memory().parse_budgets(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mode", choices=("dp", "tp", "sp", "jax", "single"), default="dp")
@@ -373,6 +406,14 @@ def _parse(argv):
         default=None,
         help="comma-separated speed per rank, e.g. 1,1,2 (default: measured)",
     )
+    parser.add_argument(
+        "--budgets",
+        type=_budgets_arg,
+        default=None,
+        help="memory per rank in bytes, comma-separated (64MiB,256MiB,256MiB; one number for "
+        "every rank), or auto (osmm_jax.memory_budgets()): split by speed within them "
+        "(dp, tp, sp; default: no budgets)",
+    )
     parser.add_argument("--plot", default=None, help="save a loss plot here (rank 0)")
     args = parser.parse_args(argv)
     size = COMM.Get_size()
@@ -390,6 +431,10 @@ def _parse(argv):
         parser.error("--mode single runs on one process")
     if args.speeds is not None and len(args.speeds) != size:
         parser.error(f"--speeds has {len(args.speeds)} entries but there are {size} ranks")
+    if args.budgets is not None and args.mode not in ("dp", "tp", "sp"):
+        parser.error("--budgets applies to --mode dp, tp and sp")
+    if isinstance(args.budgets, tuple) and len(args.budgets) not in (1, size):
+        parser.error(f"--budgets has {len(args.budgets)} entries but there are {size} ranks")
     return args
 
 
@@ -413,6 +458,28 @@ def _plot(path, losses, reference, title, label):
     fig.tight_layout()
     fig.savefig(path)
     print(f"loss plot: {path}")
+
+
+def _shares(args, vocab, speeds):
+    """``(sequences, heads, hidden features, split)`` per rank (None where ``args.mode`` splits
+    no such thing) by speed; with ``--budgets`` within them too, and ``split`` is the
+    ``lm_memory.Split`` that says so (else None). ValueError, the same on every rank, when no
+    split fits the budgets."""
+    seqs = heads = hidden = split = None
+    if args.mode == "sp" or (args.mode == "dp" and args.budgets is None):
+        seqs = om.balance(args.batch, speeds, min_rows=1).sizes
+    if args.budgets is not None:
+        lm = _lm_memory()
+        budgets = om.memory_budgets(COMM) if args.budgets == "auto" else args.budgets
+        model = lm.Model(vocab, args.context, args.d, args.heads, args.layers)
+        split = lm.split(args.mode, model, args.batch, speeds, budgets, COMM.Get_size(), seqs)
+        seqs = split.parts["sequences"].sizes if args.mode == "dp" else seqs
+        heads = split.parts["heads"].sizes if args.mode != "dp" else None
+        hidden = split.parts["hidden features"].sizes if args.mode != "dp" else None
+    elif args.mode != "dp":
+        heads = om.balance(args.heads, speeds, min_rows=1).sizes
+        hidden = om.balance(4 * args.d, speeds, min_rows=1).sizes
+    return seqs, heads, hidden, split
 
 
 def main(argv=None) -> int:
@@ -447,26 +514,32 @@ def main(argv=None) -> int:
             else om.profile_speeds(size=256, repeats=3, progress=False)
         )
         say("speeds: " + ", ".join(f"{s:.1f}" for s in speeds))
-        seqs, rows = None, None  # sequences per rank, this rank's (dp, sp)
-        if args.mode in ("dp", "sp"):
-            seqs = om.balance(args.batch, speeds, min_rows=1).sizes
-            rows = slice(sum(seqs[:rank]), sum(seqs[: rank + 1]))
+        try:
+            seqs, heads, hidden, split = _shares(args, vocab, speeds)
+        except ValueError as exc:  # budgets nothing fits within: the same on every rank
+            if rank == 0:
+                print(f"train_lm.py: error: {exc}", file=sys.stderr, flush=True)
+            return 2
+        # This rank's sequences (dp, sp).
+        rows = None if seqs is None else slice(sum(seqs[:rank]), sum(seqs[: rank + 1]))
         if args.mode == "dp":
             layers = Layers("dp", row_sizes=[s * args.context for s in seqs], method=args.method)
             say(f"sequences per rank: {list(seqs)}")
         else:
-            heads = om.balance(args.heads, speeds, min_rows=1).sizes
-            hidden = om.balance(4 * args.d, speeds, min_rows=1).sizes
             layers = Layers(
                 "tp", head_sizes=heads, mlp_sizes=hidden, method=args.method, batch_sizes=seqs
             )
             say(f"heads per rank: {list(heads)}, MLP hidden features per rank: {list(hidden)}")
             if seqs is not None:
                 say(f"sequences per rank between the layer pairs: {list(seqs)}")
+        if split is not None:
+            say(split.estimate, *split.lines())
 
     def build(kind: Layers):
         return GPT(vocab, args.context, args.d, args.heads, args.layers, kind, nnx.Rngs(args.seed))
 
+    jax.devices()  # the runtime started: the peak so far is what the model does not add
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     model = build(layers)
     losses, seconds = train(
         model,
@@ -502,6 +575,9 @@ def main(argv=None) -> int:
         f"loss {losses[0]:.4f} -> {losses[-1]:.4f}   {rate:.2f} steps/s   {tokens:,.0f} tokens/s "
         f"({args.mode}, {method}, {size} rank(s))"
     )
+    if args.budgets is not None:  # every rank's peak resident memory, KiB on Linux
+        peaks = COMM.gather((rss_before, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
+        say(_lm_memory().peaks_line(peaks, args.check) if rank == 0 else "")
     if args.plot and rank == 0:
         _plot(
             args.plot,

@@ -377,12 +377,13 @@ def test_a_budget_holds_a_fast_rank_below_its_share_and_the_rest_goes_by_speed()
     result = balance(1200, [1, 1, 4, 2], min_rows=1, memory_budget=budgets, bytes_per_row=100)
     assert result.sizes == (225, 225, 300, 450)
     assert result.notes == (
-        "rank 2 held to 300 rows by its memory budget (room for 300; its speed share is 600)",
+        "rank 2 held to 300 rows by its memory budget (room for 300; its speed share is 600.0)",
     )
+    assert result.held_by_memory == (2,)
     # A budget with room to spare changes nothing; fixed bytes count against the budget.
     plain = balance(1200, [1, 1, 4, 2], min_rows=1)
     roomy = balance(1200, [1, 1, 4, 2], min_rows=1, memory_budget=1e9, bytes_per_row=100)
-    assert roomy.sizes == plain.sizes and roomy.notes == ()
+    assert roomy.sizes == plain.sizes and roomy.notes == () and roomy.held_by_memory == ()
     fixed = balance(
         1200,
         [1, 1, 4, 2],

@@ -67,7 +67,10 @@ class Balance(Sequence):
         granularity: the unit every size is a multiple of (all but the
             remainder piece): ``lcm(min_rows, align)``, or ``align`` when lowered.
         notes: what was done beyond a plain proportional split, in words
-            (granularity lowered, even split for noisy speeds, caps that bound).
+            (granularity lowered, even split for noisy speeds, caps that bound, ranks held
+            back by memory).
+        held_by_memory: the ranks whose memory budget held them below their speed share
+            (ascending; empty without a budget).
     """
 
     sizes: tuple[int, ...]
@@ -75,6 +78,7 @@ class Balance(Sequence):
     imbalance: float
     granularity: int
     notes: tuple[str, ...]
+    held_by_memory: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.sizes)
@@ -301,9 +305,14 @@ def balance(
     capped = [r for r in capped if cap is not None and (room is None or room[r] >= cap * total)]
     held = _held(active, room, granularity)
     notes += lowered + _split_notes(total, granularity, held, last, sizes, capped, cap)
-    notes += _memory_notes(total, weights, sizes, room, granularity)
+    short = _short_of_memory(total, weights, sizes, room, granularity)
+    notes += [
+        f"rank {r} held to {sizes[r]} rows by its memory budget (room for {room[r]:.0f}; "
+        f"its speed share is {share:.1f})"
+        for r, share in short.items()
+    ]
     seconds, imbalance = _predicted_times(sizes, speeds, total, flops_per_row)
-    return Balance(tuple(sizes), tuple(seconds), imbalance, granularity, tuple(notes))
+    return Balance(tuple(sizes), tuple(seconds), imbalance, granularity, tuple(notes), tuple(short))
 
 
 def _unpack_profile(speeds, spread):
@@ -401,21 +410,18 @@ def _over_budget(total, weights, room, memory_budget, bytes_per_row, fixed_bytes
     return memory.over_budget_error(total, shares, room, budgets, bytes_per_row, fixed_bytes)
 
 
-def _memory_notes(total: int, weights, sizes, room, granularity: int) -> list[str]:
-    """In words: the ranks their memory budget holds below their speed share (no room for
-    another unit of ``granularity`` rows)."""
+def _short_of_memory(total: int, weights, sizes, room, granularity: int) -> dict[int, float]:
+    """The ranks their memory budget holds below their speed share (no room for another unit
+    of ``granularity`` rows): rank -> that share, in rows."""
     if room is None:
-        return []
+        return {}
     weight_sum = math.fsum(weights)
-    notes = []
+    short = {}
     for r, rows in enumerate(room):
         share = total * weights[r] / weight_sum
         if sizes[r] < share and sizes[r] + granularity > rows:
-            notes.append(
-                f"rank {r} held to {sizes[r]} rows by its memory budget (room for {rows:.0f}; "
-                f"its speed share is {share:.0f})"
-            )
-    return notes
+            short[r] = share
+    return short
 
 
 def _best_split(
