@@ -8,7 +8,9 @@ Run under MPI, e.g.::
 Each run builds a fresh Rebalancer (default settings) over ``--rows`` rows per rank and runs
 ``--steps`` steps of a real jitted GEMM on every rank's rows (``rows x K`` times ``K x K``),
 timing each rank's own work as the Rebalancer's docstring asks. In a *slowed* run the last
-rank does its GEMM ``--factor`` times from step ``--slow-at`` on (a 2x slowdown by default);
+rank takes ``--factor`` times as long from step ``--slow-at`` on (2x by default): it does its
+GEMM that many times (``--how work``), or sleeps for the rest (``--how sleep``, a slower
+device: the extra time takes no CPU from ranks that share its cores);
 in a *quiet* run nobody slows down. Per run the benchmark records every change of sizes (step,
 which ranks shrank) and every rank's step times. Reported, rank 0:
 
@@ -47,10 +49,19 @@ def one_run(args, slowed: bool) -> dict:
         dot(x, w).block_until_ready()  # compile (new sizes) outside the timed region
         slow = slowed and RANK == SIZE - 1 and step >= args.slow_at
         start = time.perf_counter()
-        for _ in range(args.factor if slow else 1):
+        for _ in range(args.factor if slow and args.how == "work" else 1):
             dot(x, w).block_until_ready()
+        if slow and args.how == "sleep":
+            time.sleep((args.factor - 1) * (time.perf_counter() - start))
         if rb.observe(time.perf_counter() - start):
-            changes.append({"step": step, "shrunk": list(rb.stragglers), "sizes": list(rb.sizes)})
+            changes.append(
+                {
+                    "step": step,
+                    "shrunk": list(rb.stragglers),
+                    "sizes": list(rb.sizes),
+                    "why": rb.last_event,
+                }
+            )
         times.append(list(rb.times))
     return {"slowed": slowed, "changes": changes, "times": times}
 
@@ -81,7 +92,14 @@ def main(argv=None) -> None:
     parser.add_argument("--runs", type=int, default=10, help="slowed runs (and as many quiet)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--slow-at", type=int, default=12)
-    parser.add_argument("--factor", type=int, default=2, help="the slowdown (repeats)")
+    parser.add_argument("--factor", type=int, default=2, help="the slowdown")
+    parser.add_argument(
+        "--how",
+        choices=("work", "sleep"),
+        default="work",
+        help="slow the rank down by repeating its GEMM (its extra work also takes CPU time "
+        "from ranks that share its cores) or by sleeping as long again (a slower device)",
+    )
     parser.add_argument("--rows", type=int, default=2048, help="rows per rank at the start")
     parser.add_argument("--k", type=int, default=1024, help="the GEMM's inner and outer size")
     parser.add_argument("--quantum", type=int, default=64)

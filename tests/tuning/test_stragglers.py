@@ -108,3 +108,16 @@ def test_a_rank_slow_over_the_whole_window_is_persistent_a_noisy_median_is_not()
     for _ in range(5):
         flagged = rules.flag(tuple(rng.uniform(0.5, 1.5) for _ in range(3)), EVEN, ALL)
     assert flagged == {}
+
+
+@pytest.mark.parametrize("slow, flagged_at", [(1.6, 10), (1.2, 20), (1.05, None)])
+def test_a_large_imbalance_counts_in_one_window_a_small_one_in_two_running(slow, flagged_at):
+    """Even rows, the last rank ``slow`` times slower from the start: ``slow * (2 + 1 / slow)
+    / 3`` times a balanced step (1.4, over ``1 + 3 * tolerance``, for 1.6; 1.13, over ``1 +
+    tolerance`` only, for 1.2; 1.03 for 1.05)."""
+    rules = _rules()
+    first = None
+    for step in range(1, 31):
+        if rules.flag((1.0, 1.0, slow), EVEN, ALL) and first is None:
+            first = step
+    assert first == flagged_at

@@ -85,6 +85,7 @@ class StragglerRules:
         self._history: deque[tuple[float, ...]] = deque(maxlen=self._window)
         self._votes: deque[dict[int, tuple[float, str]]] = deque(maxlen=2 * self._confirm - 1)
         self._steps = 0
+        self._suspects: set[int] = set()  # over 1 + tolerance at the last window's end
 
     def flag(self, times, sizes, active) -> dict[int, tuple[float, str]]:
         """This step's stragglers among ``active`` (ranks with rows, ``sizes[r]`` each), rank
@@ -140,26 +141,33 @@ class StragglerRules:
     def _persistent(self, sizes, active) -> dict[int, tuple[float, str]]:
         """Ranks slower than a balanced split over the whole window: rank -> (median seconds,
         why). A rank's median time over the window against the balanced time of the medians
-        (:func:`balanced_seconds`), with a limit of ``1 + tolerance`` or ``sigma`` standard
-        errors of the difference of two medians of that many steps (sqrt(2) * 1.25 spread /
-        sqrt(steps), the spread pooled over the ranks), whichever is larger. Medians, not each step's balanced time:
-        noise lowers a step's balanced time below its typical one (the fastest rank that step
-        sets the pace), which would make every rank look slow."""
+        (:func:`balanced_seconds`; medians, not each step's balanced time: noise lowers a
+        step's balanced time below its typical one, the fastest rank that step setting the
+        pace, which would make every rank look slow). The limit is ``sigma`` standard errors
+        of the difference of two medians of that many steps (``sqrt(2) * 1.25 spread /
+        sqrt(steps)``, the spread pooled over the ranks), and at least ``1 + 3 * tolerance``
+        in one window or ``1 + tolerance`` in two windows running: ranks that outnumber cores
+        take turns unevenly for a window's worth of steps, seldom for two."""
         medians = self.medians(active)
         balanced = balanced_seconds(medians, sizes, active)
         n = len(self._history)
         spread = robust_spread(  # pooled: every rank sees the same machine's noise
             step[r] / max(medians[r], _TINY) for step in self._history for r in active
         )
-        error = 1.25 * spread / math.sqrt(n)  # of one median of n steps
-        limit = 1 + max(self._tolerance, self._sigma * math.sqrt(2) * error)
+        noise = self._sigma * math.sqrt(2) * 1.25 * spread / math.sqrt(n)
+        suspects, self._suspects = self._suspects, set()
         found = {}
         for r in active:
             centre = medians[r] / max(balanced, _TINY)
+            if centre <= 1 + max(self._tolerance, noise):
+                continue
+            self._suspects.add(r)
+            windows = 2 if r in suspects else 1
+            limit = 1 + max(self._tolerance * (1 if windows == 2 else 3), noise)
             if centre > limit:
                 found[r] = (
                     medians[r],
                     f"rank {r}'s median {medians[r]:.3g} s is {centre:.2f}x a balanced step's "
-                    f"(limit {limit:.2f}x over {n} steps)",
+                    f"(limit {limit:.2f}x over {n} steps, {windows} window(s) running)",
                 )
         return found
