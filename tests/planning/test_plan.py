@@ -289,8 +289,8 @@ def test_plan_for_one_rank_refuses_a_comm_and_a_rank_out_of_range():
 def test_agreed_facts_are_adopted_once():
     plan = Plan(*(Layout.grid((8, 8), (2, 2)) for _ in range(3)))
     facts = combine_facts(plan.for_rank(r).facts for r in range(4))
-    # Each rank gets a 4 x 4 piece of A and one of B, from two owners.
-    assert facts == PlanFacts(True, False, (16, 16), 0, 32, 2)
+    # Each rank gets a 4 x 4 piece of A and one of B, from two owners (16 elements from each).
+    assert facts == PlanFacts(True, False, (16, 16), 0, 32, 2, 16)
     plan.adopt_facts(facts)
     plan.adopt_facts(PlanFacts(False, False, (0, 0)))  # ignored: facts do not change
     assert plan.has_gets and not plan.has_deliveries and plan.expose_elements == (16, 16)

@@ -518,8 +518,18 @@ ffi::Error FinishNotified(BufferOps& ops, NotifiedReduce& n,
         for (size_t k = 0; k < round.size(); ++k) {
           const size_t index = static_cast<size_t>(n.first_slot) + (next_origin + k) % slots;
           std::byte* slot = n.slot_base + (1 + index) * n.spec.slot_bytes;
+          const size_t origin = next_origin + k;
           if (out == nullptr) {
-            std::memset(slot, 0, static_cast<size_t>(elements) * ffi::ByteWidth(dtype));
+            const int64_t used =
+                n.spec.place ? n.spec.origin_extents[origin] : elements * ffi::ByteWidth(dtype);
+            std::memset(slot, 0, static_cast<size_t>(used));
+            continue;
+          }
+          if (n.spec.place) {
+            if (ffi::Error err = PlaceSlot(ops, n, origin, slot, dtype, local, out);
+                err.failure()) {
+              return err;
+            }
             continue;
           }
           if (!local_added && round[k] > n.rank) {
@@ -555,7 +565,9 @@ ffi::Error FinishNotified(BufferOps& ops, NotifiedReduce& n,
   }
   GlobalCounters().notify_wait_ns.fetch_add(static_cast<int64_t>((MPI_Wtime() - start) * 1e9),
                                             std::memory_order_relaxed);
-  if (out != nullptr && !local_added) {
+  if (out != nullptr && n.spec.place) {
+    if (ffi::Error err = PlaceLocal(ops, n, dtype, local, out, elements); err.failure()) return err;
+  } else if (out != nullptr && !local_added) {
     if (ffi::Error err = sum.AddLocal(); err.failure()) return err;
   }
   if (ffi::Error err = Advance(n, state, n.product * kNotifyRoundScale, origins); err.failure()) {

@@ -69,25 +69,33 @@ constexpr int64_t kNotifyRoundScale = int64_t{1} << 16;
 
 // This rank's part of a notified reduce, from the "notify" attribute of osmm_reduce_start:
 // [slots, slot_bytes, flags, n_origins, origins..., n_targets, targets...], optionally
-// followed by [n_origins, bases...]; empty means the fence mode. Flags: 1, pull credits; 2,
-// two sets of slots/2 slots, product number p using set p % 2, so that a product may deliver
-// while its target still sums the one before (a deferred reduce's successor, deferred.h). A base is
-// where, in bytes from the start of this rank's slot for that origin, the origin's records land (0
-// without them): the notified fetch lays each owner's pieces out in the getter's buffer, which only
-// the getter knows. The positions and the bases at each target are learnt from the targets
-// (ResolvePositions).
+// followed by [n_origins, bases...] and, with flag 4, [n_origins, extents...]; empty means the
+// fence mode. Flags: 1, pull credits; 2, two sets of slots/2 slots, product number p using set
+// p % 2, so that a product may deliver while its target still sums the one before (a deferred
+// reduce's successor, deferred.h); 4, placement: the origins' records are disjoint parts of
+// the target's block (the notified fetch and all-gather move pieces, they sum nothing), so an
+// origin's records land at the start of its slot, a slot need only hold the most one origin
+// sends, and the target copies each slot's `extent` bytes to byte `base` of its block (the
+// rest of the block is its own partial) instead of adding whole slots. Without placement a
+// base is where, in bytes from the start of this rank's slot for that origin, the origin's
+// records land (0 without them). The positions and the bases at each target are learnt from
+// the targets (ResolvePositions).
 struct NotifySpec {
   int64_t slots = 0;          // slots per target window (identical on every rank)
   int64_t slot_bytes = 0;     // bytes of a slot (identical on every rank)
   bool pull_credits = false;  // origins read targets' progress; targets push none
   bool two_sets = false;      // the slots are two sets, used by alternate products
+  bool place = false;         // disjoint records copied into place, not summed (flag 4)
   int64_t per_product() const { return two_sets ? slots / 2 : slots; }  // a product's slots
-  std::vector<int64_t> origins;       // ranks that deliver into this rank's block, ascending
-  std::vector<int64_t> targets;       // ranks this rank delivers to, ascending
-  std::vector<int64_t> origin_bases;  // per origin: where its records land in its slot here
-  std::vector<int64_t> positions;     // this rank's index among each target's origins
-  std::vector<int64_t> bases;         // per target: where this rank's records land in its slot
-  std::vector<int64_t> target_bytes;  // per target: bytes of its block (what it sums and clears)
+  std::vector<int64_t> origins;         // ranks that deliver into this rank's block, ascending
+  std::vector<int64_t> targets;         // ranks this rank delivers to, ascending
+  std::vector<int64_t> origin_bases;    // per origin: where its records land in its slot here
+                                        // (placement: in this rank's block)
+  std::vector<int64_t> origin_extents;  // placement, per origin: the bytes it sends here
+  std::vector<int64_t> positions;       // this rank's index among each target's origins
+  std::vector<int64_t> bases;           // per target: where this rank's records land in its slot
+  std::vector<int64_t> target_bytes;    // per target: bytes of its block (what it sums and
+                                        // clears; placement: the bytes it expects from this rank)
   bool enabled() const { return slots > 0; }
 };
 
@@ -130,6 +138,17 @@ struct NotifiedReduce {
   std::vector<double> last_read;  // per target: when its progress was last read remotely
   bool background = false;        // finished by a waiter beside the computation (deferred.h)
 };
+
+// Placement: the slot of the origin numbered `index` here (its `extent` bytes) into byte
+// `base` of `out`, where `local` is zero (out = local + slot: the slot's values, a -0.0
+// arriving as 0.0 as in a sum); clears the slot.
+ffi::Error PlaceSlot(BufferOps& ops, const NotifiedReduce& n, size_t index, std::byte* slot,
+                     ffi::DataType dtype, const void* local, void* out);
+
+// Placement: `out` = `local` wherever no origin's bytes land (this rank's own part; `elements`
+// in the block), through the accumulator, which placement never writes and so stays zero.
+ffi::Error PlaceLocal(BufferOps& ops, const NotifiedReduce& n, ffi::DataType dtype,
+                      const void* local, void* out, int64_t elements);
 
 // Opens a notified reduce on `comm` (a private communicator; collective only when a window
 // must be created or grown, identically on every rank): the slots window of `window_bytes`

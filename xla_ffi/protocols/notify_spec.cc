@@ -29,13 +29,14 @@ std::string ParseNotifySpec(ffi::Span<const int64_t> flat, int rank, int size, i
   const int64_t* v = flat.begin();
   const int64_t count = static_cast<int64_t>(flat.size());
   int64_t at = 4;
-  if (count < 5 || v[2] < 0 || v[2] > 3 || v[3] < 0 || v[3] > count - 5) {
+  if (count < 5 || v[2] < 0 || v[2] > 7 || v[3] < 0 || v[3] > count - 5) {
     return "notify: malformed attribute";
   }
   out->slots = v[0];
   out->slot_bytes = v[1];
   out->pull_credits = (v[2] & 1) != 0;
   out->two_sets = (v[2] & 2) != 0;
+  out->place = (v[2] & 4) != 0;
   out->origins.assign(v + at, v + at + v[3]);
   at += v[3];
   const int64_t ntargets = v[at++];
@@ -44,25 +45,46 @@ std::string ParseNotifySpec(ffi::Span<const int64_t> flat, int rank, int size, i
   at += ntargets;
   out->origin_bases.assign(out->origins.size(), 0);
   if (at < count) {  // the bases
-    if (v[at] != v[3] || at + 1 + v[3] != count) return "notify: malformed attribute";
-    out->origin_bases.assign(v + at + 1, v + count);
+    if (v[at] != v[3] || at + 1 + v[3] > count) return "notify: malformed attribute";
+    out->origin_bases.assign(v + at + 1, v + at + 1 + v[3]);
+    at += 1 + v[3];
+  }
+  if (out->place) {  // the extents
+    if (at >= count || v[at] != v[3] || at + 1 + v[3] != count) {
+      return "notify: malformed attribute";
+    }
+    out->origin_extents.assign(v + at + 1, v + count);
+  } else if (at != count) {
+    return "notify: malformed attribute";
   }
   int64_t expected = 0;
   if (out->two_sets && (out->slots < 2 || out->slots % 2 != 0)) {
     return "notify: two sets of slots need an even number of slots, got " +
            std::to_string(out->slots);
   }
-  if (out->slots < 1 || out->slot_bytes < block_bytes || out->slot_bytes % 64 != 0 ||
-      !MulOk(out->slots + 1, out->slot_bytes, &expected) || expected != window_bytes) {
+  if (out->slots < 1 || (!out->place && out->slot_bytes < block_bytes) ||
+      out->slot_bytes % 64 != 0 || !MulOk(out->slots + 1, out->slot_bytes, &expected) ||
+      expected != window_bytes) {
     return "notify: slots (" + std::to_string(out->slots) + ") x slot_bytes (" +
            std::to_string(out->slot_bytes) + ") do not match the window (" +
            std::to_string(window_bytes) + " bytes) or this rank's C block (" +
            std::to_string(block_bytes) + " bytes)";
   }
-  for (int64_t base : out->origin_bases) {
+  for (size_t i = 0; i < out->origin_bases.size() && !out->place; ++i) {
+    const int64_t base = out->origin_bases[i];
     if (base < 0 || base >= out->slot_bytes) {
       return "notify: a base (" + std::to_string(base) + ") outside the " +
              std::to_string(out->slot_bytes) + "-byte slot";
+    }
+  }
+  for (size_t i = 0; i < out->origin_extents.size(); ++i) {
+    const int64_t base = out->origin_bases[i];
+    const int64_t extent = out->origin_extents[i];
+    if (base < 0 || extent < 0 || extent > out->slot_bytes || base > block_bytes - extent) {
+      return "notify: origin " + std::to_string(out->origins[i]) + "'s " + std::to_string(extent) +
+             " bytes at byte " + std::to_string(base) + " do not fit this rank's " +
+             std::to_string(block_bytes) + "-byte block or the " + std::to_string(out->slot_bytes) +
+             "-byte slot";
     }
   }
   std::string problem = CheckRanks(out->origins, rank, size, "origins");
@@ -103,11 +125,12 @@ ffi::Error ResolvePositions(MPI_Comm comm, uint64_t signature, int64_t block_byt
   constexpr size_t kEntries = 3;
   std::vector<int64_t> send(kEntries * static_cast<size_t>(size), -1);
   std::vector<int64_t> received(kEntries * static_cast<size_t>(size), -1);
+  // Placement: an origin's records land at the start of its slot, within what this rank expects.
   for (size_t i = 0; i < spec->origins.size(); ++i) {
     int64_t* entry = send.data() + kEntries * static_cast<size_t>(spec->origins[i]);
     entry[0] = static_cast<int64_t>(i);
-    entry[1] = spec->origin_bases[i];
-    entry[2] = block_bytes;
+    entry[1] = spec->place ? 0 : spec->origin_bases[i];
+    entry[2] = spec->place ? spec->origin_extents[i] : block_bytes;
   }
   MPI_Request request = MPI_REQUEST_NULL;
   if (int rc = MPI_Ialltoall(send.data(), kEntries, MPI_INT64_T, received.data(), kEntries,

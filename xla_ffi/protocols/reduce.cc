@@ -236,10 +236,13 @@ ffi::Error StartReduce(BufferOps& ops, const ffi::AnyBuffer& chunk,
     problem = "unsupported dtype (osmm_reduce handles float32 and float64)";
   }
   const int64_t itemsize = static_cast<int64_t>(ffi::ByteWidth(dtype));
+  // In placement (notify.h) the block is larger than a slot: each origin's part fits one.
+  const bool placing = notify.size() > 2 && notify.begin()[2] > 0 && (notify.begin()[2] & 4);
   if (problem.empty() && (chunk.dimensions().size() != 1 || ticket->element_count() != 1)) {
     problem = "expected a 1-D chunk and a one-element ticket";
-  } else if (problem.empty() && (window_bytes < 0 || local_elements < 0 ||
-                                 local_elements > window_bytes / std::max<int64_t>(1, itemsize))) {
+  } else if (problem.empty() &&
+             (window_bytes < 0 || local_elements < 0 ||
+              (!placing && local_elements > window_bytes / std::max<int64_t>(1, itemsize)))) {
     problem = "the local C block (" + std::to_string(local_elements) +
               " elements) does not fit the " + std::to_string(window_bytes) + "-byte window";
   } else if (problem.empty() &&

@@ -140,7 +140,15 @@ class RankPlan:
             len(self.origins),
             sum(t.elements for t in self.gets),
             len({t.target for t in self.gets}),
+            max(self._elements_by_owner().values(), default=0),
         )
+
+    def _elements_by_owner(self) -> dict[int, int]:
+        """The A and B elements this rank gets from each owner."""
+        by_owner: dict[int, int] = {}
+        for t in self.gets:
+            by_owner[t.target] = by_owner.get(t.target, 0) + t.elements
+        return by_owner
 
     @functools.cached_property
     def origins(self) -> tuple[int, ...]:

@@ -110,8 +110,9 @@ class PlanFacts(NamedTuple):
     (sizes every rank's fetch window, so that B starts at the same offset everywhere);
     ``max_origins``: the most ranks that deliver into one rank's C block (sizes every rank's
     slots window in the notified reduce);
-    ``fetched_elements``: the most A and B elements one rank gets, and ``max_owners``: the most
-    ranks one rank gets them from (size every rank's slots window in the notified fetch).
+    ``fetched_elements``: the most A and B elements one rank gets, ``max_owners``: the most
+    ranks one rank gets them from, and ``owner_elements``: the most one rank gets from one owner
+    (size every rank's slots window in the notified fetch).
     """
 
     has_gets: bool
@@ -120,6 +121,7 @@ class PlanFacts(NamedTuple):
     max_origins: int = 0
     fetched_elements: int = 0
     max_owners: int = 0
+    owner_elements: int = 0
 
 
 def combine_facts(facts: Iterable[PlanFacts]) -> PlanFacts:
@@ -135,4 +137,5 @@ def combine_facts(facts: Iterable[PlanFacts]) -> PlanFacts:
         max((f.max_origins for f in facts), default=0),
         max((f.fetched_elements for f in facts), default=0),
         max((f.max_owners for f in facts), default=0),
+        max((f.owner_elements for f in facts), default=0),
     )

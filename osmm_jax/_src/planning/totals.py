@@ -85,12 +85,14 @@ def transfers_facts(transfers: Sequence[Transfer], a: Layout, b: Layout) -> Plan
     origins: dict[int, set[int]] = {}
     owners: dict[int, set[int]] = {}
     fetched = [0] * nranks
+    pairs: dict[tuple[int, int], int] = {}  # (getter, owner) -> elements
     for t in transfers:
         if t.op != "get":
             origins.setdefault(t.target, set()).add(t.origin)
         elif t.matrix != "C":
             owners.setdefault(t.origin, set()).add(t.target)
             fetched[t.origin] += t.elements
+            pairs[(t.origin, t.target)] = pairs.get((t.origin, t.target), 0) + t.elements
     return PlanFacts(
         any(t.op == "get" and t.matrix != "C" for t in transfers),
         any(t.op != "get" for t in transfers),
@@ -98,6 +100,7 @@ def transfers_facts(transfers: Sequence[Transfer], a: Layout, b: Layout) -> Plan
         max((len(o) for o in origins.values()), default=0),
         max(fetched, default=0),
         max((len(o) for o in owners.values()), default=0),
+        max(pairs.values(), default=0),
     )
 
 

@@ -15,9 +15,11 @@ owner joined into one):
   neither side reads the other's part of the plan); each rank waits for exactly its owners'
   notifications. No fence, no get: over a network a fence epoch of gets costs several
   milliseconds whatever its size, a notified round a fraction of that
-  (benchmarks/results/sync_latency.md). A rank's "partial" is zeros the size of its fetched
-  buffer, so the sum in ascending owner order puts every value in place unchanged (a ``-0.0``
-  arrives as ``0.0``); 16-bit pieces travel as float32 (exactly) and are cast back.
+  (benchmarks/results/sync_latency.md). The round runs in placement (xla_ffi/protocols/
+  notify.h): an owner's pieces land at the start of its slot, a slot holds the most one owner
+  sends one getter (not the whole fetched buffer), and the getter copies each slot to where
+  its owner's pieces start, over a "partial" of zeros (a ``-0.0`` arrives as ``0.0``); 16-bit
+  pieces travel as float32 (exactly) and are cast back.
 
   Where the product then delivers partials (a second notified call), every rank counts every
   other as an owner and a getter, sending empty deliveries where it has no pieces, so that no
@@ -140,7 +142,11 @@ def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync):
         offset += width
     buffer = jnp.concatenate(pieces).astype(acc) if pieces else jnp.zeros((0,), acc)
     bases = [starts.get(owner, 0) * itemsize for owner in owners]
-    notify = slots.fetch_attribute(plan, itemsize, sync, owners, getters, bases)
+    sizes = {}  # the elements this rank gets from each owner
+    for t in plan.gets_by(rank):
+        sizes[t.target] = sizes.get(t.target, 0) + t.elements
+    extents = [sizes.get(owner, 0) * itemsize for owner in owners]
+    notify = slots.fetch_attribute(plan, itemsize, sync, owners, getters, bases, extents)
     call_id = primitives.call_id(plan.fingerprint, "fetch", str(acc), sync.mode, notify[:3])
     local = jnp.zeros((total,), acc)
     summed = primitives.notified_round(

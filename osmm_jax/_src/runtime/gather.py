@@ -9,10 +9,13 @@ synchronisation of the product:
   ``osmm_fetch``);
 - notified mode: every owner sends its block to every other rank through the notified reduce
   (``osmm_reduce_*`` with slots and notifications, no fence, no get): each rank's "partial" is
-  the whole C with only its own block filled in, and its origins are the other owners. The sum
-  adds exact zeros around each block, so every value arrives unchanged, in the same bits on
-  every rank (a ``-0.0`` comes out as ``0.0``). The blocks travel in the accumulation dtype
-  (float32 for 16-bit inputs, exactly), and the result is cast back.
+  the whole C with only its own block filled in, and its origins are the other owners. A row
+  split's blocks are contiguous in C, so they are placed (xla_ffi/protocols/notify.h): each
+  lands at the start of a slot the size of the largest block and is copied to where it
+  starts in C; a column split's are added over zeros in slots of the whole C. Either way
+  every value arrives unchanged, in the same bits on every rank (a ``-0.0`` comes out as
+  ``0.0``). The blocks travel in the accumulation dtype (float32 for 16-bit inputs, exactly),
+  and the result is cast back.
 
 Both move each block once to every other rank: ``(P - 1) / P`` of C in and out of each rank,
 as the second half of a ring all-reduce does.
@@ -81,10 +84,11 @@ def _sent_by_owners(plan: Plan, rank: int, block, sync: Sync):
     spec = slots.gather_slots(plan, rank, np.dtype(acc).itemsize, sync)
     rows, cols = plan.gather_stage.c.blocks[rank]
     m, n = plan.c.shape
-    whole = ((0, m), (0, n))  # every rank's block of the replicated C
+    placed = spec.notify[2] & 4  # records relative to this rank's block, placed by the target
+    where = (rows, cols) if placed else ((0, m), (0, n))  # or to the whole replicated C
     records = []
     for target in spec.targets:
-        records += native.transfer_record(native.OP_ACCUMULATE, target, rows, cols, whole, 0)
+        records += native.transfer_record(native.OP_ACCUMULATE, target, rows, cols, where, 0)
     mine = block.astype(acc)
     buffer = mine.reshape(-1) if spec.targets else jnp.zeros((0,), acc)
     local = jnp.zeros((m, n), acc).at[rows[0] : rows[1], cols[0] : cols[1]].set(mine)

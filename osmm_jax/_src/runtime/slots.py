@@ -72,28 +72,37 @@ def notify_attribute(plan: Plan, rank: int, itemsize: int, sync: Sync) -> tuple[
     return _attribute(count, slot_bytes(plan, itemsize), sync, origins, targets, two_sets=two > 0)
 
 
-def _attribute(count: int, nbytes: int, sync: Sync, origins, targets, bases=None, two_sets=False):
+def _attribute(
+    count: int, nbytes: int, sync: Sync, origins, targets, bases=None, two_sets=False, extents=None
+):
     """The ``notify`` attribute's layout (see :func:`notify_attribute`), with ``bases`` (bytes
-    into this rank's slot for each origin where that origin's records land) if given."""
-    flags = int(sync.credits == "pull") | (2 if two_sets else 0)
+    into this rank's slot for each origin where that origin's records land) if given; with
+    ``extents`` too (the bytes each origin sends), in placement (flag 4): each origin's records
+    land at the start of its slot and are copied to byte ``base`` of this rank's block, not
+    added over all of it (xla_ffi/protocols/notify.h)."""
+    placing = extents is not None
+    flags = int(sync.credits == "pull") | (2 if two_sets else 0) | (4 if placing else 0)
     tail = () if bases is None else (len(bases), *bases)
+    if placing:
+        tail += (len(extents), *extents)
     return (count, nbytes, flags, len(origins), *origins, len(targets), *targets, *tail)
 
 
 def fetch_attribute(
-    plan: Plan, itemsize: int, sync: Sync, owners, getters, bases
+    plan: Plan, itemsize: int, sync: Sync, owners, getters, bases, extents
 ) -> tuple[int, ...]:
     """The ``notify`` attribute of the notified fetch (:mod:`osmm_jax._src.runtime.fetch`) on one
-    rank: its ``owners`` (the ranks it gets pieces from; every other rank where the plan
-    delivers partials too) are its origins, its ``getters`` its targets, and ``bases`` says
-    where in this rank's fetched buffer each owner's pieces start (bytes). A slot holds the
-    most A and B elements any rank gets, in ``itemsize``-byte elements; ``S`` is the most
+    rank, in placement: its ``owners`` (the ranks it gets pieces from; every other rank where
+    the plan delivers partials too) are its origins, its ``getters`` its targets, ``bases``
+    says where in this rank's fetched buffer each owner's pieces start and ``extents`` how many
+    bytes they take (0 for an owner it gets nothing from). A slot holds the most A and B
+    elements one rank gets from one owner, in ``itemsize``-byte elements; ``S`` is the most
     owners any rank has, capped by the slot budget."""
     facts = plan.facts
-    nbytes = _aligned(facts.fetched_elements * itemsize)
+    nbytes = _aligned(facts.owner_elements * itemsize)
     most = plan.nranks - 1 if facts.has_deliveries else facts.max_owners
     count = _count(most, nbytes, sync.slot_budget)
-    return _attribute(count, nbytes, sync, owners, getters, bases)
+    return _attribute(count, nbytes, sync, owners, getters, bases, extents=extents)
 
 
 class GatherSlots(NamedTuple):
@@ -107,16 +116,26 @@ def gather_slots(plan: Plan, rank: int, itemsize: int, sync: Sync) -> GatherSlot
     """The notified all-gather of staged ``plan`` on ``rank``
     (:mod:`osmm_jax._src.runtime.gather`): every owner of a block of the even split delivers
     it to every other rank, whose block is the whole C. ``itemsize``: of the accumulation
-    dtype."""
+    dtype. A row split's blocks are contiguous in C: they are placed (a slot the size of the
+    largest block, copied to where the block starts); a column split's are not: a slot is the
+    whole C, the blocks added over zeros."""
     split = plan.gather_stage.c
-    owners = [r for r in range(plan.nranks) if split.local_shape(r)[0] * split.local_shape(r)[1]]
+    area = [split.local_shape(r)[0] * split.local_shape(r)[1] for r in range(plan.nranks)]
+    owners = [r for r in range(plan.nranks) if area[r]]
     origins = [o for o in owners if o != rank]
     targets = [t for t in range(plan.nranks) if t != rank] if rank in owners else []
     # The most origins any rank has: every owner, for a rank that owns no block.
     most = len(owners) - (len(owners) == plan.nranks)
-    nbytes = _aligned(plan.c.shape[0] * plan.c.shape[1] * itemsize)
+    if split.kind == "rows":  # the same on every rank, as the attribute's flags must be
+        nbytes = _aligned(max(area) * itemsize)
+        width = plan.c.shape[1]
+        bases = [split.blocks[o][0][0] * width * itemsize for o in origins]
+        extents = [area[o] * itemsize for o in origins]
+    else:
+        nbytes = _aligned(plan.c.shape[0] * plan.c.shape[1] * itemsize)
+        bases = extents = None
     count = _count(most, nbytes, sync.slot_budget)
-    notify = _attribute(count, nbytes, sync, origins, targets)
+    notify = _attribute(count, nbytes, sync, origins, targets, bases, extents=extents)
     return GatherSlots(notify, tuple(targets))
 
 

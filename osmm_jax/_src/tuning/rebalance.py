@@ -54,6 +54,14 @@ def _checked_shrink(shrink) -> float:
     return value
 
 
+def _checked_sudden(sudden) -> float:
+    """``sudden``, the relative time that makes a step stand out, checked: greater than 1."""
+    value = checks.real(sudden, "sudden")
+    if not value > 1:
+        raise ValueError(f"sudden must be greater than 1, got {sudden!r}")
+    return value
+
+
 def _min_units(min_rows, quantum: int) -> int:
     """The fewest quanta a rank with rows keeps: ``min_rows`` rounded up to quanta.
 
@@ -338,9 +346,8 @@ class Rebalancer:
         self._confirm = checks.integer(confirm, "confirm", 1)
         self._sigma = checks.at_least(sigma, "sigma", 0.0)
         self._tolerance = checks.at_least(tolerance, "tolerance", 0.0)
-        self._sudden = checks.real(sudden, "sudden")
-        if not self._sudden > 1:
-            raise ValueError(f"sudden must be greater than 1, got {sudden!r}")
+        self._sudden = _checked_sudden(sudden)
+        self._rule_settings = (self._sigma, self._tolerance, self._confirm, self._sudden)
         self._shrink = _checked_shrink(shrink)
         self._min_units = _min_units(min_rows, self._quantum)
         speeds = checks.speeds(speeds)
@@ -348,11 +355,9 @@ class Rebalancer:
             self._total, speeds, memory_budget, bytes_per_row, fixed_bytes
         )
         self._connect(comm, speeds, nranks, exchange, room_error)
-        self._rules = StragglerRules(
-            self._nranks, self._window, self._sigma, self._tolerance, self._confirm, self._sudden
-        )
-        self._sizes = ()
-        active = [r for r, s in enumerate(speeds) if s > 0]
+        self._rules = StragglerRules(self._nranks, self._window, *self._rule_settings)
+        self._sizes = ()  # what _quantise falls back to: no split fits
+        active = [r for r, speed in enumerate(speeds) if speed > 0]
         targets = _proportional(self._total, speeds, self._room)
         self._sizes = self._quantise(targets, frozenset(), active)
         if not self._sizes:

@@ -117,7 +117,7 @@ def test_repeated_products_and_gradients_are_bit_identical(name, request):
 def test_a_slot_budget_of_one_slot_sums_in_rounds_with_the_same_bits(
     name, monkeypatch, credits, request
 ):
-    if name == "staged":  # the all-gather's origins too (the whole C per slot)
+    if name == "staged":  # the all-gather's origins too
         request.getfixturevalue("staged")
     case = _cases()["data_parallel" if name == "staged" else "k_split"]
     plan = _plan(case)
@@ -131,9 +131,10 @@ def test_a_slot_budget_of_one_slot_sums_in_rounds_with_the_same_bits(
 
 
 def _slot_bytes(plan) -> int:
-    """float32 bytes of the largest C block (the whole C of a staged plan: its all-gather's
-    slots, larger than those of its reduce-scatter), aligned."""
-    largest = max(int(np.prod(plan.c.local_shape(r))) for r in range(SIZE))
+    """float32 bytes of the largest C block, aligned: of a staged plan, the largest block of
+    its even split, which its reduce-scatter sums and its all-gather places (row splits)."""
+    c = plan.c if plan.gather_stage is None else plan.gather_stage.c
+    largest = max(int(np.prod(c.local_shape(r))) for r in range(SIZE))
     return -(-largest * 4 // 64) * 64
 
 
