@@ -1,0 +1,202 @@
+"""Measure the memory a distributed product holds on each rank, against what it needs.
+
+Run under MPI, with glibc's malloc told to give large blocks back to the system when they are
+freed (otherwise it keeps freed memory resident and reuses it, and a product's peak hides in
+what the previous one left), e.g.::
+
+    MALLOC_MMAP_THRESHOLD_=1048576 .venv/bin/mpiexec -n 4 .venv/bin/python -m benchmarks.memory \\
+        --n 6144 --json benchmarks/results/memory.json
+
+For every layout family (``rows``: A by rows, B replicated, C by rows; ``k_split``: A by
+columns, B and C by rows; ``grid``: all three on a 2-D grid, as square as the rank count
+allows), both methods (``one_sided``, ``allreduce``) and both directions (``forward``: the
+jitted product; ``backward``: the jitted gradient of its sum with respect to A and B, which
+runs the forward product and both backward ones), on every rank:
+
+* ``needed``: the rank's blocks of A, B and C plus the bytes it receives (the plan's
+  ``bytes_received``; for the backward pass, the forward's and both backward plans' summed);
+* ``held``: the rank's A and B blocks plus the resident-set high-water mark above the
+  resident set before the call (``/proc/self/status`` VmHWM, reset through
+  ``/proc/self/clear_refs``), measured on a call after osmm_jax's windows were freed, so that
+  the windows the call creates count;
+* ``kept``: what stays resident after the call, its result dropped (windows, slots, caches).
+
+Every figure is the median over ``--repeats`` calls. Rank 0 prints a Markdown table with
+held / needed per case and rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import osmm_jax as om
+from benchmarks import common
+from benchmarks.common import COMM, RANK, SIZE
+from osmm_jax._src.runtime import native
+
+MiB = 2**20
+FAMILIES = ("rows", "k_split", "grid")
+METHODS = ("one_sided", "allreduce")
+DIRECTIONS = ("forward", "backward")
+
+
+def layouts(family: str, n: int):
+    """(A, B, C) layouts of an ``n x n x n`` product of ``family`` on every rank."""
+    if family == "rows":
+        return om.Layout.rows((n, n)), om.Layout.replicated((n, n)), om.Layout.rows((n, n))
+    if family == "k_split":
+        return om.Layout.cols((n, n)), om.Layout.rows((n, n)), om.Layout.rows((n, n))
+    rows = max(d for d in range(1, int(SIZE**0.5) + 1) if SIZE % d == 0)
+    grid = (rows, SIZE // rows)
+    return tuple(om.Layout.grid((n, n), grid) for _ in range(3))
+
+
+def _status_bytes(key: str) -> int:
+    """A ``/proc/self/status`` figure (``VmRSS``, ``VmHWM``) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(key)
+
+
+def _reset_peak() -> None:
+    """Start the resident-set high-water mark again from the current resident set."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def needed_bytes(plan, direction: str) -> int:
+    """This rank's A, B and C blocks plus the bytes it receives, for ``direction``."""
+    blocks = sum(int(np.prod(layout.local_shape(RANK))) * 4 for layout in (plan.a, plan.b, plan.c))
+    plans = (plan,) if direction == "forward" else (plan, *plan.backward())
+    return blocks + sum(p.bytes_received()[RANK] for p in plans)
+
+
+def measure(family: str, method: str, direction: str, n: int, repeats: int) -> dict:
+    """This rank's figures for one case (bytes)."""
+    plan = om.plan(*layouts(family, n))
+    rng = np.random.default_rng(RANK)
+    a = jnp.asarray(rng.standard_normal(plan.a.local_shape(RANK)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal(plan.b.local_shape(RANK)), jnp.float32)
+    product = lambda x, y: om.matmul(x, y, plan, method=method)  # noqa: E731
+    if direction == "forward":
+        fn = jax.jit(product)
+    else:
+        fn = jax.jit(jax.grad(lambda x, y: jnp.sum(product(x, y)), argnums=(0, 1)))
+    jax.block_until_ready(fn(a, b))  # compile
+    jax.effects_barrier()
+    native.free_windows()  # the measured call creates the windows it needs
+    held, kept = [], []
+    for _ in range(repeats):
+        gc.collect()
+        COMM.Barrier()
+        before = _status_bytes("VmRSS")
+        _reset_peak()
+        out = jax.block_until_ready(fn(a, b))
+        held.append(_status_bytes("VmHWM") - before + a.nbytes + b.nbytes)
+        del out
+        gc.collect()
+        kept.append(_status_bytes("VmRSS") - before)
+    return {
+        "needed": needed_bytes(plan, direction),
+        "held": statistics.median(held),
+        "kept": statistics.median(kept),
+        "window_bytes": om.stats()["window_bytes"],
+    }
+
+
+def print_table(records: list[dict]) -> None:
+    """Rank 0: one row per case and rank, MiB and held / needed."""
+    print(
+        "| family | method | direction | rank | needed MiB | held MiB | held / needed | kept MiB |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for rec in records:
+        for rank, r in enumerate(rec["ranks"]):
+            print(
+                f"| {rec['family']} | {rec['method']} | {rec['direction']} | {rank} | "
+                f"{r['needed'] / MiB:.0f} | {r['held'] / MiB:.0f} | "
+                f"{r['held'] / max(r['needed'], 1):.2f} | {r['kept'] / MiB:.0f} |"
+            )
+
+
+def draw(path: str, out: str) -> None:
+    """A bar chart of held / needed (the worst rank) per case, one bar per record of the JSON
+    list at ``path`` (its ``label`` in the legend), saved to ``out``."""
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = json.loads(open(path).read())
+    cases = [(r["family"], r["method"], r["direction"]) for r in runs[0]["records"]]
+    fig, ax = plt.subplots(figsize=(11, 4))
+    width = 0.8 / len(runs)
+    for i, run in enumerate(runs):
+        ratios = [max(x["held"] / x["needed"] for x in r["ranks"]) for r in run["records"]]
+        ax.bar([c + i * width for c in range(len(cases))], ratios, width, label=run["label"])
+    ax.axhline(1.3, color="black", linestyle="--", linewidth=1, label="1.3x")
+    ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))])
+    ax.set_xticklabels(["\n".join(c) for c in cases], fontsize=7)
+    ax.set_ylabel("held / needed (worst rank)")
+    ax.set_title(f"memory per rank, {runs[0]['ranks']} ranks, {runs[0]['n']}^3 float32")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=6144, help="M = K = N")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--methods", default=",".join(METHODS))
+    parser.add_argument("--directions", default=",".join(DIRECTIONS))
+    parser.add_argument("--json", default=None, help="append the record to this JSON list")
+    parser.add_argument("--label", default="", help="the record's name in the picture")
+    parser.add_argument(
+        "--draw", default=None, help="only draw the JSON list at --json to this PNG, no MPI"
+    )
+    args = parser.parse_args(argv)
+    if args.draw:
+        draw(args.json, args.draw)
+        return
+    if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        raise SystemExit(
+            "set MALLOC_MMAP_THRESHOLD_=1048576 (glibc then returns freed blocks of 1 MiB and "
+            "more to the system, so each call's peak is its own); see the module docstring"
+        )
+    records = []
+    for family in args.families.split(","):
+        for method in args.methods.split(","):
+            for direction in args.directions.split(","):
+                mine = measure(family, method, direction, args.n, args.repeats)
+                records.append(
+                    {
+                        "family": family,
+                        "method": method,
+                        "direction": direction,
+                        "ranks": COMM.allgather(mine),
+                    }
+                )
+                jax.clear_caches()
+    if RANK == 0:
+        print(f"\n{SIZE} ranks, {args.n}^3 float32 (median of {args.repeats} calls)\n")
+        print_table(records)
+    common.save(
+        {"title": "memory per rank", "ranks": SIZE, "n": args.n, "records": records}, args.json
+    )
+
+
+if __name__ == "__main__":
+    main()
