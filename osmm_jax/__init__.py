@@ -49,7 +49,6 @@ _PUBLIC = {
     "gather": "osmm_jax._src.runtime.api",
     "stats": "osmm_jax._src.runtime.api",
     "memory_budgets": "osmm_jax._src.runtime.api",
-    "release": "osmm_jax._src.runtime.api",
     "ChecksumError": "osmm_jax._src.runtime.checksum",
     "timeout": "osmm_jax._src.runtime.watchdog",
     "WatchdogTimeout": "osmm_jax._src.runtime.watchdog",
@@ -101,7 +100,6 @@ __all__ = [
     "plot_layout",
     "plot_plan",
     "profile_speeds",
-    "release",
     "rma_bytes",
     "split_sizes",
     "start_metrics",
@@ -137,7 +135,7 @@ if TYPE_CHECKING:
     from osmm_jax._src.planning.plot import plot_layout, plot_plan
     from osmm_jax._src.planning.records import LocalMultiply, LocalUpdate, Transfer
     from osmm_jax._src.planning.work import Work, three_d_layouts
-    from osmm_jax._src.runtime.api import gather, memory_budgets, plan, release, stats
+    from osmm_jax._src.runtime.api import gather, memory_budgets, plan, stats
     from osmm_jax._src.runtime.checksum import ChecksumError
     from osmm_jax._src.runtime.matmul import matmul, rma_bytes
     from osmm_jax._src.runtime.metrics import start_metrics, write_metrics

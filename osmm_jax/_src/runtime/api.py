@@ -188,25 +188,6 @@ def local_memory_budget() -> float:
     return config.host_memory_budget()
 
 
-def release() -> None:
-    """Free the memory osmm_jax keeps between products on this rank: every persistent MPI
-    window (the reduce, expose and slots windows, sized by the largest product so far) and
-    the GPU handlers' pinned staging buffers.
-
-    Collective: call it on every rank, at the same point of the program, when no product is
-    running (it waits for pending ones, ``jax.effects_barrier()``), e.g. between training
-    phases or before a memory-hungry step. Nothing else changes: the next product creates
-    the windows it needs again (one collective allocation each, a few milliseconds), and
-    its results are the same bits. ``stats()["window_bytes"]`` is 0 after it.
-    """
-    import jax
-
-    from osmm_jax._src.runtime import native
-
-    jax.effects_barrier()
-    native.free_windows()
-
-
 def stats() -> dict:
     """This rank's cumulative native counters.
 

@@ -212,26 +212,3 @@ def test_a_bad_memory_budget_on_one_rank_raises_on_every_rank(monkeypatch):
     monkeypatch.setenv("OSMM_MEMORY_BUDGET", ",".join(["1GiB"] * (SIZE + 1)))
     with pytest.raises(ValueError, match=f"has {SIZE + 1} budgets but the communicator has"):
         om.memory_budgets()
-
-
-@pytest.mark.parametrize("sync", ["notify", "fence"])
-def test_release_frees_every_window_and_the_next_product_is_the_same(sync):
-    """A K-split product (partials to every C owner) and a staged data-parallel gradient: after
-    release() no window is left, and running them again creates what they need and gives the
-    same bits."""
-    n = 8 * SIZE
-    k_split = om.plan(om.Layout.cols((n, n)), om.Layout.rows((n, n)), om.Layout.rows((n, n)))
-    rng = np.random.default_rng(RANK)
-    a = jnp.asarray(rng.standard_normal(k_split.a.local_shape(RANK)), jnp.float32)
-    b = jnp.asarray(rng.standard_normal(k_split.b.local_shape(RANK)), jnp.float32)
-    product = jax.jit(lambda x, y: om.matmul(x, y, k_split, sync=sync))
-    grad = jax.jit(jax.grad(lambda x, y: jnp.sum(om.matmul(x, y, k_split, sync=sync) ** 2), 1))
-    before = [np.asarray(product(a, b)), np.asarray(grad(a, b))]
-    assert om.stats()["window_bytes"] > 0 or SIZE == 1
-    om.release()
-    assert om.stats()["window_bytes"] == 0 and om.stats()["windows"] == 0
-    after = [np.asarray(product(a, b)), np.asarray(grad(a, b))]
-    assert all(x.tobytes() == y.tobytes() for x, y in zip(before, after))
-    om.release()  # again, and from nothing
-    om.release()
-    assert om.stats()["window_bytes"] == 0
