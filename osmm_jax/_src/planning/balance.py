@@ -294,7 +294,7 @@ def balance(
         noise_threshold = checks.at_least(noise_threshold, "noise_threshold", 0, allow_inf=True)
     cap = _checked_cap(cap, len(active))
     flops_per_row = checks.positive_real(flops_per_row, "flops_per_row")
-    room = _memory_room(memory_budget, bytes_per_row, fixed_bytes, len(speeds))
+    room = memory.room_per_rank(memory_budget, bytes_per_row, fixed_bytes, len(speeds))
 
     weights, notes = _trusted_weights(speeds, spread, noise_threshold)
     granularity, lowered = _granularity(total, min_rows, align, len(active))
@@ -387,20 +387,6 @@ def _granularity(total: int, min_rows: int, align: int, holders: int) -> tuple[i
         )
         return align, [note]
     return granularity, []
-
-
-def _memory_room(memory_budget, bytes_per_row, fixed_bytes, nranks: int):
-    """The rows each rank's memory budget lets it take (:func:`memory.row_limits`), or None
-    when there is no budget."""
-    if memory_budget is None:
-        if bytes_per_row is not None:
-            raise ValueError("bytes_per_row is only used with memory_budget; give both")
-        return None
-    if bytes_per_row is None:
-        raise ValueError("memory_budget needs bytes_per_row: what one row costs a rank, in bytes")
-    bytes_per_row = checks.positive_real(bytes_per_row, "bytes_per_row")
-    budgets = memory.budgets_per_rank(memory_budget, nranks)
-    return memory.row_limits(budgets, bytes_per_row, fixed_bytes)
 
 
 def _over_budget(total, weights, room, memory_budget, bytes_per_row, fixed_bytes) -> ValueError:

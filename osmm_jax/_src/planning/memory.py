@@ -67,6 +67,21 @@ def per_rank(value, nranks: int, name: str) -> tuple[float, ...]:
     return (checks.at_least(value, name, 0.0),) * nranks
 
 
+def room_per_rank(memory_budget, bytes_per_row, fixed_bytes, nranks: int):
+    """The rows each of ``nranks`` ranks' memory budgets lets it take (:func:`row_limits`), or
+    None when there is no budget; the arguments as ``balance`` and the Rebalancer take them
+    (a budget needs ``bytes_per_row`` and ``bytes_per_row`` a budget)."""
+    if memory_budget is None:
+        if bytes_per_row is not None:
+            raise ValueError("bytes_per_row is only used with memory_budget; give both")
+        return None
+    if bytes_per_row is None:
+        raise ValueError("memory_budget needs bytes_per_row: what one row costs a rank, in bytes")
+    bytes_per_row = checks.positive_real(bytes_per_row, "bytes_per_row")
+    budgets = budgets_per_rank(memory_budget, nranks)
+    return row_limits(budgets, bytes_per_row, fixed_bytes)
+
+
 def row_limits(budgets, bytes_per_row: float, fixed_bytes) -> tuple[float, ...]:
     """The most rows each rank may take: ``(budget - fixed) / bytes_per_row``, rounded down
     (``math.inf`` for a rank without a limit; 0 when even its fixed bytes do not fit).

@@ -54,14 +54,6 @@ def _checked_shrink(shrink) -> float:
     return value
 
 
-def _checked_sudden(sudden) -> float:
-    """``sudden``, the relative time that makes a step stand out, checked: greater than 1."""
-    value = checks.real(sudden, "sudden")
-    if not value > 1:
-        raise ValueError(f"sudden must be greater than 1, got {sudden!r}")
-    return value
-
-
 def _min_units(min_rows, quantum: int) -> int:
     """The fewest quanta a rank with rows keeps: ``min_rows`` rounded up to quanta.
 
@@ -99,19 +91,10 @@ def _proportional(total: int, speeds, room=None) -> list[float]:
 
 
 def _memory_room(total: int, speeds, memory_budget, bytes_per_row, fixed_bytes):
-    """The rows each rank's memory budget allows (:func:`memory.row_limits`), or None without
-    a budget; ValueError when all ranks together cannot hold ``total`` rows."""
-    if memory_budget is None:
-        if bytes_per_row is not None:
-            raise ValueError("bytes_per_row is only used with memory_budget; give both")
-        return None
-    if bytes_per_row is None:
-        raise ValueError("memory_budget needs bytes_per_row: what one row costs a rank, in bytes")
-    bytes_per_row = checks.positive_real(bytes_per_row, "bytes_per_row")
-    room = memory.row_limits(
-        memory.budgets_per_rank(memory_budget, len(speeds)), bytes_per_row, fixed_bytes
-    )
-    if math.fsum(min(r, total) for r, s in zip(room, speeds) if s > 0) < total:
+    """The rows each rank's memory budget allows (:func:`memory.room_per_rank`), or None
+    without a budget; ValueError when all ranks together cannot hold ``total`` rows."""
+    room = memory.room_per_rank(memory_budget, bytes_per_row, fixed_bytes, len(speeds))
+    if room is not None and math.fsum(min(r, total) for r, s in zip(room, speeds) if s > 0) < total:
         raise _over_budget(total, speeds, memory_budget, bytes_per_row, fixed_bytes)
     return room
 
@@ -340,14 +323,9 @@ class Rebalancer:
         fixed_bytes=0,
     ):
         self._total = checks.integer(total_rows, "total_rows", 1)
-        self._window = checks.integer(window, "window", 2)
+        self._rules = StragglerRules(window, sigma, tolerance, confirm, sudden)
         self._quantum = checks.integer(quantum, "quantum", 1)
         self._max_variants = checks.integer(max_variants, "max_variants", 1)
-        self._confirm = checks.integer(confirm, "confirm", 1)
-        self._sigma = checks.at_least(sigma, "sigma", 0.0)
-        self._tolerance = checks.at_least(tolerance, "tolerance", 0.0)
-        self._sudden = _checked_sudden(sudden)
-        self._rule_settings = (self._sigma, self._tolerance, self._confirm, self._sudden)
         self._shrink = _checked_shrink(shrink)
         self._min_units = _min_units(min_rows, self._quantum)
         speeds = checks.speeds(speeds)
@@ -355,7 +333,6 @@ class Rebalancer:
             self._total, speeds, memory_budget, bytes_per_row, fixed_bytes
         )
         self._connect(comm, speeds, nranks, exchange, room_error)
-        self._rules = StragglerRules(self._nranks, self._window, *self._rule_settings)
         self._sizes = ()  # what _quantise falls back to: no split fits
         active = [r for r, speed in enumerate(speeds) if speed > 0]
         targets = _proportional(self._total, speeds, self._room)
@@ -403,10 +380,8 @@ class Rebalancer:
             error = (
                 f"speeds has {len(speeds)} entries but the communicator has {self._nranks} ranks"
             )
-        settings = (self._total, speeds, self._window, self._sigma, self._shrink, self._quantum)
-        settings += (self._max_variants, self._min_units, self._tolerance, self._confirm)
-        settings += (self._sudden,)
-        settings += (self._room,)
+        settings = (self._total, speeds, self._shrink, self._quantum, self._max_variants)
+        settings += (self._min_units, self._room, *self._rules.settings)
         communicators.agree(private, "osmm_jax.Rebalancer", repr(settings), error)
 
     # -- state ----------------------------------------------------------------
