@@ -28,7 +28,7 @@ EVEN, ALL = (100, 100, 100), [0, 1, 2]  # rows per rank, the ranks that have row
 
 
 def _rules(**kwargs):
-    settings = {"nranks": 3, "window": 10, "sigma": 2.5, "tolerance": 0.1, "confirm": 3}
+    settings = {"window": 10, "sigma": 2.5, "tolerance": 0.1, "confirm": 3}
     settings["sudden"] = 1.5
     return StragglerRules(**{**settings, **kwargs})
 

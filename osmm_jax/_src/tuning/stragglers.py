@@ -19,6 +19,8 @@ import math
 import statistics
 from collections import deque
 
+from osmm_jax._src import checks
+
 MIN_BASELINE_STEPS = 3
 """Quiet steps the window must hold before the sudden rule applies."""
 
@@ -59,8 +61,10 @@ def robust_spread(values) -> float:
 class StragglerRules:
     """The window of step times since the last change of sizes, and who stands out in it.
 
+    Every setting is checked here (a ValueError or TypeError naming it); ``settings`` holds
+    them, checked, for the ranks to agree on.
+
     Args:
-        nranks: ranks whose times every step carries.
         window: steps of history kept (>= 2).
         sigma: robust standard deviations of the window's relative times: a step stands out
             above ``1 + sigma`` of them (and above ``sudden``), a median above ``sigma``
@@ -72,12 +76,15 @@ class StragglerRules:
         sudden: the least relative time that stands out (> 1).
     """
 
-    def __init__(
-        self, nranks: int, window: int, sigma: float, tolerance: float, confirm: int, sudden: float
-    ):
-        self._nranks, self._window = nranks, window
-        self._sigma, self._tolerance, self._confirm = sigma, tolerance, confirm
-        self._sudden = sudden
+    def __init__(self, window: int, sigma: float, tolerance: float, confirm: int, sudden: float):
+        self._window = checks.integer(window, "window", 2)
+        self._sigma = checks.at_least(sigma, "sigma", 0.0)
+        self._tolerance = checks.at_least(tolerance, "tolerance", 0.0)
+        self._confirm = checks.integer(confirm, "confirm", 1)
+        self._sudden = checks.real(sudden, "sudden")
+        if not self._sudden > 1:
+            raise ValueError(f"sudden must be greater than 1, got {sudden!r}")
+        self.settings = (self._window, self._sigma, self._tolerance, self._confirm, self._sudden)
         self.restart()
 
     def restart(self) -> None:
