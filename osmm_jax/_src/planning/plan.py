@@ -140,11 +140,11 @@ class RankPlan:
             len(self.origins),
             sum(t.elements for t in self.gets),
             len({t.target for t in self.gets}),
-            max(self._elements_by_owner().values(), default=0),
+            max(self.elements_by_owner().values(), default=0),
         )
 
-    def _elements_by_owner(self) -> dict[int, int]:
-        """The A and B elements this rank gets from each owner."""
+    def elements_by_owner(self) -> dict[int, int]:
+        """The A and B elements this rank gets from each owner: ``{owner: elements}``."""
         by_owner: dict[int, int] = {}
         for t in self.gets:
             by_owner[t.target] = by_owner.get(t.target, 0) + t.elements

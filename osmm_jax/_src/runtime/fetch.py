@@ -142,9 +142,7 @@ def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync):
         offset += width
     buffer = jnp.concatenate(pieces).astype(acc) if pieces else jnp.zeros((0,), acc)
     bases = [starts.get(owner, 0) * itemsize for owner in owners]
-    sizes = {}  # the elements this rank gets from each owner
-    for t in plan.gets_by(rank):
-        sizes[t.target] = sizes.get(t.target, 0) + t.elements
+    sizes = plan.for_rank(rank).elements_by_owner()
     extents = [sizes.get(owner, 0) * itemsize for owner in owners]
     notify = slots.fetch_attribute(plan, itemsize, sync, owners, getters, bases, extents)
     call_id = primitives.call_id(plan.fingerprint, "fetch", str(acc), sync.mode, notify[:3])
