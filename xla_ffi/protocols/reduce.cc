@@ -236,13 +236,14 @@ ffi::Error StartReduce(BufferOps& ops, const ffi::AnyBuffer& chunk,
     problem = "unsupported dtype (osmm_reduce handles float32 and float64)";
   }
   const int64_t itemsize = static_cast<int64_t>(ffi::ByteWidth(dtype));
-  // In placement (notify.h) the block is larger than a slot: each origin's part fits one.
-  const bool placing = notify.size() > 2 && notify.begin()[2] > 0 && (notify.begin()[2] & 4);
+  // The fence mode reduces into the window itself; the notified mode's slots are checked
+  // against the block by ParseNotifySpec (in placement a slot holds one origin's part only).
+  const bool fence_mode = notify.size() == 0;
   if (problem.empty() && (chunk.dimensions().size() != 1 || ticket->element_count() != 1)) {
     problem = "expected a 1-D chunk and a one-element ticket";
   } else if (problem.empty() &&
              (window_bytes < 0 || local_elements < 0 ||
-              (!placing && local_elements > window_bytes / std::max<int64_t>(1, itemsize)))) {
+              (fence_mode && local_elements > window_bytes / std::max<int64_t>(1, itemsize)))) {
     problem = "the local C block (" + std::to_string(local_elements) +
               " elements) does not fit the " + std::to_string(window_bytes) + "-byte window";
   } else if (problem.empty() &&
