@@ -31,6 +31,7 @@ import argparse
 import gc
 import os
 import statistics
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -138,7 +139,7 @@ def draw(path: str, out: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = json.loads(open(path).read())
+    runs = json.loads(Path(path).read_text())
     cases = [(r["family"], r["method"], r["direction"]) for r in runs[0]["records"]]
     fig, ax = plt.subplots(figsize=(11, 4))
     width = 0.8 / len(runs)
