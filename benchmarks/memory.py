@@ -10,19 +10,23 @@ what the previous one left), e.g.::
 For every layout family (``rows``: A by rows, B replicated, C by rows; ``k_split``: A by
 columns, B and C by rows; ``grid``: all three on a 2-D grid, as square as the rank count
 allows), both methods (``one_sided``, ``allreduce``) and both directions (``forward``: the
-jitted product; ``backward``: the jitted gradient of its sum with respect to A and B, which
-runs the forward product and both backward ones), on every rank:
+jitted product; ``backward``: the jitted vector-Jacobian product with respect to A and B for
+a cotangent of C given as an argument, as in training (a constant one, such as the gradient
+of a sum, XLA folds into the program), which runs the forward product and both backward
+ones), on every rank:
 
 * ``needed``: the rank's blocks of A, B and C plus the bytes it receives (the plan's
   ``bytes_received``; for the backward pass, the forward's and both backward plans' summed);
-* ``held``: the rank's A and B blocks plus the resident-set high-water mark above the
+* ``held``: the call's arguments (the rank's A and B blocks, and the cotangent) plus the
+  resident-set high-water mark above the
   resident set before the call (``/proc/self/status`` VmHWM, reset through
   ``/proc/self/clear_refs``), measured on a call after osmm_jax's windows were freed, so that
   the windows the call creates count;
-* ``kept``: what stays resident after the call, its result dropped (windows, slots, caches).
+* ``kept``: what stays resident after the call, its result dropped (windows, slots, caches);
+* ``predicted``: :func:`osmm_jax.memory_bytes` for the rank, the method and the direction.
 
 Every figure is the median over ``--repeats`` calls. Rank 0 prints a Markdown table with
-held / needed per case and rank.
+held / needed and held / predicted per case and rank.
 """
 
 from __future__ import annotations
@@ -89,10 +93,11 @@ def measure(family: str, method: str, direction: str, n: int, repeats: int) -> d
     b = jnp.asarray(rng.standard_normal(plan.b.local_shape(RANK)), jnp.float32)
     product = lambda x, y: om.matmul(x, y, plan, method=method)  # noqa: E731
     if direction == "forward":
-        fn = jax.jit(product)
-    else:
-        fn = jax.jit(jax.grad(lambda x, y: jnp.sum(product(x, y)), argnums=(0, 1)))
-    jax.block_until_ready(fn(a, b))  # compile
+        fn, args = jax.jit(product), (a, b)
+    else:  # a cotangent XLA cannot fold into constants, as in training
+        dc = jnp.asarray(rng.standard_normal(plan.c.local_shape(RANK)), jnp.float32)
+        fn, args = jax.jit(lambda x, y, d: jax.vjp(product, x, y)[1](d)), (a, b, dc)
+    jax.block_until_ready(fn(*args))  # compile
     jax.effects_barrier()
     native.free_windows()  # the measured call creates the windows it needs
     held, kept = [], []
@@ -101,13 +106,15 @@ def measure(family: str, method: str, direction: str, n: int, repeats: int) -> d
         COMM.Barrier()
         before = _status_bytes("VmRSS")
         _reset_peak()
-        out = jax.block_until_ready(fn(a, b))
-        held.append(_status_bytes("VmHWM") - before + a.nbytes + b.nbytes)
+        out = jax.block_until_ready(fn(*args))
+        held.append(_status_bytes("VmHWM") - before + sum(x.nbytes for x in args))
         del out
         gc.collect()
         kept.append(_status_bytes("VmRSS") - before)
+    predicted = om.memory_bytes(plan, RANK, method=method, direction=direction)
     return {
         "needed": needed_bytes(plan, direction),
+        "predicted": predicted.total,
         "held": statistics.median(held),
         "kept": statistics.median(kept),
         "window_bytes": om.stats()["window_bytes"],
@@ -117,15 +124,17 @@ def measure(family: str, method: str, direction: str, n: int, repeats: int) -> d
 def print_table(records: list[dict]) -> None:
     """Rank 0: one row per case and rank, MiB and held / needed."""
     print(
-        "| family | method | direction | rank | needed MiB | held MiB | held / needed | kept MiB |"
+        "| family | method | direction | rank | needed MiB | held MiB | held / needed | kept MiB "
+        "| predicted MiB | held / predicted |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for rec in records:
         for rank, r in enumerate(rec["ranks"]):
             print(
                 f"| {rec['family']} | {rec['method']} | {rec['direction']} | {rank} | "
                 f"{r['needed'] / MiB:.0f} | {r['held'] / MiB:.0f} | "
-                f"{r['held'] / max(r['needed'], 1):.2f} | {r['kept'] / MiB:.0f} |"
+                f"{r['held'] / max(r['needed'], 1):.2f} | {r['kept'] / MiB:.0f} | "
+                f"{r['predicted'] / MiB:.0f} | {r['held'] / max(r['predicted'], 1):.2f} |"
             )
 
 

@@ -70,6 +70,8 @@ _PUBLIC = {
     "METHODS": "osmm_jax._src.config",
     "matmul": "osmm_jax._src.runtime.matmul",
     "rma_bytes": "osmm_jax._src.runtime.matmul",
+    "memory_bytes": "osmm_jax._src.runtime.matmul",
+    "PeakMemory": "osmm_jax._src.planning.memory",
 }
 
 __all__ = [
@@ -81,6 +83,7 @@ __all__ = [
     "LocalMultiply",
     "LocalUpdate",
     "MethodSelector",
+    "PeakMemory",
     "Plan",
     "RankPlan",
     "Rebalancer",
@@ -96,6 +99,7 @@ __all__ = [
     "guarantees_balance",
     "matmul",
     "memory_budgets",
+    "memory_bytes",
     "plan",
     "plot_layout",
     "plot_plan",
@@ -131,13 +135,14 @@ if TYPE_CHECKING:
     from osmm_jax._src.planning.auto_layout import LayoutChoice, auto_layouts
     from osmm_jax._src.planning.balance import Balance, balance, guarantees_balance
     from osmm_jax._src.planning.layout import Layout, split_sizes
+    from osmm_jax._src.planning.memory import PeakMemory
     from osmm_jax._src.planning.plan import Plan, RankPlan
     from osmm_jax._src.planning.plot import plot_layout, plot_plan
     from osmm_jax._src.planning.records import LocalMultiply, LocalUpdate, Transfer
     from osmm_jax._src.planning.work import Work, three_d_layouts
     from osmm_jax._src.runtime.api import gather, memory_budgets, plan, stats
     from osmm_jax._src.runtime.checksum import ChecksumError
-    from osmm_jax._src.runtime.matmul import matmul, rma_bytes
+    from osmm_jax._src.runtime.matmul import matmul, memory_bytes, rma_bytes
     from osmm_jax._src.runtime.metrics import start_metrics, write_metrics
     from osmm_jax._src.runtime.watchdog import WatchdogTimeout, timeout
     from osmm_jax._src.tuning.fallback import MethodSelector

@@ -8,6 +8,8 @@ import pytest
 
 from osmm_jax._src import config
 from osmm_jax._src.planning import memory
+from osmm_jax._src.planning.layout import Layout
+from osmm_jax._src.planning.plan import Plan
 
 
 def test_a_budget_is_one_number_for_every_rank_or_one_per_rank(monkeypatch):
@@ -93,3 +95,59 @@ def test_fitted_shares_are_refused_when_nothing_fits():
     speeds = [1.0, 1.0]
     assert memory.fit_shares(_affine([64.0, 64.0], 256.0), speeds, [100.0, 100.0]) is None
     assert memory.fit_shares(_affine([200.0, 0.0], 10.0), speeds, [100.0, 1e9]) is None
+
+
+def _grid(n=8):
+    return Plan(*(Layout.grid((n, n), (2, 2)) for _ in range(3)))
+
+
+def _k_split(n=8, nranks=4):
+    return Plan(
+        Layout.cols((n, n), nranks=nranks),
+        Layout.rows((n, n), nranks=nranks),
+        Layout.rows((n, n), nranks=nranks),
+    )
+
+
+def test_a_grid_product_holds_the_operands_it_joins_for_one_gemm():
+    """2x2 grid, 8^3: every rank gets two 4x4 pieces (32 elements) and serves two; its C cell
+    is summed over two inner ranges, whose operands (4x4 of A and 4x4 of B each) are set side
+    by side for one GEMM: 64 elements, more than the fetch's 32 + 32 packed."""
+    plan = _grid()
+    assert [memory.one_sided_transient(plan, r, packed=True) for r in range(4)] == [64] * 4
+    assert [memory.one_sided_transient(plan, r, packed=False) for r in range(4)] == [64] * 4
+
+
+def test_a_k_split_holds_the_partials_it_delivers_and_a_staged_plan_the_whole_c():
+    plan = _k_split()  # each rank's partial of C is 8x8; 3 blocks of 2x8 go to the others
+    assert [memory.one_sided_transient(plan, r, packed=True) for r in range(4)] == [48] * 4
+    assert memory.one_sided_transient(plan, 0, packed=True, whole_c=1000) == 1000
+
+
+def test_a_product_that_moves_nothing_adds_nothing():
+    plan = Plan(
+        Layout.rows((8, 8), nranks=4),
+        Layout.replicated((8, 8), nranks=4),
+        Layout.rows((8, 8), nranks=4),
+    )
+    assert [memory.one_sided_transient(plan, r, packed=True) for r in range(4)] == [0] * 4
+    assert memory.allreduce_transient(plan) == 0
+
+
+def test_the_allreduce_method_holds_whole_matrices():
+    # grid: whole A and B assembled (64 each), the whole C summed and its all-reduced copy
+    assert memory.allreduce_transient(_grid()) == 4 * 64
+    # K-split: nothing to assemble, the whole C twice
+    assert memory.allreduce_transient(_k_split()) == 2 * 64
+    # a replicated C is the all-reduced sum itself
+    replicated = Plan(
+        Layout.cols((8, 8), nranks=4),
+        Layout.rows((8, 8), nranks=4),
+        Layout.replicated((8, 8), nranks=4),
+    )
+    assert memory.allreduce_transient(replicated) == 64
+
+
+def test_a_peak_is_the_sum_of_its_parts():
+    peak = memory.PeakMemory(blocks=3, transient=4, windows=5)
+    assert peak.total == 12

@@ -7,7 +7,9 @@ bytes per rank (:func:`budgets_per_rank`; ``math.inf``: no limit). Work that is 
 ``bytes_per_row`` per row it takes; :func:`row_limits` turns the budgets into the most rows
 each rank may take, and :func:`over_budget_error` is the one message, the same on every rank,
 when the rows cannot fit anywhere. :func:`memory_per_rank` counts what one product holds on
-each rank (the figure :func:`osmm_jax.auto_layouts` keeps within the budgets).
+each rank (the figure :func:`osmm_jax.auto_layouts` keeps within the budgets), and
+:func:`one_sided_transient` / :func:`allreduce_transient` what a product's buffers add at its
+busiest moment (:func:`osmm_jax.memory_bytes` sums them into a predicted peak).
 
 Pure Python: no JAX, no MPI; every result is the same on every rank given the same arguments.
 """
@@ -16,9 +18,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from osmm_jax._src import checks, config, units
 from osmm_jax._src.planning.layout import Layout
+from osmm_jax._src.planning.plan import Plan
 from osmm_jax._src.planning.plan_totals import PlanTotals
 from osmm_jax._src.planning.totals import block_area
 
@@ -157,6 +161,73 @@ def _window(slot: int, nranks: int) -> int:
     budget = config.slot_budget()
     slots = nranks - 1 if math.isinf(budget) else min(nranks - 1, int(budget // slot))
     return (1 + max(1, slots)) * slot
+
+
+class PeakMemory(NamedTuple):
+    """What one rank holds at the busiest moment of a product (or of a product and its
+    gradient), in bytes: ``blocks``, its blocks of the inputs and results (and, for a
+    gradient, the cotangent); ``transient``, the buffers the products add beside them;
+    ``windows``, the resident part of osmm_jax's MPI windows (they stay between products)."""
+
+    blocks: int
+    transient: int
+    windows: int
+
+    @property
+    def total(self) -> int:
+        """The predicted peak: blocks, transient buffers and windows, bytes."""
+        return self.blocks + self.transient + self.windows
+
+
+def one_sided_transient(plan: Plan, rank: int, packed: bool, whole_c: int = 0) -> int:
+    """Elements (accumulation dtype) a one_sided product of ``plan`` adds on ``rank`` beside
+    its blocks, at its busiest moment, the larger of:
+
+    - the fetch: the pieces it receives, and, when ``packed`` (the notified mode: owners push
+      their pieces from one buffer), the pieces it serves, packed;
+    - the GEMMs and deliveries: the received pieces, or the operands of a cell summed over
+      several inner ranges where they take more (set side by side for one GEMM, or cut from a
+      strided block: copies either way), plus the partials it delivers (one buffer per cell,
+      every chunk kept until the reduce finishes);
+    - ``whole_c``: a staged plan's all-gather (``plan`` its gather stage) holds the whole
+      replicated C (elements) as it assembles it.
+
+    The product's own C block is the result XLA writes, counted with the blocks."""
+    mine = plan.for_rank(rank)
+    served = sum(t.elements for t in mine.served) if packed else 0
+    fetched = sum(t.elements for t in mine.gets)
+    partials = sum({(t.rows, t.cols, t.inner): t.elements for t in mine.deliveries}.values())
+    compute = max(fetched, _joined_operands(mine.multiplies)) + partials
+    return max(served + fetched, compute, whole_c)
+
+
+def _joined_operands(multiplies) -> int:
+    """Elements of the A and B operands of every C cell summed over several inner ranges."""
+    cells: dict[tuple, list] = {}
+    for m in multiplies:
+        cells.setdefault((m.rows, m.cols), []).append(m)
+    total = 0
+    for group in cells.values():
+        if len(group) > 1:
+            for m in group:
+                inner = m.inner[1] - m.inner[0]
+                total += inner * (m.rows[1] - m.rows[0] + m.cols[1] - m.cols[0])
+    return total
+
+
+def allreduce_transient(plan: Plan) -> int:
+    """Elements (accumulation dtype) the all-reduce method adds on every rank for one product
+    of ``plan``: the whole A and B it assembles when a rank lacks pieces (a replicated one
+    passes through), the whole C it sums into and, unless C is replicated (then the sum is the
+    result), the all-reduced C it cuts the block from. 0 when the plan moves nothing."""
+    if not (plan.has_gets or plan.has_deliveries):
+        return 0
+    m, k, n = plan.dims
+    total = m * n * (1 if plan.c.is_replicated else 2)
+    if plan.has_gets:
+        wholes = ((plan.a, m * k), (plan.b, k * n))
+        total += sum(area for layout, area in wholes if not layout.is_replicated)
+    return total
 
 
 FIT_ROUNDS = 12

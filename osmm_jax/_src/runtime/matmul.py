@@ -35,10 +35,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from osmm_jax._src import config, dtypes
+from osmm_jax._src import checks, config, dtypes
 from osmm_jax._src.compat import HAVE_MPI4JAX
+from osmm_jax._src.planning.memory import PeakMemory, allreduce_transient, one_sided_transient
 from osmm_jax._src.planning.plan import Plan, backward_plans
 from osmm_jax._src.planning.records import PlanFacts, combine_facts
+from osmm_jax._src.planning.totals import block_area
 from osmm_jax._src.runtime import (
     allreduce,
     checksum,
@@ -181,6 +183,76 @@ def rma_bytes(
     float16, 8 for float64). The fence mode's figure is :meth:`Plan.bytes_issued`; the
     notified mode pushes what the fence mode gets, so its ranks issue what leaves them."""
     return slots.bytes_issued(plan, _resolve_sync(sync), input_itemsize, accum_itemsize)
+
+
+def memory_bytes(
+    plan: Plan,
+    rank: int,
+    input_itemsize: int = 4,
+    accum_itemsize: int = 4,
+    *,
+    method: str | None = None,
+    direction: str = "forward",
+    sync: str | None = None,
+) -> PeakMemory:
+    """What ``rank`` is predicted to hold at the busiest moment of a product of ``plan``
+    (``direction="forward"``) or of its gradient (``"backward"``: the jitted gradient with
+    respect to A and B, which runs the product and both backward products), as :func:`matmul`
+    runs it with ``method`` and ``sync`` (None: the defaults in force): a
+    :class:`~osmm_jax._src.planning.memory.PeakMemory` of bytes, ``.total`` the peak.
+
+    Counted: the rank's blocks (A, B and C; backward: A, B, their gradients and C's
+    cotangent) in ``input_itemsize``-byte elements; the products' buffers in
+    ``accum_itemsize``-byte ones (fetched and served pieces, partials for other ranks,
+    operands joined for one GEMM, the all-reduce method's whole matrices; backward: the two
+    backward products' at once, or the forward product's (one_sided: with the pieces the
+    backward ones pack), whichever is more); and the slots of osmm_jax's windows that the
+    products make resident. Not counted: the MPI library's own buffers and XLA's scheduling
+    beyond that (benchmarks/results/memory.md compares this with measured peaks). Local;
+    builds ``rank``'s part of each plan."""
+    options = _resolve_options(method, None, None, sync)
+    if direction not in ("forward", "backward"):
+        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    rank = checks.integer(rank, "rank")
+    if rank >= plan.nranks:
+        raise ValueError(f"rank must be below the plan's {plan.nranks} ranks, got {rank}")
+    for name, size in (("input_itemsize", input_itemsize), ("accum_itemsize", accum_itemsize)):
+        checks.integer(size, name, minimum=1)
+    plans = (plan,) if direction == "forward" else (plan, *backward_plans(plan))
+    transients = [_transient(p, rank, options) for p in plans]
+    transient = transients[0]
+    if direction == "backward":
+        # The backward products run side by side (neither needs the other); a one_sided
+        # product packs the pieces it serves from its inputs alone, which XLA may do while the
+        # forward product still runs.
+        early = transients[0]
+        if options.method == "one_sided" and options.sync.mode == "notify":
+            early += sum(_packed(p, rank, options) for p in plans[1:])
+        transient = max(early, transients[1] + transients[2])
+    windows = 0
+    if options.method == "one_sided":
+        windows = max(
+            slots.resident_window_bytes(p, rank, input_itemsize, accum_itemsize, options.sync)
+            for p in plans
+        )
+    blocks = [block_area(layout, rank) for layout in (plan.a, plan.b, plan.c)]
+    held = sum(blocks) if direction == "forward" else 2 * (blocks[0] + blocks[1]) + blocks[2]
+    return PeakMemory(held * input_itemsize, transient * accum_itemsize, windows)
+
+
+def _packed(plan: Plan, rank: int, options: _Options) -> int:
+    """Elements of the pieces ``rank`` packs to serve in a notified product of ``plan``."""
+    executed = one_sided.executed_plan(plan, options.sync)
+    return sum(t.elements for t in executed.for_rank(rank).served)
+
+
+def _transient(plan: Plan, rank: int, options: _Options) -> int:
+    """Elements (accumulation dtype) one product of ``plan`` adds on ``rank`` (planning/memory.py)."""
+    if options.method == "allreduce":
+        return allreduce_transient(plan)
+    executed = one_sided.executed_plan(plan, options.sync)
+    whole_c = plan.c.shape[0] * plan.c.shape[1] if executed is plan.gather_stage else 0
+    return one_sided_transient(executed, rank, options.sync.mode == "notify", whole_c)
 
 
 # -- input checks -----------------------------------------------------------------------

@@ -201,3 +201,42 @@ def bytes_issued(
     executed = executed_plan(plan, sync)
     sending = plan if executed is plan.gather_stage else executed
     return sending.bytes_sent(accum_itemsize, accum_itemsize)
+
+
+def resident_window_bytes(plan: Plan, rank: int, itemsize: int, accum: int, sync: Sync) -> int:
+    """Bytes of osmm_jax's windows that one product of ``plan`` makes resident on ``rank``
+    (``itemsize``: of an input element, ``accum``: of the accumulation dtype), the largest of
+    its uses (one window per communicator serves them all, one after another). Notified: the
+    slots this rank's origins write (a slot per origin up to ``S``, of the reduce, the fetch or
+    a staged plan's all-gather; the accumulator is touched only to add slots in rounds and is
+    not counted). Fenced: the reduce window (the largest C block), the fetch's exposed blocks
+    and the all-gather's."""
+    executed = executed_plan(plan, sync)
+    mine = executed.for_rank(rank)
+    uses = []
+    if sync.mode == "notify":
+        if executed.has_deliveries and plan.nranks > 1:
+            attribute = notify_attribute(executed, rank, accum, sync)
+            uses.append(min(attribute[0], attribute[3]) * attribute[1])
+        if executed.has_gets:
+            facts = executed.facts
+            owners = plan.nranks - 1 if facts.has_deliveries else len(mine.elements_by_owner())
+            nbytes = _aligned(facts.owner_elements * accum)
+            uses.append(min(owners, _count(owners, nbytes, sync.slot_budget)) * nbytes)
+        if executed is plan.gather_stage:
+            notify = gather_slots(plan, rank, accum, sync).notify
+            uses.append(min(notify[0], notify[3]) * notify[1])
+        return max(uses, default=0)
+    if executed.has_deliveries:
+        uses.append(executed.receive_elements * accum)
+    if executed.has_gets:
+        uses.append(sum(executed.expose_elements) * itemsize)
+    if executed is plan.gather_stage:
+        uses.append(
+            max(
+                executed.c.local_shape(r)[0] * executed.c.local_shape(r)[1]
+                for r in range(plan.nranks)
+            )
+            * accum
+        )
+    return max(uses, default=0)
