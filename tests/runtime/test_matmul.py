@@ -8,7 +8,7 @@ import osmm_jax as om
 from osmm_jax._src.planning import memory
 from osmm_jax._src.planning.layout import Layout
 from osmm_jax._src.planning.plan import Plan
-from osmm_jax._src.runtime import slots
+from osmm_jax._src.runtime import fetch, slots
 
 
 def _grid(n=8):
@@ -25,16 +25,57 @@ def test_a_forward_peak_is_the_blocks_the_product_s_buffers_and_the_slots(rank):
     assert peak.total == peak.blocks + peak.transient + peak.windows
 
 
-def test_a_gradient_peak_holds_both_backward_products_or_the_forward_with_their_packing():
+@pytest.mark.parametrize("input_itemsize", [4, 2])
+def test_a_gradient_peak_holds_both_backward_products_or_the_forward_with_their_packing(
+    input_itemsize,
+):
+    """float32 pieces that are whole blocks are sent from the blocks (nothing packed); 16-bit
+    ones are packed, cast to float32, and XLA may pack them while the forward product runs."""
     plan = _grid()
     d_a, d_b = plan.backward()
+    same = input_itemsize == 4
     for rank in range(4):
-        peak = om.memory_bytes(plan, rank, direction="backward", sync="notify")
-        assert peak.blocks == (2 * (16 + 16) + 16) * 4  # A, B, their gradients, C's cotangent
-        both = sum(memory.one_sided_transient(p, rank, packed=True) for p in (d_a, d_b))
+        peak = om.memory_bytes(plan, rank, input_itemsize, 4, direction="backward", sync="notify")
+        assert peak.blocks == (2 * (16 + 16) + 16) * input_itemsize  # A, B, dA, dB, C's cotangent
+        both = sum(
+            memory.one_sided_transient(p, rank, fetch.packs_pieces(p, rank, same))
+            for p in (d_a, d_b)
+        )
         packed = sum(t.elements for p in (d_a, d_b) for t in p.for_rank(rank).served)
-        early = memory.one_sided_transient(plan, rank, packed=True) + packed
+        forward = memory.one_sided_transient(plan, rank, packed=not same)
+        early = forward + (0 if same else packed)
         assert peak.transient == max(both, early) * 4
+
+
+def test_pieces_are_packed_unless_they_are_whole_rows_in_the_accumulation_dtype():
+    grid = _grid()  # every piece served is a whole 4x4 block
+    assert not any(fetch.packs_pieces(grid, r, True) for r in range(4))
+    assert all(fetch.packs_pieces(grid, r, False) for r in range(4))
+    # C by columns from B by rows: each rank serves the others column strips of its B rows
+    strips = Plan(
+        Layout.replicated((8, 8), nranks=4),
+        Layout.rows((8, 8), nranks=4),
+        Layout.cols((8, 8), nranks=4),
+    )
+    for rank in range(4):
+        served = strips.for_rank(rank).served
+        assert served and all(t.cols != strips.b.blocks[rank][1] for t in served)
+        assert fetch.packs_pieces(strips, rank, True)
+    # A by columns, C by rows: rank 0 sends rows 2-8 of its A strip (whole rows), never rows
+    # 0-2, which it multiplies itself: a device would stage the whole block, so it packs
+    partial = Plan(
+        Layout.cols((8, 8), nranks=4),
+        Layout.replicated((8, 8), nranks=4),
+        Layout.rows((8, 8), nranks=4),
+    )
+    assert sorted(t.rows for t in partial.for_rank(0).served) == [(2, 4), (4, 6), (6, 8)]
+    assert fetch.packs_pieces(partial, 0, True)
+    local = Plan(
+        Layout.rows((8, 8), nranks=4),
+        Layout.replicated((8, 8), nranks=4),
+        Layout.rows((8, 8), nranks=4),
+    )
+    assert not any(fetch.packs_pieces(local, r, False) for r in range(4))  # serves nothing
 
 
 def test_the_allreduce_method_holds_no_windows_and_its_products_in_turn():

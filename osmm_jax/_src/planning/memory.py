@@ -183,8 +183,9 @@ def one_sided_transient(plan: Plan, rank: int, packed: bool, whole_c: int = 0) -
     """Elements (accumulation dtype) a one_sided product of ``plan`` adds on ``rank`` beside
     its blocks, at its busiest moment, the larger of:
 
-    - the fetch: the pieces it receives, and, when ``packed`` (the notified mode: owners push
-      their pieces from one buffer), the pieces it serves, packed;
+    - the fetch: the pieces it receives, and, when ``packed`` (the notified mode, where a rank
+      packs the pieces it serves into one buffer unless it can send them from its blocks),
+      the pieces it serves, packed;
     - the GEMMs and deliveries: the received pieces, or the operands of a cell summed over
       several inner ranges where they take more (set side by side for one GEMM, or cut from a
       strided block: copies either way), plus the partials it delivers (one buffer per cell,

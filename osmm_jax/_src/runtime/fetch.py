@@ -19,7 +19,9 @@ owner joined into one):
   notify.h): an owner's pieces land at the start of its slot, a slot holds the most one owner
   sends one getter (not the whole fetched buffer), and the getter copies each slot to where
   its owner's pieces start, over a "partial" of zeros (a ``-0.0`` arrives as ``0.0``); 16-bit
-  pieces travel as float32 (exactly) and are cast back.
+  pieces travel as float32 (exactly) and are cast back. An owner whose pieces are whole rows
+  of its float32 or float64 blocks sends them from the blocks themselves; otherwise it packs
+  them into one buffer first.
 
   Where the product then delivers partials (a second notified call), every rank counts every
   other as an owner and a getter, sending empty deliveries where it has no pieces, so that no
@@ -123,34 +125,96 @@ def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync):
     owners = sorted(starts)
     if plan.has_deliveries:  # no rank leaves the fetch before all entered it (module docstring)
         owners = getters = [r for r in range(plan.nranks) if r != rank]
-    pieces, records, offset = [], [], 0
+    chunks, transfers = _sources(plan, rank, a, b, acc, served, getters)
+    bases = [starts.get(owner, 0) * itemsize for owner in owners]
+    sizes = plan.for_rank(rank).elements_by_owner()
+    extents = [sizes.get(owner, 0) * itemsize for owner in owners]
+    notify = slots.fetch_attribute(plan, itemsize, sync, owners, getters, bases, extents)
+    # The input dtype decides whether this rank packs its pieces (its signature): every rank
+    # must meet a new signature at the same call, so the call id says which dtype it is.
+    ids = (plan.fingerprint, "fetch", str(a.dtype), str(acc), sync.mode, notify[:3])
+    call_id = primitives.call_id(*ids)
+    local = jnp.zeros((total,), acc)
+    summed = primitives.notified_round(
+        chunks, transfers, local, comm=plan.comm_key, call_id=call_id, notify=notify
+    )
+    return summed.astype(a.dtype)
+
+
+def _sources(plan: Plan, rank: int, a, b, acc, served, getters) -> tuple[list, list]:
+    """The buffers this rank sends its pieces from and each one's transfer records: every
+    getter's pieces land one after another from the start of its slot, in
+    :func:`_piece_key` order. Pieces that are whole rows of this rank's blocks, in the
+    accumulation dtype already, are sent straight from the block that holds them (a chunk for
+    A, one for B: no packed copy to hold); otherwise every piece is packed, cast, into one
+    buffer."""
+    blocks = {"A": a, "B": b}
+    direct = not packs_pieces(plan, rank, a.dtype == acc)
+    matrices = sorted({t.matrix for t in served}) if direct else ["packed"]
+    records = {m: [] for m in matrices}
+    pieces, packed_at = [], 0
     for getter in getters:
         mine = sorted((t for t in served if t.origin == getter), key=_piece_key)
         width = sum(t.elements for t in mine)  # from the getter's base for this rank
         at = 0
         for t in mine:
-            records += native.transfer_record(
+            if direct:
+                source, offset = t.matrix, _row_offset(plan, rank, t)
+            else:
+                source, offset = "packed", packed_at
+                pieces.append(_cut(plan, rank, blocks[t.matrix], t).reshape(-1))
+                packed_at += t.elements
+            records[source] += native.transfer_record(
                 native.OP_ACCUMULATE,
                 getter,
                 (0, 1),
                 (at, at + t.elements),
                 ((0, 1), (0, width)),
-                offset + at,
+                offset,
             )
-            pieces.append(_cut(plan, rank, a if t.matrix == "A" else b, t).reshape(-1))
             at += t.elements
-        offset += width
-    buffer = jnp.concatenate(pieces).astype(acc) if pieces else jnp.zeros((0,), acc)
-    bases = [starts.get(owner, 0) * itemsize for owner in owners]
-    sizes = plan.for_rank(rank).elements_by_owner()
-    extents = [sizes.get(owner, 0) * itemsize for owner in owners]
-    notify = slots.fetch_attribute(plan, itemsize, sync, owners, getters, bases, extents)
-    call_id = primitives.call_id(plan.fingerprint, "fetch", str(acc), sync.mode, notify[:3])
-    local = jnp.zeros((total,), acc)
-    summed = primitives.notified_round(
-        buffer, records, local, comm=plan.comm_key, call_id=call_id, notify=notify
-    )
-    return summed.astype(a.dtype)
+    if direct:
+        chunks = [blocks[m].reshape(-1) for m in matrices]
+    else:
+        chunks = [jnp.concatenate(pieces).astype(acc) if pieces else jnp.zeros((0,), acc)]
+    return (chunks or [jnp.zeros((0,), acc)]), ([records[m] for m in matrices] or [[]])
+
+
+def packs_pieces(plan: Plan, rank: int, in_accumulation_dtype: bool) -> bool:
+    """Whether ``rank`` packs the pieces it serves in the notified fetch of ``plan`` into one
+    buffer (a copy it holds while they travel) rather than sending them from its blocks: when
+    the inputs are not in the accumulation dtype (16-bit, cast to float32), a piece is not
+    whole rows of its block, or the pieces of a block leave some of its rows unsent (a device
+    stages a whole block in host memory to send from it: no more than the pieces, then)."""
+    served = plan.for_rank(rank).served
+    if not served:
+        return False
+    if not in_accumulation_dtype or not all(_whole_rows(plan, rank, t) for t in served):
+        return True
+    for matrix in {t.matrix for t in served}:
+        (r0, r1), _ = (plan.a if matrix == "A" else plan.b).blocks[rank]
+        covered = r0  # the rows sent, as intervals in order, must leave no gap
+        for start, stop in sorted(t.rows for t in served if t.matrix == matrix):
+            if start > covered:
+                return True
+            covered = max(covered, stop)
+        if covered < r1:
+            return True
+    return False
+
+
+def _whole_rows(plan: Plan, rank: int, t) -> bool:
+    """Whether served piece ``t`` spans every column of this rank's block (so its elements
+    follow one another in the block)."""
+    layout = plan.a if t.matrix == "A" else plan.b
+    return tuple(t.cols) == tuple(layout.blocks[rank][1])
+
+
+def _row_offset(plan: Plan, rank: int, t) -> int:
+    """The element at which whole-row piece ``t`` starts in this rank's (flattened) block."""
+    layout = plan.a if t.matrix == "A" else plan.b
+    (r0, _), (c0, c1) = layout.blocks[rank]
+    return (t.rows[0] - r0) * (c1 - c0)
 
 
 def _cut(plan: Plan, rank: int, block, t):

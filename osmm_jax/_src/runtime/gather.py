@@ -94,6 +94,6 @@ def _sent_by_owners(plan: Plan, rank: int, block, sync: Sync):
     local = jnp.zeros((m, n), acc).at[rows[0] : rows[1], cols[0] : cols[1]].set(mine)
     call_id = primitives.call_id(plan.fingerprint, "gather", str(acc), sync.mode, spec.notify[:3])
     summed = primitives.notified_round(
-        buffer, records, local, comm=plan.comm_key, call_id=call_id, notify=spec.notify
+        [buffer], [records], local, comm=plan.comm_key, call_id=call_id, notify=spec.notify
     )
     return summed.astype(block.dtype)

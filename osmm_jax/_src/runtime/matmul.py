@@ -45,6 +45,7 @@ from osmm_jax._src.runtime import (
     allreduce,
     checksum,
     communicators,
+    fetch,
     metrics,
     one_sided,
     slots,
@@ -219,7 +220,8 @@ def memory_bytes(
     for name, size in (("input_itemsize", input_itemsize), ("accum_itemsize", accum_itemsize)):
         checks.integer(size, name, minimum=1)
     plans = (plan,) if direction == "forward" else (plan, *backward_plans(plan))
-    transients = [_transient(p, rank, options) for p in plans]
+    same_dtype = input_itemsize == accum_itemsize
+    transients = [_transient(p, rank, options, same_dtype) for p in plans]
     transient = transients[0]
     if direction == "backward":
         # The backward products run side by side (neither needs the other); a one_sided
@@ -227,7 +229,7 @@ def memory_bytes(
         # forward product still runs.
         early = transients[0]
         if options.method == "one_sided" and options.sync.mode == "notify":
-            early += sum(_packed(p, rank, options) for p in plans[1:])
+            early += sum(_packed(p, rank, options, same_dtype) for p in plans[1:])
         transient = max(early, transients[1] + transients[2])
     windows = 0
     if options.method == "one_sided":
@@ -240,19 +242,23 @@ def memory_bytes(
     return PeakMemory(held * input_itemsize, transient * accum_itemsize, windows)
 
 
-def _packed(plan: Plan, rank: int, options: _Options) -> int:
-    """Elements of the pieces ``rank`` packs to serve in a notified product of ``plan``."""
+def _packed(plan: Plan, rank: int, options: _Options, same_dtype: bool) -> int:
+    """Elements of the pieces ``rank`` packs to serve in a notified product of ``plan``
+    (``same_dtype``: the inputs are in the accumulation dtype)."""
     executed = one_sided.executed_plan(plan, options.sync)
+    if not fetch.packs_pieces(executed, rank, same_dtype):
+        return 0
     return sum(t.elements for t in executed.for_rank(rank).served)
 
 
-def _transient(plan: Plan, rank: int, options: _Options) -> int:
+def _transient(plan: Plan, rank: int, options: _Options, same_dtype: bool) -> int:
     """Elements (accumulation dtype) one product of ``plan`` adds on ``rank`` (planning/memory.py)."""
     if options.method == "allreduce":
         return allreduce_transient(plan)
     executed = one_sided.executed_plan(plan, options.sync)
     whole_c = plan.c.shape[0] * plan.c.shape[1] if executed is plan.gather_stage else 0
-    return one_sided_transient(executed, rank, options.sync.mode == "notify", whole_c)
+    packed = options.sync.mode == "notify" and fetch.packs_pieces(executed, rank, same_dtype)
+    return one_sided_transient(executed, rank, packed, whole_c)
 
 
 # -- input checks -----------------------------------------------------------------------

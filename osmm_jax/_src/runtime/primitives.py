@@ -189,24 +189,28 @@ def reduce_deferred(chunk, local, *, comm, call_id, window_bytes, transfers, not
     )
 
 
-def notified_round(buffer, records, local, *, comm, call_id, notify):
-    """One notified reduce sent in one piece: this rank delivers ``buffer`` (1-D, the
-    accumulation dtype) by ``records`` and returns ``local`` plus what its origins delivered,
-    summed in ascending rank order. ``notify``: this rank's attribute (``runtime.slots``), whose
-    first two entries size every rank's slots window. The staged plan's all-gather and the
-    notified fetch are such rounds."""
+def notified_round(chunks, transfers, local, *, comm, call_id, notify):
+    """One notified reduce sent from the calling thread: this rank delivers ``chunks`` (1-D
+    buffers of the accumulation dtype, at least one) by ``transfers`` (one record list per
+    chunk, offsets within it) and returns ``local`` plus what its origins delivered, summed in
+    ascending rank order. ``notify``: this rank's attribute (``runtime.slots``), whose first two
+    entries size every rank's slots window. The staged plan's all-gather and the notified
+    fetch are such rounds (the fetch sends its pieces straight from the blocks that hold them,
+    a chunk each)."""
     reduce_start(
-        buffer,
+        chunks[0],
         comm=comm,
         call_id=call_id,
         window_bytes=(1 + notify[0]) * notify[1],
         local_elements=local.size,
         overlap=False,
-        transfers=[records],
-        chunk_sizes=[int(buffer.size)],
+        transfers=transfers,
+        chunk_sizes=[int(chunk.size) for chunk in chunks],
         notify=notify,
     )
-    return reduce_finish(local, [buffer], comm=comm)
+    for index, chunk in enumerate(chunks[1:], start=1):
+        reduce_issue(chunk, comm=comm, index=index)
+    return reduce_finish(local, list(chunks), comm=comm)
 
 
 def reduce_issue(chunk, *, comm, index):

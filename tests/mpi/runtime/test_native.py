@@ -111,7 +111,7 @@ def _notified_ring(key: int, base_on_rank1: int):
         chunk = jnp.ones((ROWS * COLS,), jnp.float32)
         call_id = primitives.call_id("ring", base_on_rank1)
         return primitives.notified_round(
-            chunk, record, local, comm=key, call_id=call_id, notify=notify
+            [chunk], [record], local, comm=key, call_id=call_id, notify=notify
         )
 
     return run
