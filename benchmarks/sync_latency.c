@@ -17,6 +17,15 @@
  *                       flag only; the origin polls for that reply
  *   notify_acc          the same with MPI_Accumulate(SUM) as the slot write
  *   notify_put_putflag  the same as notify_put with the flags written by MPI_Put (64 B only)
+ *   twosided            the same exchange by messages: the data to next by MPI_Isend into a
+ *                       receive the target posted, the reply an empty message back; the data's
+ *                       arrival is its own notification (no flush, no flag)
+ *   persistent          twosided with persistent requests (MPI_Send_init / MPI_Recv_init), the
+ *                       target's receives started before the step (pre-posted), as a transport
+ *                       would post the next product's receives when it finishes one
+ *   notify_late/twosided_late  notify_acc / twosided when the target is busy computing: the
+ *                       odd ranks spin 2 ms without calling MPI before their part; time minus
+ *                       those 2 ms, so what is left is what the delivery added
  *   iallreduce          MPI_Iallreduce(SUM) + MPI_Wait of 4 B and 256 KiB
  *   allreduce           MPI_Allreduce(SUM) of 4 B and 256 KiB
  * Polling a flag: MPI_Win_sync on the flag window, an atomic load, then MPI_Iprobe(ANY_SOURCE,
@@ -46,7 +55,7 @@
 #define NSIZES 5
 static const int SIZES[NSIZES] = {16, 1024, 16384, 65536, 262144}; /* floats: 64 B .. 1 MiB */
 
-enum kind { FENCE_EMPTY, FENCE_OPS, LOCK_OPS, NOTIFY, IALLREDUCE, ALLREDUCE };
+enum kind { FENCE_EMPTY, FENCE_OPS, LOCK_OPS, NOTIFY, TWOSIDED, PERSISTENT, IALLREDUCE, ALLREDUCE };
 enum op { OP_NONE, OP_PUT, OP_ACC, OP_GET };
 
 struct bench {
@@ -55,7 +64,12 @@ struct bench {
   enum op op;    /* the data operation (for NOTIFY: the slot write) */
   int flag_put;  /* NOTIFY: flags by MPI_Put instead of MPI_Accumulate(REPLACE) */
   int only_size; /* > 0: this size in floats only; -1: no data (bytes 0) */
+  int late;      /* odd ranks compute LATE_SECONDS without MPI before their part */
 };
+
+#define LATE_SECONDS 0.002
+#define TAG_DATA 7
+#define TAG_REPLY 8
 
 static int rank, nranks, reps;
 static float *src, *dst;          /* local buffers of MAX_FLOATS * nranks floats */
@@ -64,6 +78,8 @@ static int64_t *flags;            /* 2 per rank: [2s] data from s, [2s+1] reply 
 static MPI_Win fence_win, data_win, flag_win;
 static int64_t seq, flag_value;   /* same on every rank: every rank runs every step */
 static int stale;
+static MPI_Request persistent[4]; /* recv data, send data, recv reply, send reply */
+static char reply_byte;
 
 /* One RMA operation of n floats with target: origin rank r uses slot r of the target's window
  * (displacement r * n floats), so concurrent origins never overlap. */
@@ -122,9 +138,57 @@ static void notify_round_trip(enum op slot_op, int flag_put, int n) {
   wait_flag(2 * next + 1, seq);
 }
 
+/* Spin for `seconds` without calling MPI: a rank busy computing. */
+static void compute(double seconds) {
+  struct timespec t0, t;
+  clock_gettime(CLOCK_MONOTONIC, &t0);
+  do clock_gettime(CLOCK_MONOTONIC, &t);
+  while ((t.tv_sec - t0.tv_sec) + 1e-9 * (t.tv_nsec - t0.tv_nsec) < seconds);
+}
+
+/* The notified round trip's exchange by messages: data to next, an empty reply back. */
+static void twosided_round_trip(int n) {
+  int next = (rank + 1) % nranks, prev = (rank + nranks - 1) % nranks;
+  MPI_Request req[2];
+  MPI_Irecv(dst, n, MPI_FLOAT, prev, TAG_DATA, MPI_COMM_WORLD, &req[0]);
+  MPI_Isend(src, n, MPI_FLOAT, next, TAG_DATA, MPI_COMM_WORLD, &req[1]);
+  MPI_Waitall(2, req, MPI_STATUSES_IGNORE);
+  MPI_Irecv(&reply_byte, 0, MPI_BYTE, next, TAG_REPLY, MPI_COMM_WORLD, &req[0]);
+  MPI_Isend(&reply_byte, 0, MPI_BYTE, prev, TAG_REPLY, MPI_COMM_WORLD, &req[1]);
+  MPI_Waitall(2, req, MPI_STATUSES_IGNORE);
+}
+
+/* Persistent requests of n floats for the next steps; the receives are started (pre-posted). */
+static void persistent_init(int n) {
+  int next = (rank + 1) % nranks, prev = (rank + nranks - 1) % nranks;
+  MPI_Recv_init(dst, n, MPI_FLOAT, prev, TAG_DATA, MPI_COMM_WORLD, &persistent[0]);
+  MPI_Send_init(src, n, MPI_FLOAT, next, TAG_DATA, MPI_COMM_WORLD, &persistent[1]);
+  MPI_Recv_init(&reply_byte, 0, MPI_BYTE, next, TAG_REPLY, MPI_COMM_WORLD, &persistent[2]);
+  MPI_Send_init(&reply_byte, 0, MPI_BYTE, prev, TAG_REPLY, MPI_COMM_WORLD, &persistent[3]);
+  MPI_Start(&persistent[0]);
+  MPI_Start(&persistent[2]);
+}
+
+static void persistent_round_trip(void) {
+  MPI_Start(&persistent[1]);
+  MPI_Waitall(2, persistent, MPI_STATUSES_IGNORE);
+  MPI_Start(&persistent[3]);
+  MPI_Waitall(2, persistent + 2, MPI_STATUSES_IGNORE);
+  MPI_Start(&persistent[0]); /* the next step's receives, posted before it begins */
+  MPI_Start(&persistent[2]);
+}
+
+static void persistent_free(void) {
+  MPI_Cancel(&persistent[0]);
+  MPI_Cancel(&persistent[2]);
+  MPI_Waitall(2, (MPI_Request[]){persistent[0], persistent[2]}, MPI_STATUSES_IGNORE);
+  for (int i = 0; i < 4; i++) MPI_Request_free(&persistent[i]);
+}
+
 /* One timed iteration of b with n floats. */
 static void step(const struct bench *b, int n) {
   MPI_Request req;
+  if (b->late && rank % 2) compute(LATE_SECONDS);
   switch (b->kind) {
     case FENCE_EMPTY:
       MPI_Win_fence(0, fence_win);
@@ -141,6 +205,12 @@ static void step(const struct bench *b, int n) {
       break;
     case NOTIFY:
       notify_round_trip(b->op, b->flag_put, n);
+      break;
+    case TWOSIDED:
+      twosided_round_trip(n);
+      break;
+    case PERSISTENT:
+      persistent_round_trip();
       break;
     case IALLREDUCE:
       MPI_Iallreduce(src, dst, n, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &req);
@@ -160,13 +230,15 @@ static int by_value(const void *a, const void *b) {
 /* Time b at n floats on every rank; rank 0 prints the slowest rank's median. */
 static void run(const struct bench *b, int n, double *samples) {
   stale = 0;
+  if (b->kind == PERSISTENT) persistent_init(n);
   for (int i = 0; i < WARMUP + reps; i++) {
     MPI_Barrier(MPI_COMM_WORLD);
     double t0 = MPI_Wtime();
     step(b, n);
-    double took = MPI_Wtime() - t0;
+    double took = MPI_Wtime() - t0 - (b->late ? LATE_SECONDS : 0.0);
     if (i >= WARMUP) samples[i - WARMUP] = took;
   }
+  if (b->kind == PERSISTENT) persistent_free();
   qsort(samples, reps, sizeof(double), by_value);
   double median = reps % 2 ? samples[reps / 2] : (samples[reps / 2 - 1] + samples[reps / 2]) / 2;
   double slowest;
@@ -193,6 +265,10 @@ static const struct bench BENCHES[] = {
     {"notify_put", NOTIFY, OP_PUT, 0, 0},
     {"notify_acc", NOTIFY, OP_ACC, 0, 0},
     {"notify_put_putflag", NOTIFY, OP_PUT, 1, 16},
+    {"twosided", TWOSIDED, OP_NONE, 0, 0},
+    {"persistent", PERSISTENT, OP_NONE, 0, 0},
+    {"notify_late", NOTIFY, OP_ACC, 0, 0, 1},
+    {"twosided_late", TWOSIDED, OP_NONE, 0, 0, 1},
     {"iallreduce", IALLREDUCE, OP_NONE, 0, 1},
     {"iallreduce", IALLREDUCE, OP_NONE, 0, 65536},
     {"allreduce", ALLREDUCE, OP_NONE, 0, 1},

@@ -102,6 +102,12 @@ CASES = {
     " polled; flag-only reply",
     "notify_acc": "notified round trip: accumulate(SUM) slot, accumulate(REPLACE) flags",
     "notify_put_putflag": "notified round trip: put slot, flags by MPI_Put + flush",
+    "twosided": "the same round trip by messages: MPI_Isend of the data into a posted"
+    " MPI_Irecv, an empty reply back (the arrival is the notification)",
+    "persistent": "twosided with persistent requests, the receives pre-posted before the step",
+    "notify_late": "notify_acc with the odd ranks computing 2 ms (no MPI calls) first;"
+    " time less those 2 ms",
+    "twosided_late": "twosided with the odd ranks computing 2 ms first; time less those 2 ms",
     "iallreduce": "MPI_Iallreduce(SUM) + MPI_Wait",
     "allreduce": "MPI_Allreduce(SUM)",
 }
