@@ -28,7 +28,7 @@ EXPECTED = (
     | {
         (c, s)
         for c in ("fence_put", "fence_acc", "fence_get", "lock_put", "lock_acc", "lock_get")
-        + ("notify_put", "notify_acc")
+        + ("notify_put", "notify_acc", "twosided", "persistent", "notify_late", "twosided_late")
         for s in SIZES
     }
 )
