@@ -19,6 +19,7 @@ import math
 from typing import NamedTuple
 
 from osmm_jax._src.planning.plan import Plan, direct_plan
+from osmm_jax._src.planning.totals import block_area
 from osmm_jax._src.runtime import native
 
 
@@ -98,11 +99,18 @@ def fetch_attribute(
     bytes they take (0 for an owner it gets nothing from). A slot holds the most A and B
     elements one rank gets from one owner, in ``itemsize``-byte elements; ``S`` is the most
     owners any rank has, capped by the slot budget."""
+    count, nbytes = _fetch_slots(plan, itemsize, sync.slot_budget)
+    return _attribute(count, nbytes, sync, owners, getters, bases, extents=extents)
+
+
+def _fetch_slots(plan: Plan, itemsize: int, budget: float) -> tuple[int, int]:
+    """``(S, slot bytes)`` of ``plan``'s notified fetch, the same on every rank: a slot holds
+    the most A and B elements one rank gets from one owner; ``S`` is the most owners any rank
+    has (every other rank where the plan delivers partials too), capped by ``budget``."""
     facts = plan.facts
     nbytes = _aligned(facts.owner_elements * itemsize)
     most = plan.nranks - 1 if facts.has_deliveries else facts.max_owners
-    count = _count(most, nbytes, sync.slot_budget)
-    return _attribute(count, nbytes, sync, owners, getters, bases, extents=extents)
+    return _count(most, nbytes, budget), nbytes
 
 
 class GatherSlots(NamedTuple):
@@ -210,7 +218,7 @@ def resident_window_bytes(plan: Plan, rank: int, itemsize: int, accum: int, sync
     slots this rank's origins write (a slot per origin up to ``S``, of the reduce, the fetch or
     a staged plan's all-gather; the accumulator is touched only to add slots in rounds and is
     not counted). Fenced: the reduce window (the largest C block), the fetch's exposed blocks
-    and the all-gather's."""
+    and the all-gather's (the largest block of the split C)."""
     executed = executed_plan(plan, sync)
     mine = executed.for_rank(rank)
     uses = []
@@ -219,10 +227,9 @@ def resident_window_bytes(plan: Plan, rank: int, itemsize: int, accum: int, sync
             attribute = notify_attribute(executed, rank, accum, sync)
             uses.append(min(attribute[0], attribute[3]) * attribute[1])
         if executed.has_gets:
-            facts = executed.facts
-            owners = plan.nranks - 1 if facts.has_deliveries else len(mine.elements_by_owner())
-            nbytes = _aligned(facts.owner_elements * accum)
-            uses.append(min(owners, _count(owners, nbytes, sync.slot_budget)) * nbytes)
+            count, nbytes = _fetch_slots(executed, accum, sync.slot_budget)
+            owners = plan.nranks - 1 if executed.has_deliveries else len(mine.elements_by_owner())
+            uses.append(min(owners, count) * nbytes)
         if executed is plan.gather_stage:
             notify = gather_slots(plan, rank, accum, sync).notify
             uses.append(min(notify[0], notify[3]) * notify[1])
@@ -231,12 +238,6 @@ def resident_window_bytes(plan: Plan, rank: int, itemsize: int, accum: int, sync
         uses.append(executed.receive_elements * accum)
     if executed.has_gets:
         uses.append(sum(executed.expose_elements) * itemsize)
-    if executed is plan.gather_stage:
-        uses.append(
-            max(
-                executed.c.local_shape(r)[0] * executed.c.local_shape(r)[1]
-                for r in range(plan.nranks)
-            )
-            * accum
-        )
+    if executed is plan.gather_stage:  # the blocks of the split C, in the input dtype
+        uses.append(max(block_area(executed.c, r) for r in range(plan.nranks)) * itemsize)
     return max(uses, default=0)
