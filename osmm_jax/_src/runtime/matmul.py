@@ -211,7 +211,8 @@ def memory_bytes(
     products make resident. Not counted: the MPI library's own buffers and XLA's scheduling
     beyond that (benchmarks/results/memory.md compares this with measured peaks). Local;
     builds ``rank``'s part of each plan."""
-    options = _resolve_options(method, None, None, sync)
+    method = config.resolve_method(method)
+    resolved = _resolve_sync(sync)
     if direction not in ("forward", "backward"):
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
     rank = checks.integer(rank, "rank")
@@ -220,21 +221,23 @@ def memory_bytes(
     for name, size in (("input_itemsize", input_itemsize), ("accum_itemsize", accum_itemsize)):
         checks.integer(size, name, minimum=1)
     plans = (plan,) if direction == "forward" else (plan, *backward_plans(plan))
-    same_dtype = input_itemsize == accum_itemsize
-    transients = [_transient(p, rank, options, same_dtype) for p in plans]
+    if method == "allreduce":
+        transients = [allreduce_transient(p) for p in plans]
+        packed = [0] * len(plans)
+    else:
+        runs = [_one_sided_run(p, rank, resolved, input_itemsize == accum_itemsize) for p in plans]
+        transients = [transient for transient, _ in runs]
+        packed = [served for _, served in runs]
     transient = transients[0]
     if direction == "backward":
         # The backward products run side by side (neither needs the other); a one_sided
         # product packs the pieces it serves from its inputs alone, which XLA may do while the
         # forward product still runs.
-        early = transients[0]
-        if options.method == "one_sided" and options.sync.mode == "notify":
-            early += sum(_packed(p, rank, options, same_dtype) for p in plans[1:])
-        transient = max(early, transients[1] + transients[2])
+        transient = max(transients[0] + packed[1] + packed[2], transients[1] + transients[2])
     windows = 0
-    if options.method == "one_sided":
+    if method == "one_sided":
         windows = max(
-            slots.resident_window_bytes(p, rank, input_itemsize, accum_itemsize, options.sync)
+            slots.resident_window_bytes(p, rank, input_itemsize, accum_itemsize, resolved)
             for p in plans
         )
     blocks = [block_area(layout, rank) for layout in (plan.a, plan.b, plan.c)]
@@ -242,23 +245,15 @@ def memory_bytes(
     return PeakMemory(held * input_itemsize, transient * accum_itemsize, windows)
 
 
-def _packed(plan: Plan, rank: int, options: _Options, same_dtype: bool) -> int:
-    """Elements of the pieces ``rank`` packs to serve in a notified product of ``plan``
-    (``same_dtype``: the inputs are in the accumulation dtype)."""
-    executed = one_sided.executed_plan(plan, options.sync)
-    if not fetch.packs_pieces(executed, rank, same_dtype):
-        return 0
-    return sum(t.elements for t in executed.for_rank(rank).served)
-
-
-def _transient(plan: Plan, rank: int, options: _Options, same_dtype: bool) -> int:
-    """Elements (accumulation dtype) one product of ``plan`` adds on ``rank`` (planning/memory.py)."""
-    if options.method == "allreduce":
-        return allreduce_transient(plan)
-    executed = one_sided.executed_plan(plan, options.sync)
+def _one_sided_run(plan: Plan, rank: int, sync: one_sided.Sync, same_dtype: bool):
+    """``(transient, packed)``: the elements (accumulation dtype) a one_sided product of
+    ``plan`` adds on ``rank`` (planning/memory.py), and those of the pieces it packs to serve
+    (``same_dtype``: the inputs are in the accumulation dtype), as ``sync`` runs it."""
+    executed = one_sided.executed_plan(plan, sync)
     whole_c = plan.c.shape[0] * plan.c.shape[1] if executed is plan.gather_stage else 0
-    packed = options.sync.mode == "notify" and fetch.packs_pieces(executed, rank, same_dtype)
-    return one_sided_transient(executed, rank, packed, whole_c)
+    packs = sync.mode == "notify" and fetch.packs_pieces(executed, rank, same_dtype)
+    served = sum(t.elements for t in executed.for_rank(rank).served) if packs else 0
+    return one_sided_transient(executed, rank, packs, whole_c), served
 
 
 # -- input checks -----------------------------------------------------------------------
