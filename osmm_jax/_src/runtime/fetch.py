@@ -192,7 +192,7 @@ def packs_pieces(plan: Plan, rank: int, in_accumulation_dtype: bool) -> bool:
     if not in_accumulation_dtype or not all(_whole_rows(plan, rank, t) for t in served):
         return True
     for matrix in {t.matrix for t in served}:
-        (r0, r1), _ = (plan.a if matrix == "A" else plan.b).blocks[rank]
+        (r0, r1), _ = _own_block(plan, rank, matrix)
         covered = r0  # the rows sent, as intervals in order, must leave no gap
         for start, stop in sorted(t.rows for t in served if t.matrix == matrix):
             if start > covered:
@@ -206,19 +206,21 @@ def packs_pieces(plan: Plan, rank: int, in_accumulation_dtype: bool) -> bool:
 def _whole_rows(plan: Plan, rank: int, t) -> bool:
     """Whether served piece ``t`` spans every column of this rank's block (so its elements
     follow one another in the block)."""
-    layout = plan.a if t.matrix == "A" else plan.b
-    return tuple(t.cols) == tuple(layout.blocks[rank][1])
+    return tuple(t.cols) == tuple(_own_block(plan, rank, t.matrix)[1])
 
 
 def _row_offset(plan: Plan, rank: int, t) -> int:
     """The element at which whole-row piece ``t`` starts in this rank's (flattened) block."""
-    layout = plan.a if t.matrix == "A" else plan.b
-    (r0, _), (c0, c1) = layout.blocks[rank]
+    (r0, _), (c0, c1) = _own_block(plan, rank, t.matrix)
     return (t.rows[0] - r0) * (c1 - c0)
+
+
+def _own_block(plan: Plan, rank: int, matrix: str):
+    """``rank``'s block of ``matrix`` (``"A"`` or ``"B"``): global ``((r0, r1), (c0, c1))``."""
+    return (plan.a if matrix == "A" else plan.b).blocks[rank]
 
 
 def _cut(plan: Plan, rank: int, block, t):
     """The piece ``t.rows x t.cols`` (global) of ``rank``'s block of ``t.matrix``."""
-    layout = plan.a if t.matrix == "A" else plan.b
-    (r0, _), (c0, _) = layout.blocks[rank]
+    (r0, _), (c0, _) = _own_block(plan, rank, t.matrix)
     return block[t.rows[0] - r0 : t.rows[1] - r0, t.cols[0] - c0 : t.cols[1] - c0]
