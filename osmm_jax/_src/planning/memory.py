@@ -179,7 +179,7 @@ class PeakMemory(NamedTuple):
         return self.blocks + self.transient + self.windows
 
 
-def one_sided_transient(plan: Plan, rank: int, packed: bool, whole_c: int = 0) -> int:
+def one_sided_transient(plan: Plan, rank: int, packed: bool, whole_c: int = 0, taken=()) -> int:
     """Elements (accumulation dtype) a one_sided product of ``plan`` adds on ``rank`` beside
     its blocks, at its busiest moment, the larger of:
 
@@ -193,10 +193,14 @@ def one_sided_transient(plan: Plan, rank: int, packed: bool, whole_c: int = 0) -
     - ``whole_c``: a staged plan's all-gather (``plan`` its gather stage) holds the whole
       replicated C (elements) as it assembles it.
 
+    ``taken``: the pieces (Transfers of ``plan``) the product takes from another product's
+    fetch instead of its own (dB's from dA's, :mod:`osmm_jax._src.runtime.backward`), counted
+    there: it neither receives nor serves them.
+
     The product's own C block is the result XLA writes, counted with the blocks."""
     mine = plan.for_rank(rank)
-    served = sum(t.elements for t in mine.served) if packed else 0
-    fetched = sum(t.elements for t in mine.gets)
+    served = sum(t.elements for t in mine.served if t not in taken) if packed else 0
+    fetched = sum(t.elements for t in mine.gets if t not in taken)
     partials = sum({(t.rows, t.cols, t.inner): t.elements for t in mine.deliveries}.values())
     compute = max(fetched, _joined_operands(mine.multiplies)) + partials
     return max(served + fetched, compute, whole_c)

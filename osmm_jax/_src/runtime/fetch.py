@@ -51,11 +51,26 @@ _REGIONS = {"A": native.REGION_A, "B": native.REGION_B}  # which region of the w
 def fetch_pieces(plan: Plan, rank: int, a, b, sync: Sync) -> dict:
     """Every A and B piece ``rank`` gets from other ranks, ``{(matrix, rows, cols): array}``
     (global intervals), in the input dtype; ``a`` and ``b`` are this rank's blocks."""
-    shapes, total = _layout(plan, rank)
+    return pieces_in(plan, rank, fetch_buffer(plan, rank, a, b, sync))
+
+
+def fetch_buffer(plan: Plan, rank: int, a, b, sync: Sync, taken=None):
+    """The fetched buffer of ``rank`` (every piece it gets, laid out as the module docstring
+    says), flat, in the input dtype; :func:`pieces_in` cuts it into the pieces.
+
+    ``taken``: None, or the pieces (gets of ``plan``) that another product's fetch brings
+    their getters, which this one leaves out on both sides (:mod:`.backward`); a set on every
+    rank, maybe empty on some, since the call id says whether it is given."""
+    where, total = _layout(plan, rank, taken)
     if sync.mode == "notify":
-        fetched = _pushed_by_owners(plan, rank, a, b, total, sync)
-    else:
-        fetched = _got_from_owners(plan, rank, a, b, shapes, total)
+        return _pushed_by_owners(plan, rank, a, b, total, sync, taken)
+    return _got_from_owners(plan, rank, a, b, where, total, taken)
+
+
+def pieces_in(plan: Plan, rank: int, fetched, taken=None) -> dict:
+    """The pieces of ``rank``'s fetched buffer ``fetched`` (:func:`fetch_buffer` with the
+    same ``taken``), ``{(matrix, rows, cols): array}``."""
+    shapes, _ = _layout(plan, rank, taken)
     return {
         (matrix, rows, cols): fetched[offset : offset + _area(rows, cols)].reshape(
             rows[1] - rows[0], cols[1] - cols[0]
@@ -69,11 +84,28 @@ def _piece_key(t):
     return (t.matrix, t.rows, t.cols)
 
 
-def _layout(plan: Plan, rank: int) -> tuple[dict, int]:
+def moved(plan: Plan, rank: int, taken=None) -> tuple[tuple, tuple]:
+    """``(gets, served)``: the pieces ``rank`` gets and those it serves in ``plan``'s fetch,
+    less those in ``taken`` (see :func:`fetch_buffer`)."""
+    mine = plan.for_rank(rank)
+    if not taken:
+        return mine.gets, mine.served
+    return (
+        tuple(t for t in mine.gets if t not in taken),
+        tuple(t for t in mine.served if t not in taken),
+    )
+
+
+def _call_id(plan: Plan, *ids, taken=None):
+    """The fetch's call id: one that leaves pieces out says so (another signature)."""
+    return primitives.call_id(plan.fingerprint, "fetch", *ids, *(() if taken is None else ["part"]))
+
+
+def _layout(plan: Plan, rank: int, taken=None) -> tuple[dict, int]:
     """Where each get of ``rank`` lands in its fetched buffer: ``{(owner, matrix, rows, cols):
     element offset}``, and the buffer's length in elements."""
     where, offset = {}, 0
-    for t in sorted(plan.gets_by(rank), key=lambda t: (t.target, _piece_key(t))):
+    for t in sorted(moved(plan, rank, taken)[0], key=lambda t: (t.target, _piece_key(t))):
         where[(t.target, t.matrix, t.rows, t.cols)] = offset
         offset += t.elements
     return where, offset
@@ -83,14 +115,14 @@ def _area(rows, cols) -> int:
     return (rows[1] - rows[0]) * (cols[1] - cols[0])
 
 
-def _got_from_owners(plan: Plan, rank: int, a, b, where: dict, total: int):
+def _got_from_owners(plan: Plan, rank: int, a, b, where: dict, total: int, taken):
     """Fence mode: MPI_Get of every piece from its owner's exposed block (``osmm_fetch``) to
     its place ``where`` (:func:`_layout`)."""
     itemsize = np.dtype(a.dtype).itemsize
     a_elems, b_elems = plan.expose_elements
     b_offset = native.aligned(a_elems * itemsize)
     records = []
-    for t in plan.gets_by(rank):
+    for t in moved(plan, rank, taken)[0]:
         layout = plan.a if t.matrix == "A" else plan.b
         at = where[(t.target, t.matrix, t.rows, t.cols)]
         records += native.transfer_record(
@@ -101,7 +133,7 @@ def _got_from_owners(plan: Plan, rank: int, a, b, where: dict, total: int):
         a,
         b,
         comm=plan.comm_key,
-        call_id=primitives.call_id(plan.fingerprint, "fetch", str(a.dtype)),
+        call_id=_call_id(plan, str(a.dtype), taken=taken),
         window_bytes=b_offset + b_elems * itemsize,
         b_offset=b_offset,
         expose_a=expose_a,
@@ -111,29 +143,30 @@ def _got_from_owners(plan: Plan, rank: int, a, b, where: dict, total: int):
     )
 
 
-def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync):
+def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync, taken):
     """Notified mode: this rank sends every rank that gets from it its pieces, and receives its
     own from their owners (see the module docstring)."""
     acc = dtypes.accumulation_dtype(a.dtype)
     itemsize = np.dtype(acc).itemsize
-    served = plan.for_rank(rank).served
+    gets, served = moved(plan, rank, taken)
     getters = sorted({t.origin for t in served})
-    where, _ = _layout(plan, rank)
+    where, _ = _layout(plan, rank, taken)
     starts = {}  # where each owner's pieces start in this rank's buffer (laid out by owner)
     for (owner, *_), offset in where.items():
         starts.setdefault(owner, offset)
     owners = sorted(starts)
     if plan.has_deliveries:  # no rank leaves the fetch before all entered it (module docstring)
         owners = getters = [r for r in range(plan.nranks) if r != rank]
-    chunks, transfers = _sources(plan, rank, a, b, acc, served, getters)
+    chunks, transfers = _sources(plan, rank, a, b, acc, served, getters, taken)
     bases = [starts.get(owner, 0) * itemsize for owner in owners]
-    sizes = plan.for_rank(rank).elements_by_owner()
+    sizes = {}
+    for t in gets:
+        sizes[t.target] = sizes.get(t.target, 0) + t.elements
     extents = [sizes.get(owner, 0) * itemsize for owner in owners]
     notify = slots.fetch_attribute(plan, itemsize, sync, owners, getters, bases, extents)
     # The input dtype decides whether this rank packs its pieces (its signature): every rank
     # must meet a new signature at the same call, so the call id says which dtype it is.
-    ids = (plan.fingerprint, "fetch", str(a.dtype), str(acc), sync.mode, notify[:3])
-    call_id = primitives.call_id(*ids)
+    call_id = _call_id(plan, str(a.dtype), str(acc), sync.mode, notify[:3], taken=taken)
     local = jnp.zeros((total,), acc)
     summed = primitives.notified_round(
         chunks, transfers, local, comm=plan.comm_key, call_id=call_id, notify=notify
@@ -141,7 +174,7 @@ def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync):
     return summed.astype(a.dtype)
 
 
-def _sources(plan: Plan, rank: int, a, b, acc, served, getters) -> tuple[list, list]:
+def _sources(plan: Plan, rank: int, a, b, acc, served, getters, taken) -> tuple[list, list]:
     """The buffers this rank sends its pieces from and each one's transfer records: every
     getter's pieces land one after another from the start of its slot, in
     :func:`_piece_key` order. Pieces that are whole rows of this rank's blocks, in the
@@ -149,7 +182,7 @@ def _sources(plan: Plan, rank: int, a, b, acc, served, getters) -> tuple[list, l
     A, one for B: no packed copy to hold); otherwise every piece is packed, cast, into one
     buffer."""
     blocks = {"A": a, "B": b}
-    direct = not packs_pieces(plan, rank, a.dtype == acc)
+    direct = not packs_pieces(plan, rank, a.dtype == acc, taken)
     matrices = sorted({t.matrix for t in served}) if direct else ["packed"]
     records = {m: [] for m in matrices}
     pieces, packed_at = [], 0
@@ -180,13 +213,14 @@ def _sources(plan: Plan, rank: int, a, b, acc, served, getters) -> tuple[list, l
     return (chunks or [jnp.zeros((0,), acc)]), ([records[m] for m in matrices] or [[]])
 
 
-def packs_pieces(plan: Plan, rank: int, in_accumulation_dtype: bool) -> bool:
+def packs_pieces(plan: Plan, rank: int, in_accumulation_dtype: bool, taken=None) -> bool:
     """Whether ``rank`` packs the pieces it serves in the notified fetch of ``plan`` into one
     buffer (a copy it holds while they travel) rather than sending them from its blocks: when
     the inputs are not in the accumulation dtype (16-bit, cast to float32), a piece is not
     whole rows of its block, or the pieces of a block leave some of its rows unsent (a device
-    stages a whole block in host memory to send from it: no more than the pieces, then)."""
-    served = plan.for_rank(rank).served
+    stages a whole block in host memory to send from it: no more than the pieces, then).
+    ``taken``: as for :func:`fetch_buffer`."""
+    served = moved(plan, rank, taken)[1]
     if not served:
         return False
     if not in_accumulation_dtype or not all(_whole_rows(plan, rank, t) for t in served):

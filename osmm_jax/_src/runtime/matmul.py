@@ -39,10 +39,11 @@ from osmm_jax._src import checks, config, dtypes
 from osmm_jax._src.compat import HAVE_MPI4JAX
 from osmm_jax._src.planning.memory import PeakMemory, allreduce_transient, one_sided_transient
 from osmm_jax._src.planning.plan import Plan, backward_plans
-from osmm_jax._src.planning.records import PlanFacts, combine_facts
+from osmm_jax._src.planning.records import combine_facts
 from osmm_jax._src.planning.totals import block_area
 from osmm_jax._src.runtime import (
     allreduce,
+    backward,
     checksum,
     communicators,
     fetch,
@@ -154,16 +155,18 @@ def _executed_plans(plan: Plan, options: _Options) -> tuple[Plan, ...]:
     return tuple(one_sided.executed_plan(p, options.sync) for p in (plan, *backward_plans(plan)))
 
 
-def _facts_to_share(plan: Plan, options: _Options, rank: int) -> tuple[PlanFacts, ...]:
+def _facts_to_share(plan: Plan, options: _Options, rank: int) -> tuple:
     """This rank's :class:`~osmm_jax._src.planning.records.PlanFacts` of every executed plan (cached in
-    the plans after the first product: later calls only look them up).
+    the plans after the first product: later calls only look them up), and whether its part
+    of the backward products lets them fetch C's cotangent once (:func:`backward.covered_on`).
 
     Sent on every call, not only until the plans have adopted the combined facts: another rank
     may hold a new, equal plan object that has not."""
-    return tuple(p.for_rank(rank).facts for p in _executed_plans(plan, options))
+    facts = tuple(p.for_rank(rank).facts for p in _executed_plans(plan, options))
+    return (*facts, backward.covered_on(plan, rank))
 
 
-def _adopt_facts(plan: Plan, options: _Options, shared: list[tuple[PlanFacts, ...]]) -> None:
+def _adopt_facts(plan: Plan, options: _Options, shared: list[tuple]) -> None:
     """Give each executed plan the facts combined over ranks, so that running it (and its
     gradient) builds only this rank's part of the plan, never the whole schedule."""
     executed = _executed_plans(plan, options)
@@ -172,18 +175,42 @@ def _adopt_facts(plan: Plan, options: _Options, shared: list[tuple[PlanFacts, ..
             target.adopt_facts(combine_facts(rank_facts[i] for rank_facts in shared))
     if not plan._agreed:
         plan.adopt_facts(executed[0].facts)
+    backward.adopt(plan, [rank_share[-1] for rank_share in shared])
 
 
 def rma_bytes(
-    plan: Plan, input_itemsize: int = 4, accum_itemsize: int = 4, *, sync: str | None = None
+    plan: Plan,
+    input_itemsize: int = 4,
+    accum_itemsize: int = 4,
+    *,
+    direction: str = "forward",
+    sync: str | None = None,
 ) -> tuple[int, ...]:
     """Bytes each rank's RMA operations move per product of ``plan``, as :func:`matmul` runs
     it with ``sync`` (``None``: its default here, see :func:`matmul`): what this rank's
     ``osmm_jax.stats()["rma_bytes"]`` grows by, per rank. ``input_itemsize``: bytes of an A
     or B element; ``accum_itemsize``: of the accumulation dtype (4 for float32, bfloat16 and
     float16, 8 for float64). The fence mode's figure is :meth:`Plan.bytes_issued`; the
-    notified mode pushes what the fence mode gets, so its ranks issue what leaves them."""
-    return slots.bytes_issued(plan, _resolve_sync(sync), input_itemsize, accum_itemsize)
+    notified mode pushes what the fence mode gets, so its ranks issue what leaves them.
+
+    ``direction="backward"``: the bytes of both backward products of a gradient with respect
+    to A and B (the forward product's are ``"forward"``'s), where dB's product leaves out of
+    its fetch the pieces of C's cotangent that dA's product fetched (all of them for a K-split
+    product such as a row-parallel layer, :mod:`osmm_jax._src.runtime.backward`)."""
+    resolved = _resolve_sync(sync)
+    _check_direction(direction)
+    if direction == "forward":
+        return slots.bytes_issued(plan, resolved, input_itemsize, accum_itemsize)
+    sizes = (resolved, input_itemsize, accum_itemsize)
+    plan_da, plan_db = backward_plans(plan)
+    totals = [slots.bytes_issued(p, *sizes) for p in (plan_da, plan_db)]
+    totals.append([-n for n in backward.taken_bytes(plan, *sizes)])
+    return tuple(sum(per_rank) for per_rank in zip(*totals))
+
+
+def _check_direction(direction) -> None:
+    if direction not in ("forward", "backward"):
+        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
 
 
 def memory_bytes(
@@ -209,12 +236,14 @@ def memory_bytes(
     backward products' at once, or the forward product's (one_sided: with the pieces the
     backward ones pack), whichever is more); and the slots of osmm_jax's windows that the
     products make resident. Not counted: the MPI library's own buffers and XLA's scheduling
-    beyond that (benchmarks/results/memory.md compares this with measured peaks). Local;
-    builds ``rank``'s part of each plan."""
+    beyond that (benchmarks/results/memory.md compares this with measured peaks). Where dB's
+    product takes C's cotangent from dA's fetch (:func:`rma_bytes`), its pieces count once.
+    Local: builds ``rank``'s part of each plan (backward: and, until a product of ``plan``
+    has run, every rank's part of the backward plans, to learn whether the cotangent's fetch
+    is shared)."""
     method = config.resolve_method(method)
     resolved = _resolve_sync(sync)
-    if direction not in ("forward", "backward"):
-        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    _check_direction(direction)
     rank = checks.integer(rank, "rank")
     if rank >= plan.nranks:
         raise ValueError(f"rank must be below the plan's {plan.nranks} ranks, got {rank}")
@@ -225,7 +254,10 @@ def memory_bytes(
         transients = [allreduce_transient(p) for p in plans]
         packed = [0] * len(plans)
     else:
-        runs = [_one_sided_run(p, rank, resolved, input_itemsize == accum_itemsize) for p in plans]
+        same = input_itemsize == accum_itemsize
+        shared = direction == "backward" and backward.shares_cotangent(plan, resolved)
+        taken = (None, None, backward.taken_on(plan, rank) if shared else None)
+        runs = [_one_sided_run(p, rank, resolved, same, t) for p, t in zip(plans, taken)]
         transients = [transient for transient, _ in runs]
         packed = [served for _, served in runs]
     transient = transients[0]
@@ -245,15 +277,16 @@ def memory_bytes(
     return PeakMemory(held * input_itemsize, transient * accum_itemsize, windows)
 
 
-def _one_sided_run(plan: Plan, rank: int, sync: one_sided.Sync, same_dtype: bool):
+def _one_sided_run(plan: Plan, rank: int, sync: one_sided.Sync, same_dtype: bool, taken=None):
     """``(transient, packed)``: the elements (accumulation dtype) a one_sided product of
     ``plan`` adds on ``rank`` (planning/memory.py), and those of the pieces it packs to serve
-    (``same_dtype``: the inputs are in the accumulation dtype), as ``sync`` runs it."""
+    (``same_dtype``: the inputs are in the accumulation dtype), as ``sync`` runs it;
+    ``taken``: the pieces it leaves out of its fetch (dB's, :mod:`.backward`), or None."""
     executed = one_sided.executed_plan(plan, sync)
     whole_c = plan.c.shape[0] * plan.c.shape[1] if executed is plan.gather_stage else 0
-    packs = sync.mode == "notify" and fetch.packs_pieces(executed, rank, same_dtype)
-    served = sum(t.elements for t in executed.for_rank(rank).served) if packs else 0
-    return one_sided_transient(executed, rank, packs, whole_c), served
+    packs = sync.mode == "notify" and fetch.packs_pieces(executed, rank, same_dtype, taken)
+    served = sum(t.elements for t in fetch.moved(executed, rank, taken)[1]) if packs else 0
+    return one_sided_transient(executed, rank, packs, whole_c, taken or ()), served
 
 
 # -- input checks -----------------------------------------------------------------------
@@ -327,12 +360,16 @@ def _check_inputs(a_local, b_local, plan: Plan, rank: int):
 # -- batching -----------------------------------------------------------------------------
 
 
-def _forward(plan: Plan, options: _Options, a, b):
-    return _batchable_forward(plan, options)(a, b)
+def _forward(plan: Plan, options: _Options, a, b, *extra, execute=None):
+    return _batchable_forward(plan, options, execute)(a, b, *extra)
 
 
-def _batchable_forward(plan: Plan, options: _Options):
+def _batchable_forward(plan: Plan, options: _Options, execute=None):
     """The forward product of ``plan``, with a vmap rule that loops over the batch.
+
+    ``execute(plan, rank, a, b, *extra)`` computes this rank's C block, or a tuple of it and
+    more arrays (a backward product sharing the cotangent's fetch,
+    :mod:`osmm_jax._src.runtime.backward`); None: the executor of ``options.method``.
 
     Every rank must issue the same MPI operations in the same order. Under a
     plain vmap, whether an intermediate is batched can differ between ranks (a
@@ -346,16 +383,17 @@ def _batchable_forward(plan: Plan, options: _Options):
     whether a replicated C is staged) that must be read again whenever the caller is traced.
     """
     rank = communicators.comm_for_key(plan.comm_key).Get_rank()
-    if options.method == "allreduce":
+    if execute is None and options.method == "allreduce":
         execute = allreduce.forward
-    else:
+    elif execute is None:
         execute = functools.partial(
             one_sided.forward, chunk_bytes=options.chunk_bytes, sync=options.sync
         )
 
     @jax.custom_batching.custom_vmap
-    def forward(a, b):
-        c = execute(plan, rank, a, b)
+    def forward(a, b, *extra):
+        out = execute(plan, rank, a, b, *extra)
+        c, more = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
         fault = checksum.injected_fault(rank)
         if fault is not None and c.size:
             c = c.at[0, 0].add(jnp.asarray(fault, c.dtype))
@@ -363,15 +401,16 @@ def _batchable_forward(plan: Plan, options: _Options):
             checksum.check(plan, rank, a, b, c, dtypes.accumulation_dtype(a.dtype))
         if metrics.enabled():
             jax.debug.callback(metrics.count_product)
-        return c
+        return (c, *more) if more else c
 
     @forward.def_vmap
-    def _loop_over_batch(axis_size, in_batched, a, b):
-        a_batched, b_batched = in_batched
+    def _loop_over_batch(axis_size, in_batched, *args):
         outs = [
-            forward(a[i] if a_batched else a, b[i] if b_batched else b) for i in range(axis_size)
+            forward(*(x[i] if batched else x for x, batched in zip(args, in_batched)))
+            for i in range(axis_size)
         ]
-        return jnp.stack(outs), True
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
+        return stacked, jax.tree.map(lambda _: True, outs[0])
 
     return forward
 
@@ -426,11 +465,40 @@ def _matmul_bwd(plan: Plan, options: _Options, residuals, d_c):
     if isinstance(d_c, jax.custom_derivatives.SymbolicZero):
         return None, None
     plan_da, plan_db = backward_plans(plan)
+    if _shares_cotangent(plan, options, b_for_da, a_for_db):
+        return _sharing_cotangent(plan, options, b_for_da, a_for_db, d_c)
     d_a = d_b = None
     if b_for_da is not None:
         d_a = _matmul(plan_da, options, d_c.astype(b_for_da.dtype), b_for_da.T)
     if a_for_db is not None:
         d_b = _matmul(plan_db, _deferring(options, plan_db), a_for_db.T, d_c.astype(a_for_db.dtype))
+    return d_a, d_b
+
+
+def _shares_cotangent(plan: Plan, options: _Options, b_for_da, a_for_db) -> bool:
+    """Whether both backward products run, one_sided, and fetch C's cotangent once
+    (:func:`backward.shares_cotangent`; the cotangent then has one dtype for both)."""
+    if b_for_da is None or a_for_db is None or options.method != "one_sided":
+        return False
+    return b_for_da.dtype == a_for_db.dtype and backward.shares_cotangent(plan, options.sync)
+
+
+def _sharing_cotangent(plan: Plan, options: _Options, b_for_da, a_for_db, d_c):
+    """dA and dB, dB's product taking what it can of ``d_c`` from dA's fetched buffer
+    (:mod:`osmm_jax._src.runtime.backward`)."""
+    plan_da, plan_db = backward_plans(plan)
+    chunk_bytes, d_c = options.chunk_bytes, d_c.astype(b_for_da.dtype)
+    d_b_options = _deferring(options, plan_db)
+
+    def d_a_product(_, rank, x, y):
+        return backward.d_a_and_cotangent(plan, rank, x, y, chunk_bytes, options.sync)
+
+    def d_b_product(_, rank, x, y, fetched):
+        sync = d_b_options.sync
+        return backward.d_b_from_cotangent(plan, rank, x, y, fetched, chunk_bytes, sync)
+
+    d_a, fetched = _forward(plan_da, options, d_c, b_for_da.T, execute=d_a_product)
+    d_b = _forward(plan_db, d_b_options, a_for_db.T, d_c, fetched, execute=d_b_product)
     return d_a, d_b
 
 

@@ -53,15 +53,21 @@ from osmm_jax._src.runtime.slots import FENCE, Sync, executed_plan
 _OPS = {"accumulate": native.OP_ACCUMULATE, "put": native.OP_PUT}
 
 
-def forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0, sync: Sync = FENCE):
-    """This rank's C block by one-sided transfers (see the module docstring)."""
+def forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0, sync: Sync = FENCE, fetched=None):
+    """This rank's C block by one-sided transfers (see the module docstring).
+
+    ``fetched``: the remote pieces, ``{(matrix, rows, cols): array}`` holding every piece
+    this rank's multiplies get, already fetched (by another product: see
+    :mod:`osmm_jax._src.runtime.backward`); None to fetch them here. Only for a plan run as
+    itself (not staged)."""
     executed = executed_plan(plan, sync)  # a staged plan's gather stage, or its direct plan
     if executed is not plan:
+        assert fetched is None, "pieces fetched for a staged plan"  # caller's bug
         block = forward(executed, rank, a, b, chunk_bytes, sync)
         if executed is plan.gather_stage:
             return gather.gather_blocks(plan, rank, block, sync)
         return block
-    operands = _operands(plan, rank, a, b, sync)
+    operands = _operands(plan, rank, a, b, sync, fetched)
     local = jnp.zeros(plan.c.local_shape(rank), operands.acc)
     cells = _cells(plan, rank)
     own = [(cell, cell.rows) for cell in cells if cell.local and not cell.deliveries]
@@ -224,12 +230,15 @@ class _Operands(NamedTuple):
     acc: np.dtype  # the accumulation dtype
 
 
-def _operands(plan: Plan, rank: int, a, b, sync: Sync) -> _Operands:
-    """This rank's operands, after getting the remote pieces (if the plan has any)."""
+def _operands(plan: Plan, rank: int, a, b, sync: Sync, fetched=None) -> _Operands:
+    """This rank's operands, after getting the remote pieces (if the plan has any and
+    ``fetched`` does not hold them already)."""
     acc = dtypes.accumulation_dtype(a.dtype)
     remote = {}
     if plan.has_gets:
-        remote = _cut_to_multiplies(plan, rank, fetch.fetch_pieces(plan, rank, a, b, sync))
+        if fetched is None:
+            fetched = fetch.fetch_pieces(plan, rank, a, b, sync)
+        remote = _cut_to_multiplies(plan, rank, fetched)
     multiplies = {(m.rows, m.inner, m.cols): m for m in plan.multiplies_on(rank)}
     return _Operands(plan, rank, a, b, remote, multiplies, acc)
 

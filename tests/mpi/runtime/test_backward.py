@@ -1,0 +1,105 @@
+"""The backward products fetching C's cotangent once (osmm_jax._src.runtime.backward).
+
+Where dB's product needs only pieces of dC that dA's product fetches (a K-split product, or a
+work split over K), dB takes them from dA's fetched buffer: the same bits as two fetches, in
+both synchronisations, with dB's finish deferred or in place, under vmap; fewer bytes, exactly
+as ``rma_bytes(direction="backward")`` predicts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from mpi4py import MPI
+from product_cases import K, M, N, global_inputs, make_layouts
+
+import osmm_jax as om
+from osmm_jax._src import config
+from osmm_jax._src.runtime import backward, native, slots
+
+jax.config.update("jax_enable_x64", True)
+
+RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+pytestmark = pytest.mark.ranks(min=2, reason="one rank fetches nothing")
+
+
+def _k_split():
+    return om.plan(*make_layouts(("cols", "rows", "rows"), shifts=(0, 1, 2)))
+
+
+def _k_split_work():
+    """Every rank computes a slice of K for every C element: dA and dB both fetch all of dC
+    but the rank's own block, and both deliver partials (dB's may be deferred)."""
+    work = om.Work.grid((M, K, N), (1, SIZE, 1), k_weights=[2.0, 1.0, 1.0, 3.0][:SIZE])
+    return om.plan(*make_layouts(("rows", "cols", "grid"), shifts=(0, 1, 2)), work=work)
+
+
+def _grid():
+    """dA's product fetches rows of dC, dB's columns: they share some pieces."""
+    return om.plan(*make_layouts(("grid", "grid", "grid"), shifts=(0, 1, 2)))
+
+
+PLANS = {"k_split": _k_split, "k_split_work": _k_split_work, "grid": _grid}
+
+
+def _gradients(plan, sync, shared, monkeypatch):
+    """dA and dB of ``sum(C * G)`` (second jitted run) with the cotangent's fetch shared or
+    not, and the RMA bytes this rank issued in that run."""
+    if not shared:
+        monkeypatch.setattr(backward, "shares_cotangent", lambda *args: False)
+    a, b, g = global_inputs(seed=21)
+    blocks = plan.a.shard(a, RANK), plan.b.shard(b, RANK), plan.c.shard(g, RANK)
+    loss = lambda x, y, gc: jnp.sum(om.matmul(x, y, plan, sync=sync) * gc)  # noqa: E731
+    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    jax.block_until_ready(step(*blocks))
+    before = om.stats()["rma_bytes"]
+    d_a, d_b = jax.block_until_ready(step(*blocks))
+    moved = om.stats()["rma_bytes"] - before
+    monkeypatch.undo()
+    np.testing.assert_allclose(d_a, plan.a.shard(g @ b.T, RANK), rtol=1e-12)
+    np.testing.assert_allclose(d_b, plan.b.shard(a.T @ g, RANK), rtol=1e-12)
+    return np.asarray(d_a), np.asarray(d_b), moved
+
+
+@pytest.mark.parametrize("defer", [False, True])
+@pytest.mark.parametrize("sync", ["notify", "fence"])
+@pytest.mark.parametrize("name", list(PLANS))
+def test_one_fetch_of_the_cotangent_gives_the_bits_of_two(name, sync, defer, monkeypatch):
+    plan = PLANS[name]()
+    resolved = slots.Sync(sync, config.slot_budget())
+    assert backward.shares_cotangent(plan, resolved)
+    monkeypatch.setenv(config.DEFER, "1" if defer else "0")
+    deferred = native.stats()["deferred_reduces"]
+    *shared, moved = _gradients(plan, sync, True, monkeypatch)
+    deferred = native.stats()["deferred_reduces"] - deferred
+    monkeypatch.setenv(config.DEFER, "1" if defer else "0")
+    *separate, moved_separately = _gradients(plan, sync, False, monkeypatch)
+    for got, expected in zip(shared, separate):
+        np.testing.assert_array_equal(got, expected)
+    forward = om.rma_bytes(plan, 8, 8, sync=sync)[RANK]
+    assert moved == forward + om.rma_bytes(plan, 8, 8, direction="backward", sync=sync)[RANK]
+    taken = backward.taken_bytes(plan, resolved, 8, 8)
+    assert moved == moved_separately - taken[RANK]
+    # K-split: dB's product fetches nothing; the work split leaves it A.T to fetch, the grid
+    # (uneven blocks) the pieces of dC dA's product does not fetch.
+    assert backward.fetches_nothing(plan, resolved) == (name == "k_split")
+    assert sum(taken) > 0
+    # A dB that delivers partials (the work split's) is deferred when asked: two compiles and
+    # two runs.
+    delivers = plan.backward()[1].has_deliveries and sync == "notify"
+    assert deferred == (2 if delivers and defer else 0)
+
+
+def test_per_example_gradients_share_the_fetch_under_vmap():
+    plan = _k_split_work()
+    batch = [global_inputs(seed=30 + i) for i in range(3)]
+    stack = lambda layout, i: jnp.stack([layout.shard(x[i], RANK) for x in batch])  # noqa: E731
+    loss = lambda x, y, g: jnp.sum(om.matmul(x, y, plan) * g)  # noqa: E731
+    d_a, d_b = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1))))(
+        stack(plan.a, 0), stack(plan.b, 1), stack(plan.c, 2)
+    )
+    for i, (a, b, g) in enumerate(batch):
+        np.testing.assert_allclose(d_a[i], plan.a.shard(g @ b.T, RANK), rtol=1e-12)
+        np.testing.assert_allclose(d_b[i], plan.b.shard(a.T @ g, RANK), rtol=1e-12)
