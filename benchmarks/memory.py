@@ -16,7 +16,8 @@ of a sum, XLA folds into the program), which runs the forward product and both b
 ones), on every rank:
 
 * ``needed``: the rank's blocks of A, B and C plus the bytes it receives (the plan's
-  ``bytes_received``; for the backward pass, the forward's and both backward plans' summed);
+  ``bytes_received``; for the backward pass, the forward's and both backward plans' summed,
+  less the pieces of C's cotangent that dB's product takes from dA's fetch);
 * ``held``: the call's arguments (the rank's A and B blocks, and the cotangent) plus the
   resident-set high-water mark above the
   resident set before the call (``/proc/self/status`` VmHWM, reset through
@@ -44,7 +45,7 @@ import numpy as np
 import osmm_jax as om
 from benchmarks import common
 from benchmarks.common import COMM, RANK, SIZE
-from osmm_jax._src.runtime import native
+from osmm_jax._src.runtime import backward, native
 
 MiB = 2**20
 FAMILIES = ("rows", "k_split", "grid")
@@ -79,10 +80,15 @@ def _reset_peak() -> None:
 
 
 def needed_bytes(plan, direction: str) -> int:
-    """This rank's A, B and C blocks plus the bytes it receives, for ``direction``."""
+    """This rank's A, B and C blocks plus the bytes it receives, for ``direction`` (backward:
+    less the pieces of C's cotangent dB's product takes from dA's fetch, which it does not
+    receive again)."""
     blocks = sum(int(np.prod(layout.local_shape(RANK))) * 4 for layout in (plan.a, plan.b, plan.c))
-    plans = (plan,) if direction == "forward" else (plan, *plan.backward())
-    return blocks + sum(p.bytes_received()[RANK] for p in plans)
+    if direction == "forward":
+        return blocks + plan.bytes_received()[RANK]
+    received = sum(p.bytes_received()[RANK] for p in (plan, *plan.backward()))
+    taken = sum(t.elements * 4 for t in backward.taken_on(plan, RANK) if t.origin == RANK)
+    return blocks + received - taken
 
 
 def measure(family: str, method: str, direction: str, n: int, repeats: int) -> dict:

@@ -18,7 +18,8 @@ and options, the product runs in one of two executors, each in its own module
 This module adds what both share: the optional checksum verification and
 metrics, a vmap rule that runs a batch of products one after another (see
 :func:`_batchable_forward`), and the custom_vjp whose backward products are
-distributed products with transposed layouts (first order only).
+distributed products with transposed layouts (first order only; one_sided, they fetch the
+pieces of C's cotangent both need once, :mod:`osmm_jax._src.runtime.backward`).
 
 Accumulation precision: products and sums are formed in float32 for float32,
 bfloat16 and float16 inputs, and in float64 for float64; the result is cast
