@@ -9,8 +9,12 @@ Entries, interleaved in shuffled rounds (medians of the slowest rank's time, aft
 ``deferred`` (the notified mode with ``OSMM_DEFER=1``: each layer's weight gradient leaves
 when it is computed and is waited for only by that layer's update), ``in place``
 (``OSMM_DEFER=0``: each product's finish waits where the product is), ``allreduce`` (the
-mpi4jax baseline, one all-reduce per layer) and ``floor`` (the same step with local products
-only, no communication). Cases (``name[:width[:rows]]``):
+mpi4jax baseline, one all-reduce per layer), ``floor`` (the same step with local products
+only, no communication) and, with ``--peers``, ``jax NamedSharding`` (JAX's own
+data-parallel step of the same model on the same ranks: the batch sharded over one device per
+process, parameters replicated, the gradient all-reduce XLA inserts running over gloo; the
+batch rounded down to a multiple of the rank count, which JAX's even sharding needs).
+Cases (``name[:width[:rows]]``):
 
 ``mlp``     one jitted SGD step of a 4-layer MLP of :class:`osmm_jax.flax.Dense` (default width
             256, 512 rows split evenly), gradients summed by the layers' products
@@ -92,7 +96,45 @@ def mlp_step(method: str | None, width: int, rows_total: int):
     return step, (params, x, y)
 
 
-def entries(width: int, rows: int) -> dict:
+def jax_peer_step(width: int, rows_total: int):
+    """JAX's own data-parallel step of the same MLP (``flax.linen.Dense`` layers) over a
+    one-axis mesh of every process's device, and its global arguments."""
+    import flax.linen as nn
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    rows_total -= rows_total % SIZE
+    rows = rows_total // SIZE
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for _ in range(3):
+                x = jnp.tanh(nn.Dense(width)(x))
+            return nn.Dense(width)(x)
+
+    model = MLP()
+    mesh = Mesh(np.array(jax.devices()), ("batch",))
+    rng = np.random.default_rng(RANK)
+    batch = [jnp.asarray(rng.standard_normal((rows, width)), jnp.float32) for _ in range(2)]
+    x, y = (common.global_array((rows_total, width), P("batch"), mesh, b) for b in batch)
+    local = model.init(jax.random.key(0), jnp.zeros((rows, width), jnp.float32))
+    params = jax.tree.map(lambda p: common.global_array(p.shape, P(), mesh, p), local)
+    replicated = NamedSharding(mesh, P())
+
+    def loss(p, x, y):
+        return jnp.sum((model.apply(p, x) - y) ** 2) / rows_total
+
+    @jax.jit
+    def step(p, x, y):
+        value, grads = jax.value_and_grad(loss)(p, x, y)
+        new = jax.tree.map(lambda w, g: w - 1e-3 * g, p, grads)
+        return value, jax.lax.with_sharding_constraint(new, replicated)
+
+    return step, (params, x, y)
+
+
+def entries(width: int, rows: int, peers: bool = False) -> dict:
     fns = {}
     for name, on in (("deferred", True), ("in place", False)):
         with deferral(on):
@@ -101,16 +143,18 @@ def entries(width: int, rows: int) -> dict:
         fns[name] = (step, args)
     fns["allreduce"] = mlp_step("allreduce", width, rows)
     fns["floor"] = mlp_step(None, width, rows)
+    if peers:
+        fns["jax NamedSharding"] = jax_peer_step(width, rows)
     return fns
 
 
-def run(case: str, repeats: int) -> dict:
+def run(case: str, repeats: int, peers: bool = False) -> dict:
     kind, *sizes = case.split(":")
     if kind != "mlp":
         raise SystemExit(f"unknown case {case!r}")
     width = int(sizes[0]) if sizes else 256
     rows = int(sizes[1]) if len(sizes) > 1 else 512
-    fns = entries(width, rows)
+    fns = entries(width, rows, peers)
     before = om.stats()["deferred_reduces"]
     times = common.interleaved_times(fns, repeats)
     deferred = om.stats()["deferred_reduces"] - before
@@ -130,12 +174,21 @@ def run(case: str, repeats: int) -> dict:
     record["hidden_fraction"] = (
         1 - (seconds["deferred"] - seconds["floor"]) / exposed if exposed > 0 else None
     )
+    if peers:
+        record["jax_vs_deferred"] = seconds["jax NamedSharding"] / seconds["deferred"]
+        record["jax_vs_in_place"] = seconds["jax NamedSharding"] / seconds["in place"]
     hidden = record["hidden_fraction"]
     record["notes"] = [
         f"deferred / allreduce: {record['deferred_vs_allreduce']:.2f}x, in place / allreduce: "
         f"{record['in_place_vs_allreduce']:.2f}x, communication hidden by deferring: "
         + ("n/a (in place is not slower than the floor)" if hidden is None else f"{hidden:.2f}")
         + f"; deferred reduces on rank {RANK}: {deferred}"
+        + (
+            f"; jax NamedSharding / deferred: {record['jax_vs_deferred']:.2f}x, / in place: "
+            f"{record['jax_vs_in_place']:.2f}x"
+            if peers
+            else ""
+        )
     ]
     return record
 
@@ -145,9 +198,14 @@ def main(argv=None) -> None:
     parser.add_argument("--cases", default="mlp")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", default=None, help="append the records to this JSON list")
+    parser.add_argument(
+        "--peers", action="store_true", help="also time JAX's own data-parallel step (gloo)"
+    )
     args = parser.parse_args(argv)
+    if args.peers:
+        common.init_jax_distributed()  # before any computation
     for case in args.cases.split(","):
-        record = run(case, args.repeats)
+        record = run(case, args.repeats, args.peers)
         common.print_table(record, baseline="allreduce")
         if RANK == 0:
             print(json.dumps({k: v for k, v in record.items() if k != "entries"}))
