@@ -19,6 +19,8 @@ when :func:`osmm_jax.matmul` agreed on the plan (:func:`adopt`), else from every
 
 from __future__ import annotations
 
+import weakref
+
 import jax.numpy as jnp
 
 from osmm_jax._src.planning.plan import Plan, backward_plans
@@ -26,7 +28,8 @@ from osmm_jax._src.planning.totals import per_rank_totals
 from osmm_jax._src.runtime import fetch, one_sided
 from osmm_jax._src.runtime.slots import Sync, executed_plan
 
-_agreed: dict[tuple[Plan, Sync], bool] = {}
+# Plan -> whether every rank said covered_on; dropped with the plan (a Rebalancer makes many).
+_agreed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def shares_cotangent(plan: Plan, sync: Sync) -> bool:
