@@ -91,14 +91,19 @@ def test_nothing_is_shared_where_one_backward_product_fetches_nothing():
 
 
 def test_a_fetch_that_leaves_pieces_out_lays_out_the_rest_from_zero():
+    """The pieces left are laid out one after another in owner order, as if the others had
+    never been asked for."""
     plan = _k_split()
     _, d_b = plan.backward()
-    gets = d_b.for_rank(0).gets
+    gets = sorted(d_b.for_rank(0).gets, key=lambda t: t.target)
     taken = frozenset(gets[:1])
     left, _ = fetch.moved(d_b, 0, taken)
-    assert set(left) == set(gets[1:])
+    assert sorted(left, key=lambda t: t.target) == gets[1:]
     total = sum(t.elements for t in left)
     pieces = fetch.pieces_in(d_b, 0, np.arange(float(total)), taken)
-    assert len(pieces) == len(gets) - 1
-    assert sorted(int(piece.ravel()[0]) for piece in pieces.values())[0] == 0
-    assert sum(piece.size for piece in pieces.values()) == total
+    assert sorted(pieces) == sorted((t.matrix, t.rows, t.cols) for t in left)
+    start = 0
+    for t in gets[1:]:
+        piece = pieces[(t.matrix, t.rows, t.cols)]
+        assert piece.ravel()[0] == start and piece.size == t.elements
+        start += t.elements

@@ -19,6 +19,7 @@ when :func:`osmm_jax.matmul` agreed on the plan (:func:`adopt`), else from every
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import jax.numpy as jnp
@@ -41,10 +42,12 @@ def shares_cotangent(plan: Plan, sync: Sync) -> bool:
     return plan_da.has_gets and plan_db.has_gets
 
 
+@functools.lru_cache(maxsize=1024)
 def taken_on(plan: Plan, rank: int) -> frozenset:
     """The pieces of ``dC`` that dB's product of ``plan`` leaves out of its fetch on ``rank``
     (those it gets and those it serves, as Transfers of dB's plan): each lies within a piece
-    of ``dC`` that dA's product gets from the same owner for the same getter."""
+    of ``dC`` that dA's product gets from the same owner for the same getter. Cached: every
+    product's agreement asks (:func:`covered_on`)."""
     plan_da, plan_db = backward_plans(plan)
     mine_da, mine_db = plan_da.for_rank(rank), plan_db.for_rank(rank)
     held: dict[tuple[int, int], list] = {}
@@ -55,14 +58,20 @@ def taken_on(plan: Plan, rank: int) -> frozenset:
         t
         for t in (*mine_db.gets, *mine_db.served)
         if t.matrix == "B"
-        and any(_within(t.rows, t.cols, *outer) for outer in held.get((t.origin, t.target), ()))
+        and any(_inside(t.rows, t.cols, *outer) for outer in held.get((t.origin, t.target), ()))
     )
 
 
-def _within(rows, cols, outer_rows, outer_cols) -> bool:
+def _inside(rows, cols, outer_rows, outer_cols) -> bool:
     """Whether the rectangle ``rows x cols`` lies within ``outer_rows x outer_cols``."""
     inside_rows = outer_rows[0] <= rows[0] and rows[1] <= outer_rows[1]
     return inside_rows and outer_cols[0] <= cols[0] and cols[1] <= outer_cols[1]
+
+
+def _takes_on(plan: Plan, rank: int) -> bool:
+    """Whether dB's product on ``rank`` gets any piece from dA's fetched buffer (rather than
+    only leaving out pieces it would have served)."""
+    return any(t.origin == rank for t in taken_on(plan, rank))
 
 
 def covered_on(plan: Plan, rank: int) -> bool:
@@ -109,7 +118,7 @@ def d_a_and_cotangent(plan: Plan, rank: int, d_c, b_t, chunk_bytes: int, sync: S
     fetched = fetch.fetch_buffer(plan_da, rank, d_c, b_t, sync)
     pieces = fetch.pieces_in(plan_da, rank, fetched)
     d_a = one_sided.forward(plan_da, rank, d_c, b_t, chunk_bytes, sync, fetched=pieces)
-    if not taken_on(plan, rank):  # hold it no longer than dA's product needs it
+    if not _takes_on(plan, rank):  # hold it no longer than dA's product needs it
         fetched = jnp.zeros((0,), fetched.dtype)
     return d_a, fetched
 
@@ -123,7 +132,7 @@ def d_b_from_cotangent(plan: Plan, rank: int, a_t, d_c, fetched, chunk_bytes: in
     if not fetches_nothing(plan, sync):
         own = fetch.fetch_buffer(plan_db, rank, a_t, d_c, sync, taken)
         pieces = fetch.pieces_in(plan_db, rank, own, taken)
-    if taken:  # dA's pieces of its A operand, dC, are pieces of dB's B operand
+    if _takes_on(plan, rank):  # dA's pieces of its A operand, dC, are pieces of dB's B operand
         for (matrix, rows, cols), piece in fetch.pieces_in(plan_da, rank, fetched).items():
             if matrix == "A":
                 pieces.setdefault(("B", rows, cols), piece)

@@ -486,9 +486,11 @@ def _shares_cotangent(plan: Plan, options: _Options, b_for_da, a_for_db) -> bool
 
 def _sharing_cotangent(plan: Plan, options: _Options, b_for_da, a_for_db, d_c):
     """dA and dB, dB's product taking what it can of ``d_c`` from dA's fetched buffer
-    (:mod:`osmm_jax._src.runtime.backward`)."""
+    (:mod:`osmm_jax._src.runtime.backward`). Under vmap, one example's dA then its dB, so that
+    a single fetched buffer is held at a time. Like the products' own custom_vjp, it refuses
+    a derivative of itself (every rank traces the same tangents, so every rank refuses)."""
     plan_da, plan_db = backward_plans(plan)
-    chunk_bytes, d_c = options.chunk_bytes, d_c.astype(b_for_da.dtype)
+    chunk_bytes = options.chunk_bytes
     d_b_options = _deferring(options, plan_db)
 
     def d_a_product(_, rank, x, y):
@@ -498,9 +500,22 @@ def _sharing_cotangent(plan: Plan, options: _Options, b_for_da, a_for_db, d_c):
         sync = d_b_options.sync
         return backward.d_b_from_cotangent(plan, rank, x, y, fetched, chunk_bytes, sync)
 
-    d_a, fetched = _forward(plan_da, options, d_c, b_for_da.T, execute=d_a_product)
-    d_b = _forward(plan_db, d_b_options, a_for_db.T, d_c, fetched, execute=d_b_product)
-    return d_a, d_b
+    @jax.custom_batching.custom_vmap
+    def both(cotangent, b_t, a_t):
+        d_a, fetched = _forward(plan_da, options, cotangent, b_t, execute=d_a_product)
+        d_b = _forward(plan_db, d_b_options, a_t, cotangent, fetched, execute=d_b_product)
+        return d_a, d_b
+
+    @both.def_vmap
+    def _one_example_at_a_time(axis_size, in_batched, *args):
+        outs = [
+            both(*(x[i] if batched else x for x, batched in zip(args, in_batched)))
+            for i in range(axis_size)
+        ]
+        return tuple(jnp.stack(parts) for parts in zip(*outs)), (True, True)
+
+    inputs = (d_c.astype(b_for_da.dtype), b_for_da.T, a_for_db.T)
+    return both(*(_first_order_only(x) for x in inputs))
 
 
 def _deferring(options: _Options, plan: Plan) -> _Options:

@@ -94,12 +94,47 @@ def test_one_fetch_of_the_cotangent_gives_the_bits_of_two(name, sync, defer, mon
 
 def test_per_example_gradients_share_the_fetch_under_vmap():
     plan = _k_split_work()
+    assert backward.shares_cotangent(plan, slots.Sync("notify", config.slot_budget()))
     batch = [global_inputs(seed=30 + i) for i in range(3)]
     stack = lambda layout, i: jnp.stack([layout.shard(x[i], RANK) for x in batch])  # noqa: E731
-    loss = lambda x, y, g: jnp.sum(om.matmul(x, y, plan) * g)  # noqa: E731
-    d_a, d_b = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1))))(
-        stack(plan.a, 0), stack(plan.b, 1), stack(plan.c, 2)
-    )
+    loss = lambda x, y, g: jnp.sum(om.matmul(x, y, plan, sync="notify") * g)  # noqa: E731
+    step = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1))))
+    args = stack(plan.a, 0), stack(plan.b, 1), stack(plan.c, 2)
+    jax.block_until_ready(step(*args))
+    before = om.stats()["rma_bytes"]
+    d_a, d_b = jax.block_until_ready(step(*args))
+    moved = om.stats()["rma_bytes"] - before
+    forward = om.rma_bytes(plan, 8, 8, sync="notify")[RANK]
+    backward_bytes = om.rma_bytes(plan, 8, 8, direction="backward", sync="notify")[RANK]
+    assert moved == 3 * (forward + backward_bytes)  # three products, each fetch shared
     for i, (a, b, g) in enumerate(batch):
         np.testing.assert_allclose(d_a[i], plan.a.shard(g @ b.T, RANK), rtol=1e-12)
         np.testing.assert_allclose(d_b[i], plan.b.shard(a.T @ g, RANK), rtol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_16_bit_gradients_share_the_fetch_with_the_bits_of_two(dtype, monkeypatch):
+    """16-bit pieces travel as float32 and come back in the input dtype, in both fetches."""
+    plan = _k_split()
+    a, b, g = (jnp.asarray(x, dtype) for x in global_inputs(seed=23))
+    blocks = plan.a.shard(a, RANK), plan.b.shard(b, RANK), plan.c.shard(g, RANK)
+    loss = lambda x, y, gc: jnp.sum(om.matmul(x, y, plan) * gc)  # noqa: E731
+    shared = jax.jit(jax.grad(loss, argnums=(0, 1)))(*blocks)
+    monkeypatch.setattr(backward, "shares_cotangent", lambda *args: False)
+    separate = jax.jit(jax.grad(loss, argnums=(0, 1)))(*blocks)
+    for got, expected in zip(shared, separate):
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(expected, np.float32))
+
+
+def test_a_derivative_of_the_shared_gradient_is_refused_on_every_rank():
+    plan = _k_split()
+    a, b, g = global_inputs(seed=24)
+    blocks = plan.a.shard(a, RANK), plan.b.shard(b, RANK), plan.c.shard(g, RANK)
+
+    def grads_dot(x, y, gc):
+        d_a, d_b = jax.grad(lambda x, y: jnp.sum(om.matmul(x, y, plan) * gc), (0, 1))(x, y)
+        return jnp.sum(d_a) + jnp.sum(d_b)
+
+    with pytest.raises(NotImplementedError, match="first-order"):
+        jax.grad(grads_dot, argnums=2)(*blocks)
