@@ -28,6 +28,12 @@ def interval_size(iv: Interval) -> int:
     return iv[1] - iv[0]
 
 
+def rectangle_within(rows: Interval, cols: Interval, outer_rows: Interval, outer_cols: Interval):
+    """Whether the rectangle ``rows x cols`` lies within ``outer_rows x outer_cols``."""
+    inside_rows = outer_rows[0] <= rows[0] and rows[1] <= outer_rows[1]
+    return inside_rows and outer_cols[0] <= cols[0] and cols[1] <= outer_cols[1]
+
+
 @dataclass(frozen=True, slots=True)  # no per-record dict: plans hold millions
 class LocalMultiply:
     """One GEMM on ``rank``: ``A[rows, inner] @ B[inner, cols]`` (global indices).

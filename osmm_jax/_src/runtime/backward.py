@@ -25,6 +25,7 @@ import weakref
 import jax.numpy as jnp
 
 from osmm_jax._src.planning.plan import Plan, backward_plans
+from osmm_jax._src.planning.records import rectangle_within
 from osmm_jax._src.planning.totals import per_rank_totals
 from osmm_jax._src.runtime import fetch, one_sided
 from osmm_jax._src.runtime.slots import Sync, executed_plan
@@ -58,14 +59,10 @@ def taken_on(plan: Plan, rank: int) -> frozenset:
         t
         for t in (*mine_db.gets, *mine_db.served)
         if t.matrix == "B"
-        and any(_inside(t.rows, t.cols, *outer) for outer in held.get((t.origin, t.target), ()))
+        and any(
+            rectangle_within(t.rows, t.cols, *outer) for outer in held.get((t.origin, t.target), ())
+        )
     )
-
-
-def _inside(rows, cols, outer_rows, outer_cols) -> bool:
-    """Whether the rectangle ``rows x cols`` lies within ``outer_rows x outer_cols``."""
-    inside_rows = outer_rows[0] <= rows[0] and rows[1] <= outer_rows[1]
-    return inside_rows and outer_cols[0] <= cols[0] and cols[1] <= outer_cols[1]
 
 
 def _takes_on(plan: Plan, rank: int) -> bool:

@@ -391,7 +391,7 @@ def _batchable_forward(plan: Plan, options: _Options, execute=None):
             one_sided.forward, chunk_bytes=options.chunk_bytes, sync=options.sync
         )
 
-    @jax.custom_batching.custom_vmap
+    @_looping_over_batch
     def forward(a, b, *extra):
         out = execute(plan, rank, a, b, *extra)
         c, more = (out[0], out[1:]) if isinstance(out, tuple) else (out, ())
@@ -404,16 +404,25 @@ def _batchable_forward(plan: Plan, options: _Options, execute=None):
             jax.debug.callback(metrics.count_product)
         return (c, *more) if more else c
 
-    @forward.def_vmap
-    def _loop_over_batch(axis_size, in_batched, *args):
+    return forward
+
+
+def _looping_over_batch(fn):
+    """``fn`` (arrays in, an array or a tuple of arrays out) as a custom_vmap whose rule runs
+    it once per example of the batch, in order, and stacks the results (see
+    :func:`_batchable_forward` for why a batch of distributed products must not vectorise)."""
+    looped = jax.custom_batching.custom_vmap(fn)
+
+    @looped.def_vmap
+    def _one_example_at_a_time(axis_size, in_batched, *args):
         outs = [
-            forward(*(x[i] if batched else x for x, batched in zip(args, in_batched)))
+            looped(*(x[i] if batched else x for x, batched in zip(args, in_batched)))
             for i in range(axis_size)
         ]
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
         return stacked, jax.tree.map(lambda _: True, outs[0])
 
-    return forward
+    return looped
 
 
 # -- differentiation ------------------------------------------------------------------------
@@ -500,19 +509,11 @@ def _sharing_cotangent(plan: Plan, options: _Options, b_for_da, a_for_db, d_c):
         sync = d_b_options.sync
         return backward.d_b_from_cotangent(plan, rank, x, y, fetched, chunk_bytes, sync)
 
-    @jax.custom_batching.custom_vmap
+    @_looping_over_batch
     def both(cotangent, b_t, a_t):
         d_a, fetched = _forward(plan_da, options, cotangent, b_t, execute=d_a_product)
         d_b = _forward(plan_db, d_b_options, a_t, cotangent, fetched, execute=d_b_product)
         return d_a, d_b
-
-    @both.def_vmap
-    def _one_example_at_a_time(axis_size, in_batched, *args):
-        outs = [
-            both(*(x[i] if batched else x for x, batched in zip(args, in_batched)))
-            for i in range(axis_size)
-        ]
-        return tuple(jnp.stack(parts) for parts in zip(*outs)), (True, True)
 
     inputs = (d_c.astype(b_for_da.dtype), b_for_da.T, a_for_db.T)
     return both(*(_first_order_only(x) for x in inputs))

@@ -47,6 +47,7 @@ import numpy as np
 
 from osmm_jax._src import dtypes
 from osmm_jax._src.planning.plan import Plan
+from osmm_jax._src.planning.records import rectangle_within
 from osmm_jax._src.runtime import fetch, gather, native, primitives, slots
 from osmm_jax._src.runtime.slots import FENCE, Sync, executed_plan
 
@@ -528,7 +529,6 @@ def _within(pieces: dict, matrix: str, rows, cols):
     if (matrix, rows, cols) in pieces:
         return pieces[(matrix, rows, cols)]
     for (held, r, c), piece in pieces.items():
-        inside = r[0] <= rows[0] and rows[1] <= r[1] and c[0] <= cols[0] and cols[1] <= c[1]
-        if held == matrix and inside:
+        if held == matrix and rectangle_within(rows, cols, r, c):
             return piece[rows[0] - r[0] : rows[1] - r[0], cols[0] - c[0] : cols[1] - c[0]]
     raise AssertionError(f"no fetched piece of {matrix} holds {rows} x {cols}")  # planner bug
