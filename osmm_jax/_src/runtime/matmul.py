@@ -239,9 +239,7 @@ def memory_bytes(
     products make resident. Not counted: the MPI library's own buffers and XLA's scheduling
     beyond that (benchmarks/results/memory.md compares this with measured peaks). Where dB's
     product takes C's cotangent from dA's fetch (:func:`rma_bytes`), its pieces count once.
-    Local: builds ``rank``'s part of each plan (backward: and, until a product of ``plan``
-    has run, every rank's part of the backward plans, to learn whether the cotangent's fetch
-    is shared)."""
+    Local; builds ``rank``'s part of each plan."""
     method = config.resolve_method(method)
     resolved = _resolve_sync(sync)
     _check_direction(direction)
