@@ -215,7 +215,9 @@ def test_deferred_gradients_back_to_back_with_a_late_rank(monkeypatch):
 
     def late(x):
         if RANK == 0:
-            time.sleep(0.2)
+            # Long enough that the others are through all three starts on a loaded machine:
+            # 0.2 s left none of them waiting for a slot in one full run out of four.
+            time.sleep(0.5)
         return x
 
     @jax.jit
