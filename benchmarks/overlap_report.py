@@ -28,11 +28,14 @@ CONFIGS = {**ALL_CONFIGS, "shm3_112": Config(3, False, "3 ranks, shared memory, 
 JOB_TIMEOUT_S = 900.0
 
 
-def run_config(name: str, cases: str, repeats: int, hosts, peers: bool = False) -> list[dict]:
+def run_config(
+    name: str, cases: str, repeats: int, hosts, peers: bool = False, rma: bool = False
+) -> list[dict]:
     """One ``benchmarks.overlap_step`` job in configuration ``name``; its records."""
     config = CONFIGS[name]
     program = [sys.executable, "-m", "benchmarks.overlap_step", "--cases", cases]
     program += ["--repeats", str(repeats), *(["--peers"] if peers else [])]
+    program += ["--rma"] if rma else []
     uptime, load = load_average()
     with tempfile.TemporaryDirectory() as scratch:
         command, env = job_command(config, program, hosts, Path(scratch))
@@ -66,6 +69,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", default=None, help="append the records to this JSON list")
     parser.add_argument("--peers", action="store_true", help="also time JAX's own DP step")
+    parser.add_argument("--rma", action="store_true", help="also time OSMM_TRANSPORT=rma")
     args = parser.parse_args(argv)
     names = args.configs.split(",")
     tcp = [CONFIGS[n].ranks for n in names if CONFIGS[n].tcp]
@@ -77,7 +81,7 @@ def main(argv=None) -> int:
         # Removed on the way out, even on SIGTERM or SIGHUP (see netns.emulated_hosts).
         hosts = stack.enter_context(netns.emulated_hosts(max(tcp))) if tcp else None
         for name in names:
-            records += run_config(name, args.cases, args.repeats, hosts, args.peers)
+            records += run_config(name, args.cases, args.repeats, hosts, args.peers, args.rma)
     if args.json:
         path = Path(args.json)
         old = json.loads(path.read_text()) if path.exists() else []

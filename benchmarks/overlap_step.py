@@ -10,7 +10,9 @@ Entries, interleaved in shuffled rounds (medians of the slowest rank's time, aft
 when it is computed and is waited for only by that layer's update), ``in place``
 (``OSMM_DEFER=0``: each product's finish waits where the product is), ``allreduce`` (the
 mpi4jax baseline, one all-reduce per layer), ``floor`` (the same step with local products
-only, no communication) and, with ``--peers``, ``jax NamedSharding`` (JAX's own
+only, no communication), with ``--rma`` ``deferred rma`` and ``in place rma`` (the same with
+``OSMM_TRANSPORT=rma``: the default, ``auto``, moves partials as two-sided messages where the
+ranks span several hosts) and, with ``--peers``, ``jax NamedSharding`` (JAX's own
 data-parallel step of the same model on the same ranks: the batch sharded over one device per
 process, parameters replicated, the gradient all-reduce XLA inserts running over gloo; the
 batch rounded down to a multiple of the rank count, which JAX's even sharding needs).
@@ -42,11 +44,12 @@ from benchmarks.common import RANK, SIZE
 
 
 @contextlib.contextmanager
-def deferral(on: bool):
-    """``OSMM_SYNC=notify`` and ``OSMM_DEFER`` while a step is traced (the layers' products read
-    them then); the caller's own values afterwards."""
-    before = {k: os.environ.get(k) for k in ("OSMM_SYNC", "OSMM_DEFER")}
-    os.environ.update(OSMM_SYNC="notify", OSMM_DEFER="1" if on else "0")
+def deferral(on: bool, transport: str = "auto"):
+    """``OSMM_SYNC=notify``, ``OSMM_DEFER`` and ``OSMM_TRANSPORT`` while a step is traced (the
+    layers' products read them then); the caller's own values afterwards."""
+    names = ("OSMM_SYNC", "OSMM_DEFER", "OSMM_TRANSPORT")
+    before = {k: os.environ.get(k) for k in names}
+    os.environ.update(OSMM_SYNC="notify", OSMM_DEFER="1" if on else "0", OSMM_TRANSPORT=transport)
     try:
         yield
     finally:
@@ -134,10 +137,13 @@ def jax_peer_step(width: int, rows_total: int):
     return step, (params, x, y)
 
 
-def entries(width: int, rows: int, peers: bool = False) -> dict:
+def entries(width: int, rows: int, peers: bool = False, rma: bool = False) -> dict:
     fns = {}
-    for name, on in (("deferred", True), ("in place", False)):
-        with deferral(on):
+    settings = [("deferred", True, "auto"), ("in place", False, "auto")]
+    if rma:
+        settings += [("deferred rma", True, "rma"), ("in place rma", False, "rma")]
+    for name, on, transport in settings:
+        with deferral(on, transport):
             step, args = mlp_step("one_sided", width, rows)
             jax.block_until_ready(step(*args))  # traced now, under this setting
         fns[name] = (step, args)
@@ -148,13 +154,13 @@ def entries(width: int, rows: int, peers: bool = False) -> dict:
     return fns
 
 
-def run(case: str, repeats: int, peers: bool = False) -> dict:
+def run(case: str, repeats: int, peers: bool = False, rma: bool = False) -> dict:
     kind, *sizes = case.split(":")
     if kind != "mlp":
         raise SystemExit(f"unknown case {case!r}")
     width = int(sizes[0]) if sizes else 256
     rows = int(sizes[1]) if len(sizes) > 1 else 512
-    fns = entries(width, rows, peers)
+    fns = entries(width, rows, peers, rma)
     before = om.stats()["deferred_reduces"]
     times = common.interleaved_times(fns, repeats)
     deferred = om.stats()["deferred_reduces"] - before
@@ -174,6 +180,9 @@ def run(case: str, repeats: int, peers: bool = False) -> dict:
     record["hidden_fraction"] = (
         1 - (seconds["deferred"] - seconds["floor"]) / exposed if exposed > 0 else None
     )
+    if rma:
+        record["deferred_vs_deferred_rma"] = seconds["deferred rma"] / seconds["deferred"]
+        record["in_place_vs_in_place_rma"] = seconds["in place rma"] / seconds["in place"]
     if peers:
         record["jax_vs_deferred"] = seconds["jax NamedSharding"] / seconds["deferred"]
         record["jax_vs_in_place"] = seconds["jax NamedSharding"] / seconds["in place"]
@@ -201,11 +210,16 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--peers", action="store_true", help="also time JAX's own data-parallel step (gloo)"
     )
+    parser.add_argument(
+        "--rma",
+        action="store_true",
+        help="also time both steps with OSMM_TRANSPORT=rma (the default picks messages across hosts)",
+    )
     args = parser.parse_args(argv)
     if args.peers:
         common.init_jax_distributed()  # before any computation
     for case in args.cases.split(","):
-        record = run(case, args.repeats, args.peers)
+        record = run(case, args.repeats, args.peers, args.rma)
         common.print_table(record, baseline="allreduce")
         if RANK == 0:
             print(json.dumps({k: v for k, v in record.items() if k != "entries"}))

@@ -159,6 +159,23 @@ def test_a_garbage_defer_value_is_an_error(monkeypatch):
         config.defer_finishes()
 
 
+@pytest.mark.parametrize(
+    ("text", "value"), [(None, "auto"), (" ", "auto"), ("RMA", "rma"), ("messages", "messages")]
+)
+def test_the_transport_is_auto_unless_set(monkeypatch, text, value):
+    if text is None:
+        monkeypatch.delenv(config.TRANSPORT, raising=False)
+    else:
+        monkeypatch.setenv(config.TRANSPORT, text)
+    assert config.transport() == value
+
+
+def test_an_unknown_transport_is_an_error(monkeypatch):
+    monkeypatch.setenv(config.TRANSPORT, "smoke signals")
+    with pytest.raises(ValueError, match=rf"{config.TRANSPORT} must be one of"):
+        config.transport()
+
+
 def test_the_memory_budget_setting_is_one_number_or_one_per_rank(monkeypatch):
     monkeypatch.delenv(config.MEMORY_BUDGET, raising=False)
     assert config.memory_budget_setting() is None

@@ -249,6 +249,30 @@ def defer_finishes() -> bool | None:
     return _flag(DEFER)
 
 
+TRANSPORT = "OSMM_TRANSPORT"
+"""How the notified mode moves a product's partials and pieces: ``rma`` (one-sided puts or
+accumulates into the target's slot, a flush, then a stamp by ``MPI_Accumulate``), ``messages``
+(the partials and their stamp as one two-sided message into a receive the target posted,
+xla_ffi/notified/messages.h) or ``auto`` (default): messages where the plan's communicator
+spans several nodes, RMA within one. Measured (benchmarks/results/overlap.md, section 6): over
+TCP, where MPICH and Open MPI emulate RMA with messages, a message is 1.3-4.7x faster than the
+notified RMA round; in shared memory RMA is 1.7-3.9x faster from 64 KiB up. On a network with
+RDMA, where RMA may win, compare with ``python -m benchmarks.sync_latency`` and set ``rma``.
+The sums are the same, bit for bit. Set it alike on every rank (a mismatch is an error on
+every rank)."""
+
+TRANSPORTS = ("auto", "rma", "messages")
+
+
+def transport() -> str:
+    """``OSMM_TRANSPORT`` (see there), ``auto`` when unset or blank; anything else is a
+    ValueError."""
+    value = os.environ.get(TRANSPORT, "").strip().lower() or "auto"
+    if value not in TRANSPORTS:
+        raise ValueError(f"{TRANSPORT} must be one of {TRANSPORTS}, got {value!r}")
+    return value
+
+
 ALLREDUCE = "OSMM_ALLREDUCE"
 """Which all-reduce sums inside a compiled program (the allreduce method, checksum
 verification): ``mpi4jax`` (mpi4jax.allreduce, the baseline osmm_jax is measured against),

@@ -114,6 +114,7 @@ def main() -> int:
             "failures": failures,
             "seconds": (imported, products),
             "deferred": om.stats()["deferred_reduces"],
+            "messages": om.stats()["messages"],
         },
         root=0,
     )
@@ -125,6 +126,7 @@ def main() -> int:
             "fi_provider": [e["where"][2] for e in everyone],
             "checked": [e["checked"] for e in everyone],
             "deferred": [e["deferred"] for e in everyone],
+            "messages": [e["messages"] for e in everyone],
             "failures": {r: e["failures"] for r, e in enumerate(everyone) if e["failures"]},
             "sources": sources,
             "seconds": round(time.perf_counter() - start, 2),

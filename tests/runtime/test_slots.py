@@ -50,6 +50,25 @@ def test_the_attribute_lists_this_ranks_origins_and_targets():
     assert set(plan._rank_plans) == {1}  # only this rank's part of the plan was built
 
 
+def test_the_message_transport_is_flag_8_and_needs_no_second_set():
+    """``transport="messages"`` sets flag 8 in every notified attribute (sums, placed fetches,
+    gathers); a deferred product then keeps one set of slots, since a target posts its
+    receives only after summing the product before. ``"rma"`` leaves the flags as they were;
+    a fenced product or a single rank never uses messages."""
+    plan = _k_split()
+    messages = slots.Sync("notify", transport="messages")
+    assert slots.uses_messages(plan, messages)
+    assert slots.notify_attribute(plan, 1, 4, messages)[:3] == (3, 128, 8)
+    deferred = messages._replace(defer=True)
+    assert slots.notify_attribute(plan, 1, 4, deferred)[:3] == (3, 128, 8)
+    rma_deferred = slots.Sync("notify", defer=True, transport="rma")
+    assert slots.notify_attribute(plan, 1, 4, rma_deferred)[:3] == (6, 128, 2)
+    fetched = slots.fetch_attribute(plan, 4, messages, (0,), (2,), (0,), (64,))
+    assert fetched[2] == 4 | 8
+    assert not slots.uses_messages(plan, slots.Sync("fence", transport="messages"))
+    assert not slots.uses_messages(_k_split(nranks=1), messages)
+
+
 def test_the_resident_window_is_the_slots_a_rank_s_origins_write():
     """Notified: a K-split rank's three origins each write a slot of the largest C block (2x8
     float32, 64 bytes); a grid rank's two owners each a slot of the most one owner sends

@@ -91,6 +91,8 @@ def test_products_and_speed_cache_across_four_hosts(hosts, tmp_path):
     assert result["checked"] == [12] * 6
     # weight gradients across hosts defer their finish by default (OSMM_DEFER unset)
     assert sum(result["deferred"]) > 0, result["deferred"]
+    # and move their partials as two-sided messages (OSMM_TRANSPORT unset: auto)
+    assert all(n > 0 for n in result["messages"]), result["messages"]
     expected = [h for h, n in zip(hosts.names, SLOTS) for _ in range(n)]
     assert result["hostnames"] == expected
     assert len(set(result["netns"])) == HOSTS

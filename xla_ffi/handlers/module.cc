@@ -53,6 +53,8 @@ nb::dict Stats() {
   d["credit_reads"] = c.credit_reads.load();
   d["credit_pushes"] = c.credit_pushes.load();
   d["slot_window_bytes"] = c.slot_window_bytes.load();
+  d["messages"] = c.messages.load();
+  d["message_bytes"] = c.message_bytes.load();
   d["resyncs"] = c.resyncs.load();
   d["deferred_reduces"] = c.deferred_reduces.load();
   d["progress_polls"] = osmm::ProgressPolls();
@@ -172,7 +174,8 @@ NB_MODULE(OSMM_FFI_MODULE, m) {
         "This process's counters since start: rma_ops, rma_bytes, sent_bytes, accumulates, "
         "puts, gets, fences, calls (RMA epochs), agreements; closing_fence_seconds (time in reduce "
         "epochs' closing fences); notifications, notify_wait_seconds, deferred_deliveries, "
-        "credit_reads, credit_pushes, slot_window_bytes and resyncs (the notified mode); "
+        "credit_reads, credit_pushes, slot_window_bytes and resyncs (the notified mode); messages "
+        "and message_bytes (its message transport); "
         "progress_polls "
         "(MPI polls of the progress thread); staged_bytes and staging_seconds "
         "(device <-> host copies of the GPU handlers); the live windows and their window_bytes.");

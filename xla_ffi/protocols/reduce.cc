@@ -14,9 +14,10 @@
 #include "core/records.h"
 #include "core/rma.h"
 #include "core/windows.h"
+#include "notified/messages.h"
+#include "notified/notify.h"
 #include "protocols/deferred.h"
 #include "protocols/issuer.h"
-#include "protocols/notify.h"
 #include "protocols/reduce_epoch.h"
 #include "watchdog/watchdog.h"
 
@@ -182,6 +183,11 @@ std::string IssueChunk(ReduceEpoch& epoch, int64_t index, const std::byte* chunk
   const int64_t first = index == 0 ? 0 : epoch.chunk_ends[index - 1];
   const int64_t last = epoch.chunk_ends[index];
   if (epoch.notified != nullptr) epoch.chunk_data[index] = chunk;
+  if (epoch.notified != nullptr && epoch.notified->spec.messages) {
+    // Every target's message leaves once its last chunk is here.
+    if (index + 1 < static_cast<int64_t>(epoch.chunk_ends.size())) return std::string();
+    return SendImages(*epoch.notified, ImageOf(epoch));
+  }
   for (int64_t i = first; i < last; ++i) {
     if (epoch.notified != nullptr && !MayDeliverNow(*epoch.notified, epoch.records[i].target)) {
       epoch.deferred.emplace_back(index, i);
@@ -195,6 +201,8 @@ std::string IssueChunk(ReduceEpoch& epoch, int64_t index, const std::byte* chunk
 ffi::Error FinishNotifiedEpoch(BufferOps& ops, ReduceEpoch* epoch, const std::string& problem,
                                bool abandoned, const void* local, void* out, std::string* failure) {
   auto deliver = [epoch](int64_t target) {
+    if (epoch->notified->spec.messages)
+      return StageImage(*epoch->notified, target, ImageOf(*epoch));
     for (const auto& [chunk, record] : epoch->deferred) {
       if (epoch->records[record].target != target) continue;
       std::string problem = IssueRecord(*epoch, record, epoch->chunk_data[chunk]);

@@ -15,7 +15,8 @@
 #include "core/buffer_ops.h"
 #include "core/common.h"
 #include "core/records.h"
-#include "protocols/notify.h"
+#include "notified/messages.h"
+#include "notified/notify.h"
 
 namespace osmm {
 
@@ -58,6 +59,12 @@ struct ReduceEpoch {
   std::vector<std::pair<int64_t, int64_t>> deferred;
   std::vector<const std::byte*> chunk_data;  // each issued chunk's RMA memory
 };
+
+// Where the message transport finds the epoch's records and chunks (messages.h).
+inline ImageSource ImageOf(const ReduceEpoch& epoch) {
+  return ImageSource{epoch.records, epoch.chunk_ends, epoch.chunk_data, epoch.dtype,
+                     epoch.slot_puts};
+}
 
 // Issues one chunk's accumulates and puts from `chunk` (RMA memory holding its contents); in
 // the notified mode, those to a target whose slot is not free yet are deferred to the finish.

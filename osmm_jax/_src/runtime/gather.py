@@ -10,7 +10,7 @@ synchronisation of the product:
 - notified mode: every owner sends its block to every other rank through the notified reduce
   (``osmm_reduce_*`` with slots and notifications, no fence, no get): each rank's "partial" is
   the whole C with only its own block filled in, and its origins are the other owners. A row
-  split's blocks are contiguous in C, so they are placed (xla_ffi/protocols/notify.h): each
+  split's blocks are contiguous in C, so they are placed (xla_ffi/notified/notify.h): each
   lands at the start of a slot the size of the largest block and is copied to where it
   starts in C; a column split's are added over zeros in slots of the whole C. Either way
   every value arrives unchanged, in the same bits on every rank (a ``-0.0`` comes out as

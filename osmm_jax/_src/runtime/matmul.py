@@ -292,11 +292,12 @@ def _one_sided_run(plan: Plan, rank: int, sync: one_sided.Sync, same_dtype: bool
 
 
 def _resolve_sync(sync) -> one_sided.Sync:
-    """``sync`` (or ``OSMM_SYNC``, or the default for this MPI), the slot budget and how the
-    credits travel, as a product runs them."""
+    """``sync`` (or ``OSMM_SYNC``, or the default for this MPI), the slot budget, how the
+    credits travel and the transport (``OSMM_TRANSPORT``), as a product runs them."""
     waiting = communicators.accumulates_wait_for_target()
     mode = config.resolve_sync(sync, waiting)
-    return one_sided.Sync(mode, config.slot_budget(), credits="pull" if waiting else "push")
+    credits = "pull" if waiting else "push"
+    return one_sided.Sync(mode, config.slot_budget(), credits, transport=config.transport())
 
 
 def _resolve_options(method, verify, chunk_bytes, sync) -> _Options:

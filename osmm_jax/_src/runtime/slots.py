@@ -1,4 +1,4 @@
-"""The slots of the notified reduce (``OSMM_SYNC=notify``, see xla_ffi/protocols/notify.h).
+"""The slots of the notified reduce (``OSMM_SYNC=notify``, see xla_ffi/notified/notify.h).
 
 Every rank's slots window holds an accumulator and ``S`` slots, each the size of the largest C
 block of the plan (so the window is the same size on every rank). The origins that deliver
@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 from osmm_jax._src.planning.plan import Plan, direct_plan
 from osmm_jax._src.planning.totals import block_area
-from osmm_jax._src.runtime import native
+from osmm_jax._src.runtime import communicators, native
 
 
 def slot_bytes(plan: Plan, itemsize: int) -> int:
@@ -48,7 +48,7 @@ def _aligned(nbytes: int) -> int:
 
 def two_set_count(plan: Plan, itemsize: int, budget: float) -> int:
     """``S`` of two sets of slots (product p uses set p % 2: a deferred product may deliver
-    while its target still sums the product before, xla_ffi/protocols/notify.h), even, as
+    while its target still sums the product before, xla_ffi/notified/notify.h), even, as
     many as ``budget`` holds up to twice the most origins; 0 if it holds fewer than two."""
     count = _count(2 * plan.facts.max_origins, slot_bytes(plan, itemsize), budget)
     return 0 if count < 2 else count - count % 2
@@ -68,21 +68,51 @@ def notify_attribute(plan: Plan, rank: int, itemsize: int, sync: Sync) -> tuple[
     targets the first time the product runs.)"""
     origins = plan.for_rank(rank).origins
     targets = sorted({t.target for t in plan.deliveries_from(rank)})
-    two = two_set_count(plan, itemsize, sync.slot_budget) if sync.defer else 0
+    messages = uses_messages(plan, sync)
+    two = two_set_count(plan, itemsize, sync.slot_budget) if sync.defer and not messages else 0
     count = two or slot_count(plan, itemsize, sync.slot_budget)
-    return _attribute(count, slot_bytes(plan, itemsize), sync, origins, targets, two_sets=two > 0)
+    return _attribute(
+        count,
+        slot_bytes(plan, itemsize),
+        sync,
+        origins,
+        targets,
+        two_sets=two > 0,
+        messages=messages,
+    )
+
+
+def uses_messages(plan: Plan, sync: Sync) -> bool:
+    """Whether a notified product of ``plan`` moves its data as two-sided messages
+    (``sync.transport``: ``"messages"``, or ``"auto"`` where ``plan``'s communicator spans
+    several nodes, see ``config.TRANSPORT``), the same answer on every rank. A deferred
+    product needs no second set of slots then: a target posts its receives only once it has
+    summed the product before."""
+    if sync.mode != "notify" or sync.transport == "rma" or plan.nranks == 1:
+        return False
+    return sync.transport == "messages" or communicators.spans_nodes(plan.comm_key)
 
 
 def _attribute(
-    count: int, nbytes: int, sync: Sync, origins, targets, bases=None, two_sets=False, extents=None
+    count: int,
+    nbytes: int,
+    sync: Sync,
+    origins,
+    targets,
+    bases=None,
+    two_sets=False,
+    extents=None,
+    messages=False,
 ):
     """The ``notify`` attribute's layout (see :func:`notify_attribute`), with ``bases`` (bytes
     into this rank's slot for each origin where that origin's records land) if given; with
     ``extents`` too (the bytes each origin sends), in placement (flag 4): each origin's records
     land at the start of its slot and are copied to byte ``base`` of this rank's block, not
-    added over all of it (xla_ffi/protocols/notify.h)."""
+    added over all of it (xla_ffi/notified/notify.h); ``messages``: flag 8, the message
+    transport (xla_ffi/notified/messages.h)."""
     placing = extents is not None
     flags = int(sync.credits == "pull") | (2 if two_sets else 0) | (4 if placing else 0)
+    flags |= 8 if messages else 0
     tail = () if bases is None else (len(bases), *bases)
     if placing:
         tail += (len(extents), *extents)
@@ -100,7 +130,10 @@ def fetch_attribute(
     elements one rank gets from one owner, in ``itemsize``-byte elements; ``S`` is the most
     owners any rank has, capped by the slot budget."""
     count, nbytes = _fetch_slots(plan, itemsize, sync.slot_budget)
-    return _attribute(count, nbytes, sync, owners, getters, bases, extents=extents)
+    messages = uses_messages(plan, sync)
+    return _attribute(
+        count, nbytes, sync, owners, getters, bases, extents=extents, messages=messages
+    )
 
 
 def _fetch_slots(plan: Plan, itemsize: int, budget: float) -> tuple[int, int]:
@@ -143,7 +176,10 @@ def gather_slots(plan: Plan, rank: int, itemsize: int, sync: Sync) -> GatherSlot
         nbytes = _aligned(plan.c.shape[0] * plan.c.shape[1] * itemsize)
         bases = extents = None
     count = _count(most, nbytes, sync.slot_budget)
-    notify = _attribute(count, nbytes, sync, origins, targets, bases, extents=extents)
+    messages = uses_messages(plan, sync)
+    notify = _attribute(
+        count, nbytes, sync, origins, targets, bases, extents=extents, messages=messages
+    )
     return GatherSlots(notify, tuple(targets))
 
 
@@ -158,12 +194,14 @@ class Sync(NamedTuple):
     (``communicators.accumulates_wait_for_target``): there a push would hold the target,
     its own part done, until the origin next calls MPI. ``defer``: whether this product, if its
     partials leave in one chunk, is finished by a native waiter thread while the program goes
-    on (set for weight gradients under ``OSMM_DEFER``, see ``matmul._deferring``)."""
+    on (set for weight gradients under ``OSMM_DEFER``, see ``matmul._deferring``).
+    ``transport``: how the partials travel (:func:`uses_messages`)."""
 
     mode: str = "fence"
     slot_budget: float = float("inf")
     credits: str = "push"
     defer: bool = False  # notify only: finish on a waiter (weight gradients, config.DEFER)
+    transport: str = "rma"  # notify only: "rma", "messages" or "auto" (config.TRANSPORT)
 
 
 FENCE = Sync("fence")

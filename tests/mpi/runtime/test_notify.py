@@ -1,4 +1,4 @@
-"""The notified reduce (``sync="notify"``, xla_ffi/protocols/notify.h): bit-identical results run to run
+"""The notified reduce (``sync="notify"``, xla_ffi/notified/notify.h): bit-identical results run to run
 and on every rank holding a copy, the same bits whatever the slot budget, slots reused safely
 by products back to back with one rank late (credits pushed by targets or pulled by origins),
 and the same values as the fence mode; and the notified fetch (A and B pieces pushed by their

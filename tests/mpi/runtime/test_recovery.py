@@ -23,7 +23,8 @@ import osmm_jax as om
 from osmm_jax._src.runtime import communicators, native
 from osmm_jax._src.runtime.checksum import inject_fault
 
-RANK, SIZE = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
 # Nothing checked here changes from three ranks to four (uneven splits and a rank with nothing
 # appear from 3 on); the 4-rank run is for the 2x2 grids, the notified reduce's origin rounds and
 # the tensor-parallel replica groups.
@@ -39,6 +40,14 @@ def _plans():
             om.Layout.rows((M, K)), om.Layout.cols((K, N)), om.Layout.grid((M, N), (1, SIZE))
         ),
     }
+
+
+@pytest.fixture(params=["rma", "messages"])
+def transport(request, monkeypatch):
+    """The notified mode's transport (``OSMM_TRANSPORT``, read when a product is traced): its
+    abandonment notices are the same, and starting again settles the messages in flight."""
+    monkeypatch.setenv("OSMM_TRANSPORT", request.param)
+    return request.param
 
 
 def _run(plan, **options):
@@ -79,7 +88,9 @@ def _abandoned_by_rank_0(run):
 @pytest.mark.ranks(min=2, reason="one rank abandons a product the others are in")
 @pytest.mark.parametrize("kind", ["k_split", "fetch_and_reduce"])
 @pytest.mark.parametrize("chunk_bytes", [0, 64])
-def test_a_product_abandoned_by_one_rank_fails_everywhere_then_the_next_is_right(kind, chunk_bytes):
+def test_a_product_abandoned_by_one_rank_fails_everywhere_then_the_next_is_right(
+    kind, chunk_bytes, transport
+):
     jax.config.update("jax_enable_x64", True)
     run, expected = _run(_plans()[kind], chunk_bytes=chunk_bytes)
     before = _stats_after_warm_up(run)
@@ -109,7 +120,7 @@ def _two_product_step():
 
 
 @pytest.mark.ranks(min=3, reason="a rank that waits for nobody in the abandoned product")
-def test_a_step_abandoned_by_one_rank_fails_everywhere_then_every_rank_starts_again():
+def test_a_step_abandoned_by_one_rank_fails_everywhere_then_every_rank_starts_again(transport):
     """Rank 0 abandons the step's first product. Rank 1 waits for it there and fails; rank 2
     waits for nobody there, goes on into the second product, and fails there when it reads
     rank 0's notice (notified mode), or waits in the first product's closing fence (fence
@@ -125,6 +136,8 @@ def test_a_step_abandoned_by_one_rank_fails_everywhere_then_every_rank_starts_ag
     assert after["windows"] == before["windows"]
     notified = default_sync().mode == "notify"
     assert after["resyncs"] - before["resyncs"] == (1 if notified else 0)
+    messages = COMM.allreduce(after["messages"] - before["messages"])
+    assert (messages > 0) == (notified and transport == "messages")
 
 
 def test_inject_failure_refuses_other_calls():

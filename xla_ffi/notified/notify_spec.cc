@@ -4,7 +4,7 @@
 #include <mutex>
 #include <utility>
 
-#include "protocols/notify.h"
+#include "notified/notify.h"
 #include "watchdog/watchdog.h"
 
 namespace osmm {
@@ -29,7 +29,7 @@ std::string ParseNotifySpec(ffi::Span<const int64_t> flat, int rank, int size, i
   const int64_t* v = flat.begin();
   const int64_t count = static_cast<int64_t>(flat.size());
   int64_t at = 4;
-  if (count < 5 || v[2] < 0 || v[2] > 7 || v[3] < 0 || v[3] > count - 5) {
+  if (count < 5 || v[2] < 0 || v[2] > 15 || v[3] < 0 || v[3] > count - 5) {
     return "notify: malformed attribute";
   }
   out->slots = v[0];
@@ -37,6 +37,7 @@ std::string ParseNotifySpec(ffi::Span<const int64_t> flat, int rank, int size, i
   out->pull_credits = (v[2] & 1) != 0;
   out->two_sets = (v[2] & 2) != 0;
   out->place = (v[2] & 4) != 0;
+  out->messages = (v[2] & 8) != 0;
   out->origins.assign(v + at, v + at + v[3]);
   at += v[3];
   const int64_t ntargets = v[at++];

@@ -1,4 +1,4 @@
-#include "protocols/notify.h"
+#include "notified/notify.h"
 
 #include <algorithm>
 #include <atomic>
@@ -9,6 +9,8 @@
 
 #include "core/counters.h"
 #include "core/windows.h"
+#include "notified/messages.h"
+#include "notified/ordered_sum.h"
 #include "protocols/deferred.h"
 #include "watchdog/watchdog.h"
 
@@ -146,6 +148,7 @@ ffi::Error Resync(const NotifiedReduce& n, SyncState& state, int64_t slot_bytes)
                        "product (MPI_Ibarrier)");
   };
   if (ffi::Error err = barrier(); err.failure()) return err;  // nothing more will arrive
+  if (ffi::Error err = RestartMessages(n.comm); err.failure()) return err;
   MPI_Win_sync(n.slot_win);
   MPI_Win_sync(n.sync_win);
   std::memset(n.slot_base, 0, static_cast<size_t>(slot_bytes));
@@ -207,7 +210,7 @@ ffi::Error Advance(NotifiedReduce& n, SyncState& state, int64_t value,
     RmaIssueStep issuing(n.comm);
     if (int rc = MPI_Win_flush(n.rank, n.sync_win); rc != MPI_SUCCESS) return MpiError(rc, what);
   }
-  if (n.spec.pull_credits) return ffi::Error::Success();
+  if (n.spec.pull_credits || n.spec.messages) return ffi::Error::Success();
   for (int64_t origin : origins) {
     const size_t o = static_cast<size_t>(origin);
     if (ffi::Error err = WriteEntry(n, static_cast<int>(origin), n.size + n.rank, value,
@@ -219,76 +222,6 @@ ffi::Error Advance(NotifiedReduce& n, SyncState& state, int64_t value,
   }
   return ffi::Error::Success();
 }
-
-// The fixed-order sum of this rank's block: its own partial and its origins' slots, added in
-// ascending rank order as a left fold (IEEE addition is commutative, so each step may put
-// either operand first; only the grouping must be the same everywhere).
-class OrderedSum {
- public:
-  OrderedSum(BufferOps& ops, ffi::DataType dtype, const void* local, void* out, std::byte* acc,
-             int64_t elements, bool origin_above)
-      : ops_(ops),
-        dtype_(dtype),
-        local_(local),
-        out_(out),
-        acc_(acc),
-        n_(elements),
-        origin_above_(origin_above) {}
-
-  ffi::Error AddLocal() {
-    if (state_ == kAcc || (state_ == kEmpty && !origin_above_)) {
-      state_ = kOut;  // local + the sum so far (an all-zero acc when nothing came)
-      return ops_.AddWindowInto(dtype_, local_, acc_, out_, n_);
-    }
-    state_ = kLocalPending;
-    return ffi::Error::Success();
-  }
-
-  ffi::Error AddSlot(std::byte* slot) {
-    switch (state_) {
-      case kEmpty:
-        state_ = kAcc;
-        return Accumulate(slot, /*copy=*/true);
-      case kAcc:
-        return Accumulate(slot, /*copy=*/false);
-      case kLocalPending:
-        state_ = kOut;
-        return ops_.AddWindowInto(dtype_, local_, slot, out_, n_);
-      case kOut:
-        return ops_.AddWindowInto(dtype_, out_, slot, out_, n_);
-    }
-    return ffi::Error::Success();
-  }
-
- private:
-  enum State { kEmpty, kAcc, kLocalPending, kOut };
-
-  // acc (+)= slot, then slot = 0; both in host window memory.
-  ffi::Error Accumulate(std::byte* slot, bool copy) {
-    if (dtype_ == ffi::DataType::F32) {
-      AddHost(reinterpret_cast<float*>(acc_), reinterpret_cast<float*>(slot), copy);
-    } else {
-      AddHost(reinterpret_cast<double*>(acc_), reinterpret_cast<double*>(slot), copy);
-    }
-    return ffi::Error::Success();
-  }
-  template <typename T>
-  void AddHost(T* acc, T* slot, bool copy) {
-    for (int64_t i = 0; i < n_; ++i) {
-      acc[i] = copy ? slot[i] : acc[i] + slot[i];
-      slot[i] = T(0);
-    }
-  }
-
-  BufferOps& ops_;
-  ffi::DataType dtype_;
-  const void* local_;
-  void* out_;
-  std::byte* acc_;
-  int64_t n_;
-  bool origin_above_;
-  State state_ = kEmpty;
-};
 
 }  // namespace
 
@@ -339,6 +272,10 @@ ffi::Error OpenNotified(BufferOps& ops, MPI_Comm comm, const NotifySpec& spec, i
       state.generation = 0;
       state.resync = false;
     }
+  }
+  // Before starting again: every rank makes the lane at the same product (collective).
+  if (spec.messages) {
+    if (ffi::Error err = OpenMessages(*out); err.failure()) return err;
   }
   SyncState& state = StateOf(comm, out->size);
   if (state.resync || NoticeGeneration(*out) > state.generation) {
@@ -402,7 +339,35 @@ struct Deliveries {
   std::vector<int> phase;  // per target: 0 waiting for its slot, 1 to notify, 2 notified
   size_t notified = 0;
 
+  int64_t Stamp() const {
+    return n.stamp | (abandoned ? kAbandoned : (problem.empty() ? 0 : kFailed));
+  }
+
+  // The message transport: each target's message (its stamp and partials) sent, then waited
+  // for until it has left this rank.
+  ffi::Error StepMessages(bool* progressed) {
+    for (size_t i = 0; i < phase.size(); ++i) {
+      if (phase[i] == 0) {
+        if (problem.empty()) problem = deliver(n.spec.targets[i]);
+        if (ffi::Error err = SendImage(n, i, Stamp()); err.failure()) return err;
+        phase[i] = 1;
+        *progressed = true;
+      }
+      bool done = false;
+      if (phase[i] == 1) {
+        if (ffi::Error err = SendDone(n, i, &done); err.failure()) return err;
+      }
+      if (done) {
+        phase[i] = 2;
+        ++notified;
+        *progressed = true;
+      }
+    }
+    return ffi::Error::Success();
+  }
+
   ffi::Error Step(bool* progressed) {
+    if (n.spec.messages) return StepMessages(progressed);
     std::vector<size_t> ready;
     MPI_Win_sync(n.sync_win);
     for (size_t i = 0; i < phase.size(); ++i) {
@@ -427,8 +392,7 @@ struct Deliveries {
     }
     for (size_t i : ready) {
       const int64_t target = n.spec.targets[i];
-      const int64_t stamp = n.stamp | (abandoned ? kAbandoned : (problem.empty() ? 0 : kFailed));
-      if (ffi::Error err = WriteEntry(n, static_cast<int>(target), StampIndex(n, n.rank), stamp,
+      if (ffi::Error err = WriteEntry(n, static_cast<int>(target), StampIndex(n, n.rank), Stamp(),
                                       &state.stamps[static_cast<size_t>(target)],
                                       "osmm_reduce (notified): MPI_Accumulate (stamp)");
           err.failure()) {
@@ -443,16 +407,23 @@ struct Deliveries {
   }
 };
 
-// Whether every origin of `round` has stamped this product: nothing to wait for any more
+// Whether origins number [first, end) have all stamped this product: nothing to wait for any more
 // (*arrived), or the ranks are out of step (an error); *failed names an origin that failed.
-ffi::Error RoundArrived(const NotifiedReduce& n, SyncState& state,
-                        const std::vector<int64_t>& round, bool* arrived, std::string* failed) {
+ffi::Error RoundArrived(NotifiedReduce& n, SyncState& state, size_t first, size_t end,
+                        bool* arrived, std::string* failed) {
   MPI_Win_sync(n.sync_win);
   *arrived = true;
-  for (int64_t origin : round) {
-    const int64_t stamp = ReadEntry(n, StampIndex(n, origin));
+  for (size_t k = first; k < end; ++k) {
+    const int64_t origin = n.spec.origins[k];
+    int64_t stamp = 0;
+    bool came = true;
+    if (n.spec.messages) {
+      if (ffi::Error err = ReceivedStamp(n, k, &came, &stamp); err.failure()) return err;
+    } else {
+      stamp = ReadEntry(n, StampIndex(n, origin));
+    }
     const int64_t product = stamp >> kStampShift;
-    if (product < n.product) {
+    if (!came || product < n.product) {
       *arrived = false;
       continue;
     }
@@ -504,6 +475,13 @@ ffi::Error FinishNotified(BufferOps& ops, NotifiedReduce& n,
   const double start = MPI_Wtime();
   PollWait wait(Step::kNotifyWait, n.comm, "osmm_reduce (notified): waiting for deliveries",
                 n.background);
+  const int64_t block_bytes = elements * static_cast<int64_t>(ffi::ByteWidth(dtype));
+  if (n.spec.messages) {
+    if (ffi::Error err = PostReceives(n, 0, std::min(origins.size(), slots), block_bytes);
+        err.failure()) {
+      return err;
+    }
+  }
   for (;;) {
     bool progressed = false;
     if (ffi::Error err = targets.Step(&progressed); err.failure()) return err;
@@ -511,8 +489,10 @@ ffi::Error FinishNotified(BufferOps& ops, NotifiedReduce& n,
     if (!arrived) {
       const size_t end = std::min(origins.size(), next_origin + slots);
       round.assign(origins.begin() + next_origin, origins.begin() + end);
-      if (ffi::Error err = RoundArrived(n, state, round, &arrived, failure); err.failure())
+      if (ffi::Error err = RoundArrived(n, state, next_origin, end, &arrived, failure);
+          err.failure()) {
         return err;
+      }
       if (arrived) {
         MPI_Win_sync(n.slot_win);
         for (size_t k = 0; k < round.size(); ++k) {
@@ -540,6 +520,10 @@ ffi::Error FinishNotified(BufferOps& ops, NotifiedReduce& n,
         }
         MPI_Win_sync(n.slot_win);
         next_origin = end;
+        if (n.spec.messages) {
+          const size_t last = std::min(origins.size(), end + slots);
+          if (ffi::Error err = PostReceives(n, end, last, block_bytes); err.failure()) return err;
+        }
         const int64_t rounds = static_cast<int64_t>((next_origin + slots - 1) / slots);
         std::vector<int64_t> next(origins.begin() + end,
                                   origins.begin() + std::min(origins.size(), end + slots));

@@ -78,14 +78,16 @@ constexpr int64_t kNotifyRoundScale = int64_t{1} << 16;
 // sends, and the target copies each slot's `extent` bytes to byte `base` of its block (the
 // rest of the block is its own partial) instead of adding whole slots. Without placement a
 // base is where, in bytes from the start of this rank's slot for that origin, the origin's
-// records land (0 without them). The positions and the bases at each target are learnt from
-// the targets (ResolvePositions).
+// records land (0 without them); 8, the message transport: the partials and their stamp
+// travel as one two-sided message into a receive the target posts (messages.h), no credits.
+// The positions and the bases at each target are learnt from the targets (ResolvePositions).
 struct NotifySpec {
   int64_t slots = 0;          // slots per target window (identical on every rank)
   int64_t slot_bytes = 0;     // bytes of a slot (identical on every rank)
   bool pull_credits = false;  // origins read targets' progress; targets push none
   bool two_sets = false;      // the slots are two sets, used by alternate products
   bool place = false;         // disjoint records copied into place, not summed (flag 4)
+  bool messages = false;      // the message transport (flag 8, messages.h)
   int64_t per_product() const { return two_sets ? slots / 2 : slots; }  // a product's slots
   std::vector<int64_t> origins;         // ranks that deliver into this rank's block, ascending
   std::vector<int64_t> targets;         // ranks this rank delivers to, ascending
@@ -137,6 +139,13 @@ struct NotifiedReduce {
   std::vector<int> target_state;  // per spec.targets entry: 0 undecided, 1 issuing, 2 deferred
   std::vector<double> last_read;  // per target: when its progress was last read remotely
   bool background = false;        // finished by a waiter beside the computation (deferred.h)
+  // The message transport (messages.h): the lane, and per target the id of this product's
+  // message there, per origin the id of its posted receive (-1: none) and the stamp it
+  // brought (-1: not yet).
+  struct MessageLane* lane = nullptr;
+  std::vector<int64_t> sends;
+  std::vector<int64_t> receives;
+  std::vector<int64_t> arrived;
 };
 
 // Placement: the slot of the origin numbered `index` here (its `extent` bytes) into byte

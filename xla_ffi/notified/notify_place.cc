@@ -4,7 +4,7 @@
 #include <utility>
 #include <vector>
 
-#include "protocols/notify.h"
+#include "notified/notify.h"
 
 namespace osmm {
 
