@@ -146,12 +146,15 @@ def _one_sided_entries(replicated: bool) -> list[str]:
 
 @contextlib.contextmanager
 def synchronisation(sync: str, direct_elements: int | None = None):
-    """``OSMM_SYNC=sync`` (and ``slots.DIRECT_EXTRA_ELEMENTS=direct_elements`` unless None)
-    while a step is traced (the layers' products read them then); the caller's own values afterwards."""
-    before = os.environ.get("OSMM_SYNC"), slots.DIRECT_EXTRA_ELEMENTS
+    """``OSMM_SYNC=sync`` (and both of ``slots.DIRECT_EXTRA_ELEMENTS`` and
+    ``slots.DIRECT_EXTRA_ELEMENTS_MESSAGES`` set to ``direct_elements`` unless None) while a
+    step is traced (the layers' products read them then); the caller's own values afterwards."""
+    names = ("DIRECT_EXTRA_ELEMENTS", "DIRECT_EXTRA_ELEMENTS_MESSAGES")
+    before = os.environ.get("OSMM_SYNC"), [getattr(slots, name) for name in names]
     os.environ["OSMM_SYNC"] = sync
     if direct_elements is not None:
-        slots.DIRECT_EXTRA_ELEMENTS = direct_elements
+        for name in names:
+            setattr(slots, name, direct_elements)
     try:
         yield
     finally:
@@ -159,7 +162,8 @@ def synchronisation(sync: str, direct_elements: int | None = None):
             os.environ.pop("OSMM_SYNC")
         else:
             os.environ["OSMM_SYNC"] = before[0]
-        slots.DIRECT_EXTRA_ELEMENTS = before[1]
+        for name, value in zip(names, before[1]):
+            setattr(slots, name, value)
 
 
 def mlp_entries() -> tuple[dict, float]:

@@ -13,18 +13,19 @@
 
 namespace osmm {
 
-// One message of the lane: a send's [stamp][image], or a receive's stamp (its image goes
-// straight into a slot).
+// One message of the lane: a send's [stamp][image] (shared by the targets whose images are
+// alike, see StageImage), or a receive's stamp (its image goes straight into a slot).
 struct Message {
   MPI_Request request = MPI_REQUEST_NULL;
   int peer = 0;
-  std::vector<std::byte> data;
+  std::shared_ptr<std::vector<std::byte>> data;
 };
 
 // The transport's state on one private communicator. Its mutex guards everything: a
 // deferred product's waiter and the next product's start may use the lane at once.
 struct MessageLane {
-  uint64_t key = 0;
+  uint64_t key = 0;         // CommKey of the private communicator (0: an old lane, unused)
+  uint64_t generation = 0;  // of the sync window it was made with (windows.h)
   MPI_Comm comm = MPI_COMM_NULL;
   std::mutex mu;
   std::map<int64_t, Message> sends;     // by id, in the order they were made
@@ -32,6 +33,9 @@ struct MessageLane {
   int64_t next_id = 0;
   std::vector<int64_t> sent;      // per rank: messages sent to it since the last start
   std::vector<int64_t> received;  // per rank: messages received from it since then
+  // Where messages nobody had posted a receive for were taken when the ranks last started
+  // again (kept until the next start, in case that one did not complete).
+  std::vector<std::vector<std::byte>> scratch;
 };
 
 namespace {
@@ -114,15 +118,26 @@ ffi::Error PollUntil(MPI_Comm comm, const char* what, const Done& done) {
 
 }  // namespace
 
-ffi::Error OpenMessages(NotifiedReduce& n) {
+ffi::Error OpenMessages(NotifiedReduce& n, uint64_t generation) {
   const uint64_t key = CommKey(n.comm);
   n.lane = FindLane(key);
+  if (n.lane != nullptr && n.lane->generation != generation) {
+    // Made before the windows were freed (its communicator's handle reused since, maybe):
+    // left as it is, since MPI may still own its buffers, and never found again.
+    std::lock_guard<std::mutex> lock(n.lane->mu);
+    n.lane->key = 0;
+    n.lane = nullptr;
+  }
   if (n.lane == nullptr) {
     auto lane = std::make_unique<MessageLane>();
-    if (int rc = MPI_Comm_dup(n.comm, &lane->comm); rc != MPI_SUCCESS) {
-      return MpiError(rc, "osmm_reduce (notified, messages): MPI_Comm_dup");
+    {
+      BlockingStep blocking(Step::kCommDup, n.comm);
+      if (int rc = MPI_Comm_dup(n.comm, &lane->comm); rc != MPI_SUCCESS) {
+        return MpiError(rc, "osmm_reduce (notified, messages): MPI_Comm_dup");
+      }
     }
     lane->key = key;
+    lane->generation = generation;
     lane->sent.assign(static_cast<size_t>(n.size), 0);
     lane->received.assign(static_cast<size_t>(n.size), 0);
     std::mutex* mu = nullptr;
@@ -139,16 +154,11 @@ ffi::Error OpenMessages(NotifiedReduce& n) {
 
 std::string StageImage(NotifiedReduce& n, int64_t target, const ImageSource& source) {
   const int64_t itemsize = static_cast<int64_t>(ffi::ByteWidth(source.dtype));
+  // The image's layout: targets whose records are alike (a replicated C summed directly, an
+  // all-gather's block) share one staged image.
+  std::vector<int64_t> layout;
+  std::vector<std::pair<size_t, size_t>> mine;  // (record, chunk)
   int64_t image_bytes = 0;
-  for (const Record& r : source.records) {
-    if (r.target != target || r.rows == 0 || r.cols == 0) continue;
-    image_bytes =
-        std::max(image_bytes, ((r.row0 + r.rows - 1) * r.ld + r.col0 + r.cols) * itemsize);
-  }
-  Message message;
-  message.peer = static_cast<int>(target);
-  message.data.assign(static_cast<size_t>(kStampBytes + image_bytes), std::byte{0});
-  std::byte* image = message.data.data() + kStampBytes;
   int64_t payload = 0;
   size_t chunk = 0;
   for (size_t i = 0; i < source.records.size(); ++i) {
@@ -159,24 +169,45 @@ std::string StageImage(NotifiedReduce& n, int64_t target, const ImageSource& sou
       return "osmm_reduce (notified, messages): chunk " + std::to_string(chunk) +
              " was not issued before its records were sent";
     }
-    const bool add = r.kind == kOpAccumulate && !source.copy_accumulates;
-    const std::byte* from = source.chunks[chunk] + r.offset * itemsize;
-    for (int64_t row = 0; row < r.rows; ++row) {
-      std::byte* to = image + ((r.row0 + row) * r.ld + r.col0) * itemsize;
-      const std::byte* src = from + row * r.cols * itemsize;
-      if (!add) {
-        std::memcpy(to, src, static_cast<size_t>(r.cols * itemsize));
-      } else if (source.dtype == ffi::DataType::F64) {
-        AddInto<double>(to, src, r.cols);
-      } else {
-        AddInto<float>(to, src, r.cols);
+    mine.emplace_back(i, chunk);
+    const int64_t end = ((r.row0 + r.rows - 1) * r.ld + r.col0 + r.cols) * itemsize;
+    image_bytes = std::max(image_bytes, end);
+    payload += r.rows * r.cols * itemsize;
+    layout.insert(layout.end(), {static_cast<int64_t>(chunk), r.kind, r.offset, r.rows, r.cols,
+                                 r.row0, r.col0, r.ld});
+  }
+  std::shared_ptr<std::vector<std::byte>> buffer;
+  for (const auto& [alike, staged] : n.images) {
+    if (alike == layout) buffer = staged;
+  }
+  if (buffer == nullptr) {
+    buffer = std::make_shared<std::vector<std::byte>>(kStampBytes + image_bytes, std::byte{0});
+    std::memcpy(buffer->data(), &n.stamp, kStampBytes);
+    std::byte* image = buffer->data() + kStampBytes;
+    for (const auto& [i, c] : mine) {
+      const Record& r = source.records[i];
+      const bool add = r.kind == kOpAccumulate && !source.copy_accumulates;
+      const std::byte* from = source.chunks[c] + r.offset * itemsize;
+      for (int64_t row = 0; row < r.rows; ++row) {
+        std::byte* to = image + ((r.row0 + row) * r.ld + r.col0) * itemsize;
+        const std::byte* src = from + row * r.cols * itemsize;
+        if (!add) {
+          std::memcpy(to, src, static_cast<size_t>(r.cols * itemsize));
+        } else if (source.dtype == ffi::DataType::F64) {
+          AddInto<double>(to, src, r.cols);
+        } else {
+          AddInto<float>(to, src, r.cols);
+        }
       }
     }
-    payload += r.rows * r.cols * itemsize;
+    n.images.emplace_back(std::move(layout), buffer);
   }
   Counters& counters = GlobalCounters();
   counters.rma_bytes.fetch_add(payload, std::memory_order_relaxed);
   counters.sent_bytes.fetch_add(payload, std::memory_order_relaxed);
+  Message message;
+  message.peer = static_cast<int>(target);
+  message.data = std::move(buffer);
   std::lock_guard<std::mutex> lock(n.lane->mu);
   const int64_t id = n.lane->next_id++;
   n.lane->sends.emplace(id, std::move(message));
@@ -185,14 +216,25 @@ std::string StageImage(NotifiedReduce& n, int64_t target, const ImageSource& sou
 }
 
 std::string SendImages(NotifiedReduce& n, const ImageSource& source) {
+  std::string problem;
   for (size_t i = 0; i < n.spec.targets.size(); ++i) {
-    if (std::string problem = StageImage(n, n.spec.targets[i], source); !problem.empty()) {
-      return problem;
-    }
-    if (ffi::Error err = SendImage(n, i, n.stamp); err.failure()) return err.message();
+    if (problem.empty()) problem = StageImage(n, n.spec.targets[i], source);
+    // A target after a problem still gets its message now, the stamp alone: a product's
+    // messages leave in product order, before any of the next product's.
+    const int64_t stamp = n.stamp | (problem.empty() ? 0 : kStampFailed);
+    if (ffi::Error err = SendImage(n, i, stamp); err.failure()) return err.message();
     n.target_state[i] = 1;
   }
-  return std::string();
+  return problem;
+}
+
+ffi::Error SendStamps(NotifiedReduce& n, int64_t stamp) {
+  for (size_t i = 0; i < n.spec.targets.size(); ++i) {
+    if (n.target_state[i] == 1) continue;
+    if (ffi::Error err = SendImage(n, i, stamp); err.failure()) return err;
+    n.target_state[i] = 1;
+  }
+  return ffi::Error::Success();
 }
 
 ffi::Error SendImage(NotifiedReduce& n, size_t i, int64_t stamp) {
@@ -206,10 +248,13 @@ ffi::Error SendImage(NotifiedReduce& n, size_t i, int64_t stamp) {
     it = lane.sends.emplace(n.sends[i], std::move(message)).first;
   }
   Message& m = it->second;
-  if ((stamp & 3) != 0 || m.data.size() < kStampBytes) m.data.resize(kStampBytes);
-  std::memcpy(m.data.data(), &stamp, kStampBytes);
+  if (m.data == nullptr || stamp != n.stamp) {
+    // Nothing staged, or a failed or abandoned product: the stamp alone.
+    m.data = std::make_shared<std::vector<std::byte>>(kStampBytes);
+    std::memcpy(m.data->data(), &stamp, kStampBytes);
+  }
   MPI_Datatype type = MPI_DATATYPE_NULL;
-  int rc = BytesType({{m.data.data(), static_cast<int64_t>(m.data.size())}}, &type);
+  int rc = BytesType({{m.data->data(), static_cast<int64_t>(m.data->size())}}, &type);
   if (rc == MPI_SUCCESS) rc = MPI_Isend(MPI_BOTTOM, 1, type, m.peer, kTag, lane.comm, &m.request);
   if (type != MPI_DATATYPE_NULL) MPI_Type_free(&type);
   if (rc != MPI_SUCCESS) return MpiError(rc, "osmm_reduce (notified, messages): MPI_Isend");
@@ -217,7 +262,7 @@ ffi::Error SendImage(NotifiedReduce& n, size_t i, int64_t stamp) {
   Counters& counters = GlobalCounters();
   counters.notifications.fetch_add(1, std::memory_order_relaxed);
   counters.messages.fetch_add(1, std::memory_order_relaxed);
-  counters.message_bytes.fetch_add(static_cast<int64_t>(m.data.size()), std::memory_order_relaxed);
+  counters.message_bytes.fetch_add(static_cast<int64_t>(m.data->size()), std::memory_order_relaxed);
   return ffi::Error::Success();
 }
 
@@ -251,8 +296,8 @@ ffi::Error PostReceives(NotifiedReduce& n, size_t first, size_t end, int64_t blo
     const int64_t bytes = n.spec.place ? n.spec.origin_extents[k] : block_bytes - base;
     Message m;
     m.peer = static_cast<int>(n.spec.origins[k]);
-    m.data.assign(kStampBytes, std::byte{0});
-    std::vector<std::pair<const void*, int64_t>> blocks = {{m.data.data(), kStampBytes}};
+    m.data = std::make_shared<std::vector<std::byte>>(kStampBytes);
+    std::vector<std::pair<const void*, int64_t>> blocks = {{m.data->data(), kStampBytes}};
     if (bytes > 0) blocks.emplace_back(slot + base, bytes);
     MPI_Datatype type = MPI_DATATYPE_NULL;
     int rc = BytesType(blocks, &type);
@@ -287,7 +332,7 @@ ffi::Error ReceivedStamp(NotifiedReduce& n, size_t k, bool* arrived, int64_t* st
   if (flag == 0) return ffi::Error::Success();
   int count = 0;
   MPI_Get_count(&status, MPI_BYTE, &count);
-  std::memcpy(stamp, it->second.data.data(), kStampBytes);
+  std::memcpy(stamp, it->second.data->data(), kStampBytes);
   lane.received[static_cast<size_t>(it->second.peer)] += 1;
   lane.receives.erase(it);
   if (count != MPI_UNDEFINED && count < kStampBytes) {
@@ -300,15 +345,79 @@ ffi::Error ReceivedStamp(NotifiedReduce& n, size_t k, bool* arrived, int64_t* st
   return ffi::Error::Success();
 }
 
+ffi::Error CancelReceives(NotifiedReduce& n) {
+  MessageLane& lane = *n.lane;
+  std::lock_guard<std::mutex> lock(lane.mu);
+  std::vector<std::map<int64_t, Message>::iterator> pending;
+  for (int64_t id : n.receives) {
+    auto it = lane.receives.find(id);
+    if (it == lane.receives.end()) continue;
+    MPI_Cancel(&it->second.request);
+    pending.push_back(it);
+  }
+  // A receive already matched completes with its message (on its way: the origin is sending).
+  for (auto it : pending) {
+    ffi::Error err =
+        PollUntil(n.comm, "osmm_reduce (notified, messages): a cancelled receive", [&](bool* done) {
+          int flag = 0;
+          MPI_Status status;
+          int rc = MPI_Test(&it->second.request, &flag, &status);
+          int cancelled = 0;
+          if (flag != 0) MPI_Test_cancelled(&status, &cancelled);
+          if (flag != 0 && cancelled == 0) {
+            lane.received[static_cast<size_t>(it->second.peer)] += 1;
+          }
+          *done = flag != 0;
+          return rc == MPI_SUCCESS ? ffi::Error::Success() : MpiError(rc, "MPI_Test");
+        });
+    if (err.failure()) return err;  // the receive stays in the lane, its stamp alive
+    lane.receives.erase(it);
+  }
+  return ffi::Error::Success();
+}
+
+namespace {
+
+// Takes the next message from `origin` on the lane, which nobody posted a receive for, into
+// scratch memory; its request goes to `settle`.
+ffi::Error TakeStray(MPI_Comm comm, MessageLane& lane, int origin,
+                     std::vector<MPI_Request>* settle) {
+  MPI_Message matched = MPI_MESSAGE_NULL;
+  MPI_Status status;
+  ffi::Error err =
+      PollUntil(comm,
+                "osmm_reduce (notified, messages): starting again: a message "
+                "still in flight (MPI_Improbe)",
+                [&](bool* done) {
+                  int flag = 0;
+                  int rc = MPI_Improbe(origin, kTag, lane.comm, &flag, &matched, &status);
+                  *done = flag != 0;
+                  return rc == MPI_SUCCESS ? ffi::Error::Success() : MpiError(rc, "MPI_Improbe");
+                });
+  if (err.failure()) return err;
+  MPI_Count bytes = 0;
+  MPI_Get_elements_x(&status, MPI_BYTE, &bytes);
+  lane.scratch.emplace_back(static_cast<size_t>(std::max<MPI_Count>(bytes, 1)));
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  int rc = BytesType({{lane.scratch.back().data(), static_cast<int64_t>(bytes)}}, &type);
+  settle->push_back(MPI_REQUEST_NULL);
+  if (rc == MPI_SUCCESS) rc = MPI_Imrecv(MPI_BOTTOM, 1, type, &matched, &settle->back());
+  if (type != MPI_DATATYPE_NULL) MPI_Type_free(&type);
+  if (rc != MPI_SUCCESS) return MpiError(rc, "osmm_reduce (notified, messages): MPI_Imrecv");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
 ffi::Error RestartMessages(MPI_Comm comm) {
   MessageLane* found = FindLane(CommKey(comm));
   if (found == nullptr) return ffi::Error::Success();
   MessageLane& lane = *found;
   std::lock_guard<std::mutex> lock(lane.mu);
   const size_t size = lane.sent.size();
-  std::vector<int64_t> expected(size, 0);
+  std::vector<int64_t> owed(size, 0);  // per origin: what it sent here, not received yet
   MPI_Request request = MPI_REQUEST_NULL;
-  if (int rc = MPI_Ialltoall(lane.sent.data(), 1, MPI_INT64_T, expected.data(), 1, MPI_INT64_T,
+  if (int rc = MPI_Ialltoall(lane.sent.data(), 1, MPI_INT64_T, owed.data(), 1, MPI_INT64_T,
                              lane.comm, &request);
       rc != MPI_SUCCESS) {
     return MpiError(rc, "osmm_reduce (notified, messages): starting again: MPI_Ialltoall");
@@ -319,11 +428,11 @@ ffi::Error RestartMessages(MPI_Comm comm) {
       err.failure()) {
     return err;
   }
-  // Per origin: the first receives posted match what it still has in flight (one tag, in
-  // order); the others will match nothing and are cancelled; what has no receive is taken
-  // into scratch memory.
-  std::vector<int64_t> owed(size, 0);
-  for (size_t r = 0; r < size; ++r) owed[r] = expected[r] - lane.received[r];
+  for (size_t r = 0; r < size; ++r) owed[r] -= lane.received[r];
+  lane.scratch.clear();  // the last start completed: nothing of MPI's is in it
+  // Per origin, the first receives posted match what it still has in flight (one tag, in
+  // order); the others will match nothing and are cancelled; the rest of what it sent is
+  // taken into scratch memory.
   std::vector<MPI_Request> settle;
   for (auto& [id, m] : lane.receives) {
     int64_t& left = owed[static_cast<size_t>(m.peer)];
@@ -334,34 +443,18 @@ ffi::Error RestartMessages(MPI_Comm comm) {
     }
     settle.push_back(m.request);
   }
-  std::vector<std::vector<std::byte>> scratch;
   for (size_t r = 0; r < size; ++r) {
     for (; owed[r] > 0; --owed[r]) {
-      MPI_Message matched = MPI_MESSAGE_NULL;
-      MPI_Status status;
-      ffi::Error err = PollUntil(
-          comm,
-          "osmm_reduce (notified, messages): starting again: "
-          "a message still in flight (MPI_Improbe)",
-          [&](bool* done) {
-            int flag = 0;
-            int rc = MPI_Improbe(static_cast<int>(r), kTag, lane.comm, &flag, &matched, &status);
-            *done = flag != 0;
-            return rc == MPI_SUCCESS ? ffi::Error::Success() : MpiError(rc, "MPI_Improbe");
-          });
-      if (err.failure()) return err;
-      int count = 0;
-      MPI_Get_count(&status, MPI_BYTE, &count);
-      scratch.emplace_back(static_cast<size_t>(std::max(count, 1)));
-      settle.emplace_back();
-      MPI_Imrecv(scratch.back().data(), count, MPI_BYTE, &matched, &settle.back());
+      if (ffi::Error err = TakeStray(comm, lane, static_cast<int>(r), &settle); err.failure()) {
+        return err;
+      }
     }
   }
   for (auto& [id, m] : lane.sends) settle.push_back(m.request);
   ffi::Error err =
       PollUntil(comm,
-                "osmm_reduce (notified, messages): starting again: the "
-                "messages in flight (MPI_Testall)",
+                "osmm_reduce (notified, messages): starting again: the messages "
+                "in flight (MPI_Testall)",
                 [&](bool* done) {
                   int flag = 0;
                   int rc = MPI_Testall(static_cast<int>(settle.size()), settle.data(), &flag,
@@ -369,11 +462,12 @@ ffi::Error RestartMessages(MPI_Comm comm) {
                   *done = flag != 0;
                   return rc == MPI_SUCCESS ? ffi::Error::Success() : MpiError(rc, "MPI_Testall");
                 });
+  if (err.failure()) return err;  // the buffers stay: MPI may still own them
   lane.receives.clear();
   lane.sends.clear();
   std::fill(lane.sent.begin(), lane.sent.end(), 0);
   std::fill(lane.received.begin(), lane.received.end(), 0);
-  return err;
+  return ffi::Error::Success();
 }
 
 }  // namespace osmm

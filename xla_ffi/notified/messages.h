@@ -8,11 +8,19 @@
 // last record (zeros where no record lands; a record the RMA transport would accumulate is
 // added into the zeroed image, as MPI_SUM adds it into a zeroed slot, so the slot ends up with
 // the same bits). The image is staged in memory of the transport's own, so a message may stay
-// in flight after the product it belongs to was given up. A failed or abandoned origin sends
-// the stamp alone. The target posts one receive per origin, straight into that origin's slot,
-// round by round in its finish: no credits, since a slot is the target's own until its
-// receive completes. It then sums the slots exactly as the RMA transport does (notify.cc), so
-// both transports give the same bits.
+// in flight after the product it belongs to was given up; targets whose records are alike (a
+// replicated C summed directly, an all-gather's block) share one staged image.
+//
+// An origin whose product failed or was abandoned before its messages left sends the stamp
+// alone. After they left, its targets hear of an abandonment from the notice, as with RMA, and
+// not at all of a failure found only at its finish (its partials were right). An origin
+// completes its sends in its finish (its part of the product is over once they have left), as
+// the RMA transport flushes its puts.
+//
+// The target posts one receive per origin, straight into that origin's slot, round by round
+// in its finish: no credits, since a slot is the target's own until its receive completes. It
+// sums the slots exactly as the RMA transport does (notify.cc), so both transports give the
+// same bits. A finish that gives its product up cancels its receives that have not completed.
 //
 // The messages go over a duplicate of the private communicator (the "lane"), all with one
 // tag, so a pair's messages match in the order they were sent: every rank runs the same
@@ -48,17 +56,23 @@ struct ImageSource {
   bool copy_accumulates;  // the RMA transport would put them (ReduceEpoch::slot_puts)
 };
 
-// Finds or makes the lane of `n`'s communicator (MPI_Comm_dup the first time: every rank
-// opens its first product with messages at the same call) and readies `n`'s message state.
-ffi::Error OpenMessages(NotifiedReduce& n);
+// Finds or makes the lane of `n`'s communicator (MPI_Comm_dup the first time, and again for
+// a sync window of a new `generation`, after the windows were freed: every rank opens its
+// first product with messages at the same call) and readies `n`'s message state.
+ffi::Error OpenMessages(NotifiedReduce& n, uint64_t generation);
 
 // Stages this rank's image for `target` (a rank among n.spec.targets) from `source`.
 // Returns "" or what went wrong (a record whose chunk was not issued).
 std::string StageImage(NotifiedReduce& n, int64_t target, const ImageSource& source);
 
 // Stages and sends the image for every target at once, each with this product's stamp:
-// the partials leave as soon as the last chunk is there. Returns "" or what went wrong.
+// the partials leave as soon as the last chunk is there. Returns "" or what went wrong (the
+// targets from the first that could not be staged on get the stamp alone, failed).
 std::string SendImages(NotifiedReduce& n, const ImageSource& source);
+
+// Sends `stamp` alone to every target that has had no message of this product yet (a
+// product that failed or was abandoned before its partials left).
+ffi::Error SendStamps(NotifiedReduce& n, int64_t stamp);
 
 // Sends the message of target number `i` (n.spec.targets): `stamp` and, when its status bits
 // are clear, the staged image (none staged: the stamp alone).
@@ -73,6 +87,10 @@ ffi::Error PostReceives(NotifiedReduce& n, size_t first, size_t end, int64_t blo
 
 // Whether origin number `k`'s message has arrived (*arrived), and its stamp.
 ffi::Error ReceivedStamp(NotifiedReduce& n, size_t k, bool* arrived, int64_t* stamp);
+
+// Cancels this product's receives that have not completed (a product given up): none stays
+// posted into the slots, which may be cleared or replaced before the ranks start again.
+ffi::Error CancelReceives(NotifiedReduce& n);
 
 // When the ranks start again (notify.cc, Resync; collective, on every rank alike, after every
 // rank has stopped sending): receives every message sent to this rank and not yet received,

@@ -19,8 +19,6 @@ namespace {
 
 constexpr int kStampShift = 24;  // stamp = product << this | id bits << 2 | status
 constexpr int64_t kIdMask = (int64_t{1} << 22) - 1;
-constexpr int64_t kFailed = 1;     // status: the origin could not deliver (an error there)
-constexpr int64_t kAbandoned = 2;  // status: the origin abandoned the product
 constexpr double kRemoteReadSeconds = 1e-3;  // how often a missing credit is read remotely
 constexpr int kNoticeShift = 20;  // notice = (generation + 1) << this | (abandoning rank + 1)
 
@@ -273,11 +271,11 @@ ffi::Error OpenNotified(BufferOps& ops, MPI_Comm comm, const NotifySpec& spec, i
       state.resync = false;
     }
   }
+  SyncState& state = StateOf(comm, out->size);
   // Before starting again: every rank makes the lane at the same product (collective).
   if (spec.messages) {
-    if (ffi::Error err = OpenMessages(*out); err.failure()) return err;
+    if (ffi::Error err = OpenMessages(*out, state.window); err.failure()) return err;
   }
-  SyncState& state = StateOf(comm, out->size);
   if (state.resync || NoticeGeneration(*out) > state.generation) {
     // A rank that hears of the abandonment only now has not failed a product for it yet:
     // this one, which the others do not run, is its failure.
@@ -340,7 +338,7 @@ struct Deliveries {
   size_t notified = 0;
 
   int64_t Stamp() const {
-    return n.stamp | (abandoned ? kAbandoned : (problem.empty() ? 0 : kFailed));
+    return n.stamp | (abandoned ? kStampAbandoned : (problem.empty() ? 0 : kStampFailed));
   }
 
   // The message transport: each target's message (its stamp and partials) sent, then waited
@@ -437,13 +435,13 @@ ffi::Error RoundArrived(NotifiedReduce& n, SyncState& state, size_t first, size_
                                         std::to_string(product) + " (id bits " +
                                         std::to_string((stamp >> 2) & kIdMask) + ")");
     }
-    if ((stamp & kAbandoned) != 0) state.resync = true;  // the ranks start again next product
-    if ((stamp & kAbandoned) != 0 && failed->empty()) {
+    if ((stamp & kStampAbandoned) != 0) state.resync = true;  // the ranks start again next product
+    if ((stamp & kStampAbandoned) != 0 && failed->empty()) {
       *failed = "osmm_reduce_finish: rank " + std::to_string(origin) +
                 " abandoned this product (an error stopped its program between the start and "
                 "the finish of the reduce; its own error says why); this rank's result would "
                 "be incomplete and was discarded. The next product runs normally.";
-    } else if ((stamp & kFailed) != 0 && failed->empty()) {
+    } else if ((stamp & kStampFailed) != 0 && failed->empty()) {
       *failed = "osmm_reduce_finish: rank " + std::to_string(origin) +
                 " could not deliver its partials to this product (an error on that rank: its "
                 "own error says why); this rank's result would be incomplete and was discarded."
@@ -462,6 +460,16 @@ ffi::Error FinishNotified(BufferOps& ops, NotifiedReduce& n,
   SyncState& state = StateOf(n.comm, n.size);
   if (abandoned) {
     if (ffi::Error err = AnnounceAbandoned(n, state); err.failure()) return err;
+  }
+  if (n.spec.messages && (state.resync || NoticeGeneration(n) > state.generation)) {
+    // A product was abandoned (this one, or one before that this rank has not started again
+    // after: a deferred product opened before it heard): its targets get the stamp alone,
+    // and it posts no receive the messages of the abandoned product might match.
+    const int64_t status = abandoned ? kStampAbandoned : kStampFailed;
+    if (ffi::Error err = SendStamps(n, n.stamp | status); err.failure()) return err;
+    if (failure->empty()) *failure = VoidedBy(n);
+    state.resync = true;
+    return ffi::Error::Success();
   }
   Deliveries targets{n, state, deliver, problem, abandoned, {}, 0};
   for (int s : n.target_state) targets.phase.push_back(s == 1 ? 1 : 0);
@@ -539,7 +547,7 @@ ffi::Error FinishNotified(BufferOps& ops, NotifiedReduce& n,
       // A product was abandoned: some of what this one waits for will never come.
       if (failure->empty()) *failure = VoidedBy(n);
       state.resync = true;
-      return ffi::Error::Success();
+      return n.spec.messages ? CancelReceives(n) : ffi::Error::Success();
     }
     if (!progressed) {
       int flag = 0;  // drives MPI's progress engine (the origins' operations into this rank)

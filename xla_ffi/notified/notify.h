@@ -55,7 +55,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/buffer_ops.h"
@@ -66,6 +68,11 @@ namespace osmm {
 
 // Progress = (product - 1) * this + rounds consumed (see above); also bounds the rounds.
 constexpr int64_t kNotifyRoundScale = int64_t{1} << 16;
+
+// A stamp's status bits (see above): the origin could not deliver (an error there), or it
+// abandoned the product.
+constexpr int64_t kStampFailed = 1;
+constexpr int64_t kStampAbandoned = 2;
 
 // This rank's part of a notified reduce, from the "notify" attribute of osmm_reduce_start:
 // [slots, slot_bytes, flags, n_origins, origins..., n_targets, targets...], optionally
@@ -146,6 +153,8 @@ struct NotifiedReduce {
   std::vector<int64_t> sends;
   std::vector<int64_t> receives;
   std::vector<int64_t> arrived;
+  // The images this product staged, by layout: targets whose records are alike share one.
+  std::vector<std::pair<std::vector<int64_t>, std::shared_ptr<std::vector<std::byte>>>> images;
 };
 
 // Placement: the slot of the origin numbered `index` here (its `extent` bytes) into byte

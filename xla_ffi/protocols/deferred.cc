@@ -16,6 +16,7 @@
 
 #include "core/counters.h"
 #include "core/host_buffer_ops.h"
+#include "notified/messages.h"
 #include "watchdog/watchdog.h"
 
 namespace osmm {
@@ -173,12 +174,22 @@ ffi::Error DeferReduce(BufferOps& ops, std::unique_ptr<ReduceEpoch> epoch,
                        const ffi::AnyBuffer& chunk, const ffi::AnyBuffer& local,
                        ffi::Result<ffi::AnyBuffer> ticket) {
   auto job = std::make_unique<Job>();
-  const size_t chunk_bytes = chunk.size_bytes();
-  job->chunk.reset(new std::byte[std::max<size_t>(1, chunk_bytes)]);
-  std::memcpy(job->chunk.get(), chunk.untyped_data(), chunk_bytes);
   job->sum.resize(local.size_bytes());
   std::memcpy(job->sum.data(), local.untyped_data(), local.size_bytes());
-  if (epoch->problem.empty()) epoch->problem = IssueChunk(*epoch, 0, job->chunk.get());
+  NotifiedReduce* n = epoch->notified.get();
+  if (n != nullptr && n->spec.messages) {
+    // Every target's message leaves now, staged by the transport (no copy of the chunk to
+    // keep), the stamp alone after a problem: before any message of the next product.
+    const auto* data = static_cast<const std::byte*>(chunk.untyped_data());
+    if (epoch->problem.empty()) epoch->problem = IssueChunk(*epoch, 0, data);
+    epoch->chunk_data[0] = nullptr;  // XLA's buffer, gone after this call
+    if (ffi::Error err = SendStamps(*n, n->stamp | kStampFailed); err.failure()) return err;
+  } else {
+    const size_t chunk_bytes = chunk.size_bytes();
+    job->chunk.reset(new std::byte[std::max<size_t>(1, chunk_bytes)]);
+    std::memcpy(job->chunk.get(), chunk.untyped_data(), chunk_bytes);
+    if (epoch->problem.empty()) epoch->problem = IssueChunk(*epoch, 0, job->chunk.get());
+  }
   if (epoch->notified != nullptr) epoch->notified->background = true;
   const uint64_t key = CommKey(epoch->private_comm);
   job->epoch = std::move(epoch);

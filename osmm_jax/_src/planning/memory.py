@@ -179,7 +179,9 @@ class PeakMemory(NamedTuple):
         return self.blocks + self.transient + self.windows
 
 
-def one_sided_transient(plan: Plan, rank: int, packed: bool, whole_c: int = 0, taken=()) -> int:
+def one_sided_transient(
+    plan: Plan, rank: int, packed: bool, whole_c: int = 0, taken=(), messages: bool = False
+) -> int:
     """Elements (accumulation dtype) a one_sided product of ``plan`` adds on ``rank`` beside
     its blocks, at its busiest moment, the larger of:
 
@@ -197,12 +199,18 @@ def one_sided_transient(plan: Plan, rank: int, packed: bool, whole_c: int = 0, t
     fetch instead of its own (dB's from dA's, :mod:`osmm_jax._src.runtime.backward`), counted
     there: it neither receives nor serves them.
 
+    ``messages``: the notified mode's message transport (xla_ffi/notified/messages.h) stages
+    a copy of what leaves: the pieces served and the partials delivered (one image per cell,
+    shared by the targets of a replicated C); a staged plan's all-gather, its own block
+    (counted by the caller in ``whole_c``).
+
     The product's own C block is the result XLA writes, counted with the blocks."""
     mine = plan.for_rank(rank)
-    served = sum(t.elements for t in mine.served if t not in taken) if packed else 0
+    serves = sum(t.elements for t in mine.served if t not in taken)
+    served = (serves if packed else 0) + (serves if messages else 0)
     fetched = sum(t.elements for t in mine.gets if t not in taken)
     partials = sum({(t.rows, t.cols, t.inner): t.elements for t in mine.deliveries}.values())
-    compute = max(fetched, _joined_operands(mine.multiplies)) + partials
+    compute = max(fetched, _joined_operands(mine.multiplies)) + partials * (2 if messages else 1)
     return max(served + fetched, compute, whole_c)
 
 

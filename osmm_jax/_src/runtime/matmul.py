@@ -282,10 +282,15 @@ def _one_sided_run(plan: Plan, rank: int, sync: one_sided.Sync, same_dtype: bool
     (``same_dtype``: the inputs are in the accumulation dtype), as ``sync`` runs it;
     ``taken``: the pieces it leaves out of its fetch (dB's, :mod:`.backward`), or None."""
     executed = one_sided.executed_plan(plan, sync)
-    whole_c = plan.c.shape[0] * plan.c.shape[1] if executed is plan.gather_stage else 0
+    messages = slots.uses_messages(executed, sync)
+    whole_c = 0
+    if executed is plan.gather_stage:  # the whole C, and its own block's staged image
+        whole_c = plan.c.shape[0] * plan.c.shape[1]
+        whole_c += block_area(executed.c, rank) if messages else 0
     packs = sync.mode == "notify" and fetch.packs_pieces(executed, rank, same_dtype, taken)
     served = sum(t.elements for t in fetch.moved(executed, rank, taken)[1]) if packs else 0
-    return one_sided_transient(executed, rank, packs, whole_c, taken or ()), served
+    transient = one_sided_transient(executed, rank, packs, whole_c, taken or (), messages)
+    return transient, served
 
 
 # -- input checks -----------------------------------------------------------------------

@@ -87,10 +87,13 @@ def uses_messages(plan: Plan, sync: Sync) -> bool:
     (``sync.transport``: ``"messages"``, or ``"auto"`` where ``plan``'s communicator spans
     several nodes, see ``config.TRANSPORT``), the same answer on every rank. A deferred
     product needs no second set of slots then: a target posts its receives only once it has
-    summed the product before."""
+    summed the product before. A plan made without a communicator (``comm_key`` 0, planning
+    alone) counts as one node's."""
     if sync.mode != "notify" or sync.transport == "rma" or plan.nranks == 1:
         return False
-    return sync.transport == "messages" or communicators.spans_nodes(plan.comm_key)
+    if sync.transport == "messages":
+        return True
+    return plan.comm_key != 0 and communicators.spans_nodes(plan.comm_key)
 
 
 def _attribute(
@@ -212,7 +215,15 @@ rank, one notified round) rather than staged (reduce-scatter, then the notified 
 two rounds) while the direct sum sends at most this many elements per rank more than staging
 (:func:`direct_extra_elements`). Measured over TCP between 3 and 4 emulated hosts
 (benchmarks/results/sync_staged.md): the extra round costs about as much as 400-700 thousand
-extra elements; below that the direct sum was up to 1.7x faster, above it staging up to 1.3x."""
+extra elements; below that the direct sum was up to 1.7x faster, above it staging up to 1.3x.
+That is with the RMA transport; with messages see :data:`DIRECT_EXTRA_ELEMENTS_MESSAGES`."""
+
+DIRECT_EXTRA_ELEMENTS_MESSAGES = 1 << 16
+""":data:`DIRECT_EXTRA_ELEMENTS` where the partials travel as messages (:func:`uses_messages`):
+a round of messages costs far less than a notified RMA round, so staging pays much earlier.
+Measured over TCP (benchmarks/results/sync_staged.md, "With messages"): staging tied the direct
+sum at 44 thousand extra elements (3 hosts, d=256) and was 1.07-1.7x faster from 98 thousand
+on (3 and 4 hosts, d=256-1024)."""
 
 
 def direct_extra_elements(plan: Plan) -> int:
@@ -225,10 +236,14 @@ def direct_extra_elements(plan: Plan) -> int:
 def executed_plan(plan: Plan, sync: Sync) -> Plan:
     """The plan :func:`forward` runs for ``plan``: its gather stage, the direct plan (a
     replicated C in the notified mode whose direct sum costs few extra bytes, see
-    :data:`DIRECT_EXTRA_ELEMENTS`), or ``plan`` itself."""
+    :data:`DIRECT_EXTRA_ELEMENTS` and :data:`DIRECT_EXTRA_ELEMENTS_MESSAGES`), or ``plan``
+    itself."""
     if plan.gather_stage is None:
         return plan
-    if sync.mode == "notify" and direct_extra_elements(plan) <= DIRECT_EXTRA_ELEMENTS:
+    if sync.mode != "notify":
+        return plan.gather_stage
+    limit = DIRECT_EXTRA_ELEMENTS_MESSAGES if uses_messages(plan, sync) else DIRECT_EXTRA_ELEMENTS
+    if direct_extra_elements(plan) <= limit:
         return direct_plan(plan)
     return plan.gather_stage
 

@@ -206,9 +206,12 @@ def test_deferred_gradients_mix_with_chunked_fetching_and_fenced_products(monkey
 def test_deferred_gradients_back_to_back_with_a_late_rank(monkeypatch):
     """Three weight gradients in one program, rank 0 late to the first (its input comes from a
     slow host callback): the others start all three at once, find the slots of the second and
-    third still busy, and their waiters deliver once the targets have summed the one before."""
+    third still busy, and their waiters deliver once the targets have summed the one before.
+    (Busy slots are the RMA transport's: with messages a target posts its receives when it is
+    ready, test_messages.py.)"""
     plan = _plans()["even"]
     a, b, a_loc, b_loc = _blocks(plan)
+    monkeypatch.setenv(config.TRANSPORT, "rma")
     monkeypatch.setenv(config.DEFER, "1")
     monkeypatch.setenv(config.SYNC, "notify")
     grad = _weight_grad(plan)

@@ -72,8 +72,10 @@ def credits(request, monkeypatch):
 
 @pytest.fixture
 def staged(monkeypatch):
-    """Every replicated C staged (reduce-scatter, then the notified all-gather), however small."""
+    """Every replicated C staged (reduce-scatter, then the notified all-gather), however small,
+    whichever the transport."""
     monkeypatch.setattr(slots, "DIRECT_EXTRA_ELEMENTS", 0)
+    monkeypatch.setattr(slots, "DIRECT_EXTRA_ELEMENTS_MESSAGES", 0)
 
 
 def _plan(case):
@@ -139,11 +141,13 @@ def _slot_bytes(plan) -> int:
 
 
 @pytest.mark.ranks(min=3, reason="origins that run ahead of a late target")
-def test_products_back_to_back_with_a_late_target_reuse_the_slots_safely(credits):
+def test_products_back_to_back_with_a_late_target_reuse_the_slots_safely(credits, monkeypatch):
     """Ranks 1.. only deliver (rank 0 owns C, then rank 1 does, alternately), so they run
     ahead of rank 0, which sleeps before every product: their next deliveries must wait for
     its slots (deferred), and the rank whose target changes reads the target's progress (with
-    pulled credits, every origin reads it, and no target writes into an origin's window)."""
+    pulled credits, every origin reads it, and no target writes into an origin's window).
+    Credits are the RMA transport's (messages need none)."""
+    monkeypatch.setenv("OSMM_TRANSPORT", "rma")
     M, K, N = 24, 10 * SIZE, 16
     on = [[M if r == owner else 0 for r in range(SIZE)] for owner in (0, 1)]
     plans = [
@@ -336,6 +340,7 @@ def test_rma_bytes_predicts_the_bytes_each_mode_moves(name, dtype, sync, monkeyp
     their owners)."""
     if name == "staged":
         monkeypatch.setattr(slots, "DIRECT_EXTRA_ELEMENTS", 0)
+        monkeypatch.setattr(slots, "DIRECT_EXTRA_ELEMENTS_MESSAGES", 0)
     case = _cases()["data_parallel" if name == "staged" else name]
     plan = _plan(case)
     _, _, a_loc, b_loc = _blocks(case)

@@ -239,12 +239,15 @@ def make_step(plan, method: str, chunk_bytes, verify: bool, grads: bool, staged:
             return product(x, y), None, None
 
     def step(x, y, g):
-        before = slots.DIRECT_EXTRA_ELEMENTS
-        slots.DIRECT_EXTRA_ELEMENTS = 0 if staged else before
+        names = ("DIRECT_EXTRA_ELEMENTS", "DIRECT_EXTRA_ELEMENTS_MESSAGES")
+        before = [getattr(slots, name) for name in names]
+        for name, value in zip(names, before):
+            setattr(slots, name, 0 if staged else value)
         try:
             return inner(x, y, g)
         finally:
-            slots.DIRECT_EXTRA_ELEMENTS = before
+            for name, value in zip(names, before):
+                setattr(slots, name, value)
 
     return step
 
