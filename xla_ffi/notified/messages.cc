@@ -181,15 +181,19 @@ std::string StageImage(NotifiedReduce& n, int64_t target, const ImageSource& sou
     if (alike == layout) buffer = staged;
   }
   if (buffer == nullptr) {
-    buffer = std::make_shared<std::vector<std::byte>>(kStampBytes + image_bytes, std::byte{0});
+    // Packed (records one after another, as the target's datatype places them), or the image.
+    const bool packed = !PackedShapes(source.records, target).empty();
+    const int64_t bytes = packed ? payload : image_bytes;
+    buffer = std::make_shared<std::vector<std::byte>>(kStampBytes + bytes, std::byte{0});
     std::memcpy(buffer->data(), &n.stamp, kStampBytes);
     std::byte* image = buffer->data() + kStampBytes;
+    int64_t packed_at = 0;
     for (const auto& [i, c] : mine) {
       const Record& r = source.records[i];
       const bool add = r.kind == kOpAccumulate && !source.copy_accumulates;
       const std::byte* from = source.chunks[c] + r.offset * itemsize;
-      for (int64_t row = 0; row < r.rows; ++row) {
-        std::byte* to = image + ((r.row0 + row) * r.ld + r.col0) * itemsize;
+      for (int64_t row = 0; row < r.rows; ++row, packed_at += r.cols * itemsize) {
+        std::byte* to = image + (packed ? packed_at : ((r.row0 + row) * r.ld + r.col0) * itemsize);
         const std::byte* src = from + row * r.cols * itemsize;
         if (!add) {
           std::memcpy(to, src, static_cast<size_t>(r.cols * itemsize));
@@ -283,7 +287,8 @@ ffi::Error SendDone(NotifiedReduce& n, size_t i, bool* done) {
   return ffi::Error::Success();
 }
 
-ffi::Error PostReceives(NotifiedReduce& n, size_t first, size_t end, int64_t block_bytes) {
+ffi::Error PostReceives(NotifiedReduce& n, size_t first, size_t end, int64_t block_bytes,
+                        int64_t itemsize) {
   MessageLane& lane = *n.lane;
   std::lock_guard<std::mutex> lock(lane.mu);
   const size_t slots = static_cast<size_t>(n.spec.per_product());
@@ -297,10 +302,15 @@ ffi::Error PostReceives(NotifiedReduce& n, size_t first, size_t end, int64_t blo
     Message m;
     m.peer = static_cast<int>(n.spec.origins[k]);
     m.data = std::make_shared<std::vector<std::byte>>(kStampBytes);
-    std::vector<std::pair<const void*, int64_t>> blocks = {{m.data->data(), kStampBytes}};
-    if (bytes > 0) blocks.emplace_back(slot + base, bytes);
     MPI_Datatype type = MPI_DATATYPE_NULL;
-    int rc = BytesType(blocks, &type);
+    int rc = MPI_SUCCESS;
+    if (k < n.spec.origin_shapes.size() && !n.spec.origin_shapes[k].empty()) {
+      rc = ShapesType(m.data->data(), slot + base, n.spec.origin_shapes[k], itemsize, &type);
+    } else {
+      std::vector<std::pair<const void*, int64_t>> blocks = {{m.data->data(), kStampBytes}};
+      if (bytes > 0) blocks.emplace_back(slot + base, bytes);
+      rc = BytesType(blocks, &type);
+    }
     if (rc == MPI_SUCCESS) {
       rc = MPI_Irecv(MPI_BOTTOM, 1, type, m.peer, kTag, lane.comm, &m.request);
     }

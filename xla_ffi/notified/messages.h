@@ -3,13 +3,16 @@
 // messages (TCP): there a two-sided message is 1.3-4.7x faster than a notified RMA round
 // (benchmarks/results/overlap.md, section 6), which needs a flush, a stamp and a credit.
 //
-// An origin's partials for a target travel with their stamp as one message, [stamp][image]:
-// the image is the bytes of the origin's slot at that target from its base to the end of its
-// last record (zeros where no record lands; a record the RMA transport would accumulate is
-// added into the zeroed image, as MPI_SUM adds it into a zeroed slot, so the slot ends up with
-// the same bits). The image is staged in memory of the transport's own, so a message may stay
+// An origin's partials for a target travel with their stamp as one message: [stamp][its
+// records, packed in order], which the target receives straight into their places in the
+// origin's slot through a datatype of their shapes (learnt once per call signature,
+// LearnShapes); or, where two of those records overlap (accumulates onto the same elements),
+// [stamp][image], the image being the bytes of the slot from the origin's base to the end of
+// its last record, zeros where no record lands. A record the RMA transport would accumulate is
+// added onto zeros, as MPI_SUM adds it into a zeroed slot, so the slot ends up with the same
+// bits either way. What is sent is staged in memory of the transport's own, so a message may stay
 // in flight after the product it belongs to was given up; targets whose records are alike (a
-// replicated C summed directly, an all-gather's block) share one staged image.
+// replicated C summed directly, an all-gather's block) share one staged message.
 //
 // An origin whose product failed or was abandoned before its messages left sends the stamp
 // alone. After they left, its targets hear of an abandonment from the notice, as with RMA, and
@@ -44,6 +47,25 @@
 namespace osmm {
 
 struct NotifiedReduce;
+struct NotifySpec;
+
+// A record's shape at its target: row0, col0, rows, cols, ld.
+constexpr size_t kShapeLength = 5;
+
+// The shapes of this rank's records to `target`, in order (empty records left out), or none
+// if they overlap or differ in row stride (then it sends its image).
+std::vector<int64_t> PackedShapes(const std::vector<Record>& records, int64_t target);
+
+// Learns each origin's PackedShapes here (NotifySpec::origin_shapes) from the origins, the
+// first time a call with this `signature` runs on `comm` (collective: MPI_Ialltoallv), then
+// from a cache, as ResolvePositions does.
+ffi::Error LearnShapes(MPI_Comm comm, uint64_t signature, const std::vector<Record>& records,
+                       NotifySpec* spec);
+
+// A datatype (for MPI_BOTTOM) of the 8-byte `stamp`, then the rectangles `shapes` of
+// `itemsize`-byte elements from `at`.
+int ShapesType(std::byte* stamp, std::byte* at, const std::vector<int64_t>& shapes,
+               int64_t itemsize, MPI_Datatype* out);
 
 // Where an origin's records and their contents are: chunk c holds records
 // [chunk_ends[c - 1], chunk_ends[c]) at chunks[c] (null: not issued yet), each record packed
@@ -82,8 +104,9 @@ ffi::Error SendImage(NotifiedReduce& n, size_t i, int64_t stamp);
 ffi::Error SendDone(NotifiedReduce& n, size_t i, bool* done);
 
 // Posts the receives of origins number [first, end) (n.spec.origins) into their slots.
-// `block_bytes`: this rank's C block.
-ffi::Error PostReceives(NotifiedReduce& n, size_t first, size_t end, int64_t block_bytes);
+// `block_bytes`: this rank's C block, of `itemsize`-byte elements.
+ffi::Error PostReceives(NotifiedReduce& n, size_t first, size_t end, int64_t block_bytes,
+                        int64_t itemsize);
 
 // Whether origin number `k`'s message has arrived (*arrived), and its stamp.
 ffi::Error ReceivedStamp(NotifiedReduce& n, size_t k, bool* arrived, int64_t* stamp);

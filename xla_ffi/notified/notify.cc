@@ -485,7 +485,8 @@ ffi::Error FinishNotified(BufferOps& ops, NotifiedReduce& n,
                 n.background);
   const int64_t block_bytes = elements * static_cast<int64_t>(ffi::ByteWidth(dtype));
   if (n.spec.messages) {
-    if (ffi::Error err = PostReceives(n, 0, std::min(origins.size(), slots), block_bytes);
+    if (ffi::Error err = PostReceives(n, 0, std::min(origins.size(), slots), block_bytes,
+                                      static_cast<int64_t>(ffi::ByteWidth(dtype)));
         err.failure()) {
       return err;
     }
@@ -530,7 +531,11 @@ ffi::Error FinishNotified(BufferOps& ops, NotifiedReduce& n,
         next_origin = end;
         if (n.spec.messages) {
           const size_t last = std::min(origins.size(), end + slots);
-          if (ffi::Error err = PostReceives(n, end, last, block_bytes); err.failure()) return err;
+          if (ffi::Error err = PostReceives(n, end, last, block_bytes,
+                                            static_cast<int64_t>(ffi::ByteWidth(dtype)));
+              err.failure()) {
+            return err;
+          }
         }
         const int64_t rounds = static_cast<int64_t>((next_origin + slots - 1) / slots);
         std::vector<int64_t> next(origins.begin() + end,

@@ -101,10 +101,13 @@ struct NotifySpec {
   std::vector<int64_t> origin_bases;    // per origin: where its records land in its slot here
                                         // (placement: in this rank's block)
   std::vector<int64_t> origin_extents;  // placement, per origin: the bytes it sends here
-  std::vector<int64_t> positions;       // this rank's index among each target's origins
-  std::vector<int64_t> bases;           // per target: where this rank's records land in its slot
-  std::vector<int64_t> target_bytes;    // per target: bytes of its block (what it sums and
-                                        // clears; placement: the bytes it expects from this rank)
+  // The message transport, per origin: its records' shapes here (messages.h, LearnShapes);
+  // none: it sends its image.
+  std::vector<std::vector<int64_t>> origin_shapes;
+  std::vector<int64_t> positions;     // this rank's index among each target's origins
+  std::vector<int64_t> bases;         // per target: where this rank's records land in its slot
+  std::vector<int64_t> target_bytes;  // per target: bytes of its block (what it sums and
+                                      // clears; placement: the bytes it expects from this rank)
   bool enabled() const { return slots > 0; }
 };
 

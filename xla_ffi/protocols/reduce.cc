@@ -363,6 +363,12 @@ ffi::Error StartReduce(BufferOps& ops, const ffi::AnyBuffer& chunk,
         err.failure()) {
       return err;
     }
+    if (spec.messages) {
+      if (ffi::Error err = LearnShapes(private_comm, signature, epoch.records, &spec);
+          err.failure()) {
+        return err;
+      }
+    }
     if (inconsistent.empty()) inconsistent = CheckSlotExtents(spec, epoch.records, itemsize);
     if (!inconsistent.empty()) {
       // Deliver nothing (every target is told of the failure): no usable slot position.
