@@ -218,12 +218,12 @@ two rounds) while the direct sum sends at most this many elements per rank more 
 extra elements; below that the direct sum was up to 1.7x faster, above it staging up to 1.3x.
 That is with the RMA transport; with messages see :data:`DIRECT_EXTRA_ELEMENTS_MESSAGES`."""
 
-DIRECT_EXTRA_ELEMENTS_MESSAGES = 1 << 16
-""":data:`DIRECT_EXTRA_ELEMENTS` where the partials travel as messages (:func:`uses_messages`):
-a round of messages costs far less than a notified RMA round, so staging pays much earlier.
-Measured over TCP (benchmarks/results/sync_staged.md, "With messages"): staging tied the direct
-sum at 44 thousand extra elements (3 hosts, d=256) and was 1.07-1.7x faster from 98 thousand
-on (3 and 4 hosts, d=256-1024)."""
+DIRECT_EXTRA_ELEMENTS_MESSAGES = 1 << 18
+""":data:`DIRECT_EXTRA_ELEMENTS` where the partials travel as messages (:func:`uses_messages`).
+Measured over TCP (benchmarks/results/sync_staged.md, "With messages", three runs): the
+direct sum was as fast or faster up to 175 thousand extra elements (3 hosts, d=512), staging
+1.2-1.6x faster from 393 thousand on (4 hosts, d=512 and 1024); between them, at 699
+thousand (3 hosts, d=1024), the runs split."""
 
 
 def direct_extra_elements(plan: Plan) -> int:
