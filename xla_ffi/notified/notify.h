@@ -38,6 +38,11 @@
 // barrier, zero the slots and the stamps and credits, barrier, numbering from 1). Every rank's
 // program stopped at the product it failed, so their next products are the same call again.
 //
+// The message transport (NotifySpec::messages, messages.h) replaces the slots' RMA writes, the
+// flush, the stamps' accumulates and the credits by one two-sided message per origin and
+// target, received straight into the slot; the numbering, the ordered sum, the abandonment
+// notices and Resync are shared.
+//
 // Sync window layout (int64 entries, P = communicator size): [0, P) the stamp each origin last
 // sent this rank; [P, 2P) the progress each target last pushed to this rank; [2P] this rank's
 // own progress as a target; [2P + 1] the newest abandonment notice ((generation + 1) << 20 |

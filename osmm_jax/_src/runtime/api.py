@@ -200,8 +200,11 @@ def stats() -> dict:
     notified mode ``notifications`` (stamps sent), ``notify_wait_seconds``,
     ``deferred_deliveries``, ``credit_reads``, ``credit_pushes``,
     ``slot_window_bytes``, ``resyncs`` (times the ranks started again
-    together after a product abandoned by one of them) and ``deferred_reduces``
-    (weight gradients whose finish a waiter thread ran, ``OSMM_DEFER``).
+    together after a product abandoned by one of them), ``deferred_reduces``
+    (weight gradients whose finish a waiter thread ran, ``OSMM_DEFER``), and
+    ``messages`` and ``message_bytes`` (the message transport's sends, stamps
+    included, ``OSMM_TRANSPORT``; their payload counts in ``rma_bytes`` and
+    ``sent_bytes`` as RMA's would, and each message as a notification).
     """
     from osmm_jax._src.runtime import native
 
