@@ -27,6 +27,10 @@ case takes longer than ``--budget`` seconds, its larger P are skipped. Writes
 matplotlib is importable::
 
     python -m benchmarks.planner_scaling --max-ranks 16384 --budget 60
+
+``--peers`` instead counts, on rank 0, what one notified product costs in peers,
+notifications and slot windows (:func:`peer_counts`) for the cases that fetch pieces at P = 64,
+1024 and 8192, into ``benchmarks/results/planner_peers.md``.
 """
 
 from __future__ import annotations
@@ -99,6 +103,40 @@ def build(case: str, nranks: int, dim: int, rank: int = 0):
         speeds = [1.0 + 0.5 * (r % 3) for r in range(nranks)]
         return auto_layouts(dim, dim, dim, speeds)
     return plan_of(case, nranks, dim).for_rank(rank)
+
+
+def peer_counts(plan, rank: int) -> dict:
+    """What one notified product of ``plan`` costs ``rank`` in messages and windows (float32,
+    the default 512 MiB slot budget): the ranks it hears from and sends to in the fetch and in
+    the reduce, the notifications it sends, and its resident slot windows; ``*_all_to_all``:
+    the same with the fetch of a plan that also delivers partials hearing from every rank, as
+    it did before (P - 1 owners and getters)."""
+    from osmm_jax._src.runtime import slots
+
+    mine = plan.for_rank(rank)
+    owners = {t.target for t in mine.gets}
+    getters = {t.origin for t in mine.served}
+    targets = {t.target for t in mine.deliveries}
+    sync = slots.Sync("notify", 512 * 2**20)
+    windows = slots.resident_window_bytes(plan, rank, 4, 4, sync)
+    fetch_sends, fetch_slots = len(getters), len(owners)
+    if plan.has_gets and plan.has_deliveries:
+        fetch_sends = fetch_slots = plan.nranks - 1
+    slot_count, slot_bytes = slots._fetch_slots(plan, 4, sync.slot_budget)
+    reduce_window = windows if not plan.has_gets else 0
+    if plan.has_deliveries and plan.has_gets:
+        attribute = slots.notify_attribute(slots.executed_plan(plan, sync), rank, 4, sync)
+        reduce_window = min(attribute[0], attribute[3]) * attribute[1]
+    slot_count_before = max(slot_count, min(plan.nranks - 1, int(sync.slot_budget // slot_bytes)))
+    fetch_window_before = min(fetch_slots, slot_count_before) * slot_bytes if plan.has_gets else 0
+    return {
+        "fetch_peers": len(owners | getters),
+        "reduce_peers": len(set(mine.origins) | targets),
+        "notifications": len(getters) + len(targets),
+        "notifications_all_to_all": fetch_sends + len(targets),
+        "window_bytes": windows,
+        "window_bytes_all_to_all": max(reduce_window, fetch_window_before),
+    }
 
 
 def _rss_kib() -> int:
@@ -320,6 +358,33 @@ def plot(report: dict, path: Path) -> bool:
     return True
 
 
+PEER_CASES = ("grid", "3d")
+PEER_RANKS = (64, 1024, 8192)
+
+
+def peers_markdown(dim: int) -> str:
+    """Rank 0's :func:`peer_counts` for the cases that fetch pieces, at P = 64, 1024, 8192."""
+    lines = [
+        f"Per notified product on rank 0 (float32, 512 MiB slot budget, M = K = N = {dim}): the "
+        "ranks it exchanges pieces with in the fetch and partials with in the reduce, the "
+        "notifications it sends, and its resident slot windows; before: the fetch of a plan "
+        "that also delivers partials heard from every rank.",
+        "",
+        "| case | P | fetch peers | reduce peers | notifications sent | before | slot windows MiB "
+        "| before |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for case in PEER_CASES:
+        for p in PEER_RANKS:
+            c = peer_counts(plan_of(case, p, dim), 0)
+            lines.append(
+                f"| {case} | {p} | {c['fetch_peers']} | {c['reduce_peers']} | "
+                f"{c['notifications']} | {c['notifications_all_to_all']} | "
+                f"{c['window_bytes'] / 2**20:.0f} | {c['window_bytes_all_to_all'] / 2**20:.0f} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--max-ranks", type=int, default=16384)
@@ -340,8 +405,19 @@ def main(argv=None) -> None:
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated subset")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "planner_scaling.json")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="only count each product's peers, notifications and windows on rank 0 (grid, 3d at "
+        "P = 64, 1024, 8192) into results/planner_peers.md",
+    )
     parser.add_argument("--one", nargs=2, metavar=("CASE", "P"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.peers:
+        text = peers_markdown(args.dim)
+        (RESULTS_DIR / "planner_peers.md").write_text(text)
+        print(text)
+        return
     if args.one:
         case, nranks = args.one[0], int(args.one[1])
         print(json.dumps(measure_one(case, nranks, args.dim, args.repeats, args.whole_max_ranks)))

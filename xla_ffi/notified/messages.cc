@@ -419,9 +419,10 @@ ffi::Error TakeStray(MPI_Comm comm, MessageLane& lane, int origin,
 
 }  // namespace
 
-ffi::Error RestartMessages(MPI_Comm comm) {
+ffi::Error RestartMessages(MPI_Comm comm, uint64_t generation) {
   MessageLane* found = FindLane(CommKey(comm));
-  if (found == nullptr) return ffi::Error::Success();
+  // A lane of windows since freed (its handle reused) is not this communicator's.
+  if (found == nullptr || found->generation != generation) return ffi::Error::Success();
   MessageLane& lane = *found;
   std::lock_guard<std::mutex> lock(lane.mu);
   const size_t size = lane.sent.size();

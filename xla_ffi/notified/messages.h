@@ -6,13 +6,14 @@
 // An origin's partials for a target travel with their stamp as one message: [stamp][its
 // records, packed in order], which the target receives straight into their places in the
 // origin's slot through a datatype of their shapes (learnt once per call signature,
-// LearnShapes); or, where two of those records overlap (accumulates onto the same elements),
-// [stamp][image], the image being the bytes of the slot from the origin's base to the end of
-// its last record, zeros where no record lands. A record the RMA transport would accumulate is
-// added onto zeros, as MPI_SUM adds it into a zeroed slot, so the slot ends up with the same
-// bits either way. What is sent is staged in memory of the transport's own, so a message may stay
-// in flight after the product it belongs to was given up; targets whose records are alike (a
-// replicated C summed directly, an all-gather's block) share one staged message.
+// LearnShapes); or, where it cannot place them so (two records overlap, as accumulates onto
+// the same elements may; their row strides differ; over 256 records), [stamp][image], the image
+// being the bytes of the slot from the origin's base to the end of its last record, zeros where no
+// record lands. A record the RMA transport would accumulate is added onto zeros, as MPI_SUM adds it
+// into a zeroed slot, so the slot ends up with the same bits either way. What is sent is staged in
+// memory of the transport's own, so a message may stay in flight after the product it belongs to
+// was given up; targets whose records are alike (a replicated C summed directly, an all-gather's
+// block) share one staged message.
 //
 // An origin whose product failed or was abandoned before its messages left sends the stamp
 // alone. After they left, its targets hear of an abandonment from the notice, as with RMA, and
@@ -53,7 +54,7 @@ struct NotifySpec;
 constexpr size_t kShapeLength = 5;
 
 // The shapes of this rank's records to `target`, in order (empty records left out), or none
-// if they overlap or differ in row stride (then it sends its image).
+// if they overlap, differ in row stride or number over 256 (then it sends its image).
 std::vector<int64_t> PackedShapes(const std::vector<Record>& records, int64_t target);
 
 // Learns each origin's PackedShapes here (NotifySpec::origin_shapes) from the origins, the
@@ -118,8 +119,9 @@ ffi::Error CancelReceives(NotifiedReduce& n);
 // When the ranks start again (notify.cc, Resync; collective, on every rank alike, after every
 // rank has stopped sending): receives every message sent to this rank and not yet received,
 // into scratch memory, cancels the receives nothing will match, completes every send, and
-// starts the counts again. Nothing if no product on `comm` used messages.
-ffi::Error RestartMessages(MPI_Comm comm);
+// starts the counts again. Nothing if no product on `comm` has used messages since its sync
+// window of this `generation` was made.
+ffi::Error RestartMessages(MPI_Comm comm, uint64_t generation);
 
 }  // namespace osmm
 

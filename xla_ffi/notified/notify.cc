@@ -146,7 +146,7 @@ ffi::Error Resync(const NotifiedReduce& n, SyncState& state, int64_t slot_bytes)
                        "product (MPI_Ibarrier)");
   };
   if (ffi::Error err = barrier(); err.failure()) return err;  // nothing more will arrive
-  if (ffi::Error err = RestartMessages(n.comm); err.failure()) return err;
+  if (ffi::Error err = RestartMessages(n.comm, state.window); err.failure()) return err;
   MPI_Win_sync(n.slot_win);
   MPI_Win_sync(n.sync_win);
   std::memset(n.slot_base, 0, static_cast<size_t>(slot_bytes));
@@ -421,7 +421,8 @@ ffi::Error RoundArrived(NotifiedReduce& n, SyncState& state, size_t first, size_
       stamp = ReadEntry(n, StampIndex(n, origin));
     }
     const int64_t product = stamp >> kStampShift;
-    if (!came || product < n.product) {
+    // A message is this product's or a sign that the ranks are out of step (below).
+    if (!came || (product < n.product && !n.spec.messages)) {
       *arrived = false;
       continue;
     }
@@ -453,10 +454,12 @@ ffi::Error RoundArrived(NotifiedReduce& n, SyncState& state, size_t first, size_
 
 }  // namespace
 
-ffi::Error FinishNotified(BufferOps& ops, NotifiedReduce& n,
-                          const std::function<std::string(int64_t)>& deliver,
-                          const std::string& problem, bool abandoned, ffi::DataType dtype,
-                          const void* local, void* out, int64_t elements, std::string* failure) {
+namespace {
+
+ffi::Error Finish(BufferOps& ops, NotifiedReduce& n,
+                  const std::function<std::string(int64_t)>& deliver, const std::string& problem,
+                  bool abandoned, ffi::DataType dtype, const void* local, void* out,
+                  int64_t elements, std::string* failure) {
   SyncState& state = StateOf(n.comm, n.size);
   if (abandoned) {
     if (ffi::Error err = AnnounceAbandoned(n, state); err.failure()) return err;
@@ -572,6 +575,19 @@ ffi::Error FinishNotified(BufferOps& ops, NotifiedReduce& n,
   }
   if (!targets.problem.empty() && failure->empty()) *failure = targets.problem;
   return ffi::Error::Success();
+}
+
+}  // namespace
+
+ffi::Error FinishNotified(BufferOps& ops, NotifiedReduce& n,
+                          const std::function<std::string(int64_t)>& deliver,
+                          const std::string& problem, bool abandoned, ffi::DataType dtype,
+                          const void* local, void* out, int64_t elements, std::string* failure) {
+  ffi::Error err =
+      Finish(ops, n, deliver, problem, abandoned, dtype, local, out, elements, failure);
+  // A finish that failed leaves no receive posted into the slots.
+  if (err.failure() && n.spec.messages && n.lane != nullptr) CancelReceives(n);
+  return err;
 }
 
 }  // namespace osmm

@@ -102,6 +102,7 @@ ffi::Error ResolvePositions(MPI_Comm comm, uint64_t signature, int64_t block_byt
   static std::mutex* mu = new std::mutex();
   struct Learnt {
     std::vector<int64_t> positions, bases, target_bytes;
+    std::string problem;  // kept too: every rank runs the exchange once per signature
   };
   static auto* known = new std::vector<std::pair<std::pair<uint64_t, uint64_t>, Learnt>>();
   const std::pair<uint64_t, uint64_t> key(CommKey(comm), signature);
@@ -112,6 +113,7 @@ ffi::Error ResolvePositions(MPI_Comm comm, uint64_t signature, int64_t block_byt
         spec->positions = entry.second.positions;
         spec->bases = entry.second.bases;
         spec->target_bytes = entry.second.target_bytes;
+        *problem = entry.second.problem;
         return ffi::Error::Success();
       }
     }
@@ -158,11 +160,14 @@ ffi::Error ResolvePositions(MPI_Comm comm, uint64_t signature, int64_t block_byt
       learnt.target_bytes.push_back(entry[2]);
     }
   }
-  if (!problem->empty()) return ffi::Error::Success();
+  std::lock_guard<std::mutex> lock(*mu);
+  if (!problem->empty()) {
+    known->emplace_back(key, Learnt{{}, {}, {}, *problem});
+    return ffi::Error::Success();
+  }
   spec->positions = learnt.positions;
   spec->bases = learnt.bases;
   spec->target_bytes = learnt.target_bytes;
-  std::lock_guard<std::mutex> lock(*mu);
   known->emplace_back(key, std::move(learnt));
   return ffi::Error::Success();
 }

@@ -24,13 +24,12 @@ owner joined into one):
   of its float32 or float64 blocks sends them from the blocks themselves; otherwise it packs
   them into one buffer first.
 
-  Where the product then delivers partials (a second notified call), every rank counts every
-  other as an owner and a getter, sending empty deliveries where it has no pieces, so that no
-  rank leaves the fetch before every rank has entered it, as with the fence epoch. Otherwise
-  a rank whose program stopped inside the fetch would leave the ranks that do not get from it
-  one call ahead, in the reduce, where its next product would find them out of step; with
-  every rank waiting for it, its next call marks the fetch abandoned on all of them and every
-  rank recovers (README, "Failure behaviour").
+  A rank hears only from the ranks it gets pieces from and sends only to those that get pieces
+  from it: its notifications, slots and window bytes grow with its peers, not with the rank
+  count. A rank whose program stops inside the fetch leaves the ranks that do not get from it
+  free to go on into the product's reduce, or further; its next call sends every rank the
+  abandonment notice, every rank fails one product for it and all start again together at
+  their next one (xla_ffi/notified/notify.h, README "Failure behaviour").
 
 The fetched buffer holds every piece row-major, one after another, by owner in ascending rank
 order and, from one owner, in the order of :func:`_piece_key`, in both modes.
@@ -156,8 +155,6 @@ def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync, taken
     for (owner, *_), offset in where.items():
         starts.setdefault(owner, offset)
     owners = sorted(starts)
-    if plan.has_deliveries:  # no rank leaves the fetch before all entered it (module docstring)
-        owners = getters = [r for r in range(plan.nranks) if r != rank]
     chunks, transfers = _sources(plan, rank, a, b, acc, served, getters, taken)
     bases = [starts.get(owner, 0) * itemsize for owner in owners]
     sizes = {}

@@ -126,10 +126,9 @@ def fetch_attribute(
     plan: Plan, itemsize: int, sync: Sync, owners, getters, bases, extents
 ) -> tuple[int, ...]:
     """The ``notify`` attribute of the notified fetch (:mod:`osmm_jax._src.runtime.fetch`) on one
-    rank, in placement: its ``owners`` (the ranks it gets pieces from; every other rank where
-    the plan delivers partials too) are its origins, its ``getters`` its targets, ``bases``
-    says where in this rank's fetched buffer each owner's pieces start and ``extents`` how many
-    bytes they take (0 for an owner it gets nothing from). A slot holds the most A and B
+    rank, in placement: its ``owners`` (the ranks it gets pieces from) are its origins, its
+    ``getters`` (the ranks that get pieces from it) its targets, ``bases`` says where in this
+    rank's fetched buffer each owner's pieces start and ``extents`` how many bytes they take. A slot holds the most A and B
     elements one rank gets from one owner, in ``itemsize``-byte elements; ``S`` is the most
     owners any rank has, capped by the slot budget."""
     count, nbytes = _fetch_slots(plan, itemsize, sync.slot_budget)
@@ -142,11 +141,10 @@ def fetch_attribute(
 def _fetch_slots(plan: Plan, itemsize: int, budget: float) -> tuple[int, int]:
     """``(S, slot bytes)`` of ``plan``'s notified fetch, the same on every rank: a slot holds
     the most A and B elements one rank gets from one owner; ``S`` is the most owners any rank
-    has (every other rank where the plan delivers partials too), capped by ``budget``."""
+    has, capped by ``budget``."""
     facts = plan.facts
     nbytes = _aligned(facts.owner_elements * itemsize)
-    most = plan.nranks - 1 if facts.has_deliveries else facts.max_owners
-    return _count(most, nbytes, budget), nbytes
+    return _count(facts.max_owners, nbytes, budget), nbytes
 
 
 class GatherSlots(NamedTuple):
@@ -281,7 +279,7 @@ def resident_window_bytes(plan: Plan, rank: int, itemsize: int, accum: int, sync
             uses.append(min(attribute[0], attribute[3]) * attribute[1])
         if executed.has_gets:
             count, nbytes = _fetch_slots(executed, accum, sync.slot_budget)
-            owners = plan.nranks - 1 if executed.has_deliveries else len(mine.elements_by_owner())
+            owners = len(mine.elements_by_owner())
             uses.append(min(owners, count) * nbytes)
         if executed is plan.gather_stage:
             notify = gather_slots(plan, rank, accum, sync).notify

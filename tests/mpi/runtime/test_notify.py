@@ -356,3 +356,29 @@ def test_rma_bytes_predicts_the_bytes_each_mode_moves(name, dtype, sync, monkeyp
     assert om.rma_bytes(plan, itemsize, acc, sync="fence") == plan.bytes_issued(itemsize, acc)
     default = default_sync().mode  # OSMM_SYNC, else this MPI's default
     assert om.rma_bytes(plan, itemsize, acc) == om.rma_bytes(plan, itemsize, acc, sync=default)
+
+
+@pytest.mark.ranks(4, reason="a 2 x 2 x 1 split of the work, where ranks exchange no pieces")
+@pytest.mark.parametrize("transport", ["rma", "messages"])
+def test_a_rank_notifies_only_the_ranks_it_exchanges_with(monkeypatch, transport):
+    """A product that fetches pieces and delivers partials (a 3-D split of the work): each
+    rank sends one notification per rank that gets pieces from it and one per rank it delivers
+    to, not one to every rank, and the result is right."""
+    monkeypatch.setenv("OSMM_TRANSPORT", transport)
+    m, k, n = 17, 22, 13
+    a_l, b_l, c_l, work = om.three_d_layouts((m, k, n), (2, 2, 1))
+    plan = om.plan(a_l, b_l, c_l, work=work)
+    mine = plan.for_rank(RANK)
+    assert plan.has_gets and plan.has_deliveries
+    expected = len({t.origin for t in mine.served}) + len({t.target for t in mine.deliveries})
+    rng = np.random.default_rng(4)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    b = rng.standard_normal((k, n)).astype(np.float32)
+    fn = jax.jit(lambda x, y: om.matmul(x, y, plan, sync="notify"))
+    a_loc, b_loc = plan.a.shard(a, RANK), plan.b.shard(b, RANK)
+    np.asarray(fn(a_loc, b_loc))
+    before = om.stats()["notifications"]
+    c = np.asarray(fn(a_loc, b_loc))
+    np.testing.assert_allclose(c, plan.c.shard(a @ b, RANK), rtol=1e-4, atol=1e-4)
+    assert om.stats()["notifications"] - before == expected
+    assert COMM.allreduce(expected) < 2 * SIZE * (SIZE - 1)  # fewer than every rank to every rank
