@@ -60,7 +60,11 @@ def _run(plan, **options):
 
 
 def _stats_after_warm_up(run):
+    """``run()`` once, then every rank done with it: a rank's partials may leave at its start
+    (the message transport), so without the barrier rank 0 could go on to abandon the next
+    product while another rank still finishes this one, which that rank would then fail."""
     run()
+    COMM.Barrier()
     return om.stats()
 
 
