@@ -36,16 +36,20 @@ struct Job {
   bool dropped = false;  // nobody will collect it: forget it when done
 };
 
-// A communicator's waiter: its pending reduces in start order, and whether a thread runs them.
+// A communicator's waiter: its pending reduces in start order, whether its thread is in one
+// of them, and whether that thread was started (it then stays, asleep while the queue is
+// empty: a thread started per reduce cost more than the wait it hides).
 struct Waiter {
   uint64_t key = 0;  // CommKey of the private communicator
   std::deque<int32_t> queue;
   bool running = false;
+  bool started = false;
 };
 
 struct Registry {
   std::mutex mu;
-  std::condition_variable idle;  // a waiter's queue ran empty
+  std::condition_variable idle;   // a waiter's queue ran empty
+  std::condition_variable ready;  // a waiter's queue has a reduce again
   int32_t last_ticket = 0;
   std::unordered_map<int32_t, std::unique_ptr<Job>> jobs;
   std::vector<std::unique_ptr<Waiter>> waiters;
@@ -122,7 +126,8 @@ void Complete(Registry& r, Waiter& w, int32_t ticket, std::optional<ffi::Error> 
   if (claimed != nullptr) Deliver(*claimed);  // unlocked: what it runs may take the lock
 }
 
-// The waiter thread of `w`: finishes its reduces one after the other until none is left.
+// The waiter thread of `w`: finishes its reduces one after the other, and sleeps while none is
+// left.
 void Work(Waiter* w) {
   Registry& r = Jobs();
   HostBufferOps ops;
@@ -130,12 +135,13 @@ void Work(Waiter* w) {
     int32_t ticket = 0;
     Job* job = nullptr;
     {
-      std::lock_guard<std::mutex> lock(r.mu);
+      std::unique_lock<std::mutex> lock(r.mu);
       if (w->queue.empty()) {
         w->running = false;
         r.idle.notify_all();
-        return;
+        r.ready.wait(lock, [w] { return !w->queue.empty(); });
       }
+      w->running = true;
       ticket = w->queue.front();
       job = r.jobs.at(ticket).get();
     }
@@ -204,9 +210,12 @@ ffi::Error DeferReduce(BufferOps& ops, std::unique_ptr<ReduceEpoch> epoch,
     Waiter& w = WaiterOf(r, key);
     w.queue.push_back(id);
     r.jobs.emplace(id, std::move(job));
-    if (!w.running) {
+    if (!w.started) {
+      w.started = true;
       w.running = true;
       std::thread(Work, &w).detach();
+    } else {
+      r.ready.notify_all();
     }
   }
   GlobalCounters().deferred_reduces.fetch_add(1, std::memory_order_relaxed);
