@@ -88,6 +88,16 @@ def _abandoned_by_rank_0(run):
         run()
 
 
+def _recovered(run, expected):
+    """Warms ``run`` up, has rank 0 abandon it (:func:`_abandoned_by_rank_0`), then checks
+    three products right on every rank; the stats before the abandonment and after."""
+    before = _stats_after_warm_up(run)
+    _abandoned_by_rank_0(run)
+    for _ in range(3):
+        np.testing.assert_allclose(run(), expected, rtol=1e-12, atol=1e-12)
+    return before, om.stats()
+
+
 @THREE
 @pytest.mark.ranks(min=2, reason="one rank abandons a product the others are in")
 @pytest.mark.parametrize("kind", ["k_split", "fetch_and_reduce"])
@@ -96,12 +106,7 @@ def test_a_product_abandoned_by_one_rank_fails_everywhere_then_the_next_is_right
     kind, chunk_bytes, transport
 ):
     jax.config.update("jax_enable_x64", True)
-    run, expected = _run(_plans()[kind], chunk_bytes=chunk_bytes)
-    before = _stats_after_warm_up(run)
-    _abandoned_by_rank_0(run)
-    for _ in range(3):
-        np.testing.assert_allclose(run(), expected, rtol=1e-12, atol=1e-12)
-    after = om.stats()
+    before, after = _recovered(*_run(_plans()[kind], chunk_bytes=chunk_bytes))
     assert after["windows"] == before["windows"]
     assert after["window_bytes"] == before["window_bytes"]
 
@@ -191,11 +196,6 @@ def test_a_fetch_abandoned_by_one_rank_fails_everywhere_then_the_next_is_right(t
     mine = plan.for_rank(RANK)
     getting = COMM.allgather({t.target for t in mine.gets})
     assert any(0 not in owners for r, owners in enumerate(getting) if r != 0)
-    run, expected = _run(plan)
-    before = _stats_after_warm_up(run)
-    _abandoned_by_rank_0(run)
-    for _ in range(3):
-        np.testing.assert_allclose(run(), expected, rtol=1e-12, atol=1e-12)
-    after = om.stats()
+    before, after = _recovered(*_run(plan))
     assert after["windows"] == before["windows"]
     assert after["resyncs"] - before["resyncs"] == 1
