@@ -249,9 +249,11 @@ OTHER_SYNC_TESTS ?= tests/mpi/runtime/test_random_products.py tests/mpi/runtime/
 	tests/mpi/nn/test_flax.py
 OTHER_SYNC_RANKS ?= 3
 OTHER_SYNC_PRODUCTS ?= 45
-# The message transport (OSMM_TRANSPORT; the default only across nodes) on this host too.
+# What runs by default across nodes, on this host too: the message transport (OSMM_TRANSPORT),
+# weight gradients deferred (OSMM_DEFER) and fetches ahead (OSMM_FETCH_AHEAD).
 OTHER_TRANSPORT_TESTS ?= tests/mpi/runtime/test_random_products.py tests/mpi/runtime/test_deferred.py \
-	tests/mpi/nn/test_flax.py
+	tests/mpi/runtime/test_backward.py tests/mpi/runtime/test_recovery.py tests/mpi/nn/test_flax.py \
+	tests/mpi/nn/test_flax_tensor_parallel.py
 TEST_TIMEOUT ?= 300
 MPI_RUN_TIMEOUT ?= 1800
 DEMO_RANKS ?= 3
@@ -296,7 +298,8 @@ test-mpi: install $(HETERO_RANKFILE)
 	OSMM_SYNC=$(OTHER_SYNC) OSMM_TEST_PRODUCTS=$(OTHER_SYNC_PRODUCTS) timeout --kill-after=30 \
 	  $(MPI_RUN_TIMEOUT) $(MPIEXEC) -n $(OTHER_SYNC_RANKS) $(PY) tests/mpi/run.py $(OTHER_SYNC_TESTS) -q \
 	  --timeout=$(TEST_TIMEOUT) --timeout-method=thread
-	OSMM_TRANSPORT=messages OSMM_TEST_PRODUCTS=$(OTHER_SYNC_PRODUCTS) timeout --kill-after=30 \
+	OSMM_TRANSPORT=messages OSMM_DEFER=1 OSMM_FETCH_AHEAD=1 OSMM_TEST_PRODUCTS=$(OTHER_SYNC_PRODUCTS) \
+	  timeout --kill-after=30 \
 	  $(MPI_RUN_TIMEOUT) $(MPIEXEC) -n $(OTHER_SYNC_RANKS) $(PY) tests/mpi/run.py $(OTHER_TRANSPORT_TESTS) \
 	  -q --timeout=$(TEST_TIMEOUT) --timeout-method=thread
 	@# Heterogeneous ranks for real: ranks 0 and 1 share core 0, rank 2 has core 1.

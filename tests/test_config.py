@@ -142,21 +142,30 @@ def test_the_all_reduce_is_mpi4jax_when_installed_else_native(monkeypatch):
         config.allreduce_implementation(True)
 
 
+# Flags whose default osmm_jax decides where the product runs: by the communicator (OSMM_DEFER)
+# or by the size of what a rank gets (OSMM_FETCH_AHEAD).
+LEFT_TO_OSMM = [(config.DEFER, config.defer_finishes), (config.FETCH_AHEAD, config.fetch_ahead)]
+
+
+@pytest.mark.parametrize(("name", "read"), LEFT_TO_OSMM)
 @pytest.mark.parametrize(
     ("text", "value"), [(None, None), ("", None), ("0", False), ("off", False), (" on", True)]
 )
-def test_defer_is_a_flag_left_to_the_communicator_by_default(monkeypatch, text, value):
+def test_flags_left_to_osmm_jax_by_default_are_none_unless_set(
+    monkeypatch, name, read, text, value
+):
     if text is None:
-        monkeypatch.delenv(config.DEFER, raising=False)
+        monkeypatch.delenv(name, raising=False)
     else:
-        monkeypatch.setenv(config.DEFER, text)
-    assert config.defer_finishes() is value
+        monkeypatch.setenv(name, text)
+    assert read() is value
 
 
-def test_a_garbage_defer_value_is_an_error(monkeypatch):
-    monkeypatch.setenv(config.DEFER, "later")
-    with pytest.raises(ValueError, match=rf"{config.DEFER} must be one of"):
-        config.defer_finishes()
+@pytest.mark.parametrize(("name", "read"), LEFT_TO_OSMM)
+def test_a_garbage_value_of_a_flag_left_to_osmm_jax_is_an_error(monkeypatch, name, read):
+    monkeypatch.setenv(name, "later")
+    with pytest.raises(ValueError, match=rf"{name} must be one of"):
+        read()
 
 
 @pytest.mark.parametrize(

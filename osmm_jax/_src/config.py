@@ -249,6 +249,29 @@ def defer_finishes() -> bool | None:
     return _flag(DEFER)
 
 
+FETCH_AHEAD = "OSMM_FETCH_AHEAD"
+"""Whether a product's notified fetch (the A and B pieces its multiplies get from other ranks:
+a sequence-parallel layer's gathered rows, a row-parallel layer's gathered output gradient)
+runs ahead of its GEMMs, as a collective matmul does: the owners' pieces leave at once, a
+native waiter thread receives them, and the GEMMs on this rank's own pieces run meanwhile;
+only the GEMMs that read fetched pieces wait for them. ``1``: always; ``0``: never (one GEMM
+over the own and fetched pieces joined, after the fetch); unset (default): where a rank gets
+at most ``runtime.slots.FETCH_AHEAD_MAX_ELEMENTS`` elements (a fetch ahead holds a copy of
+them until they are read; measured in benchmarks/results/overlap.md, section 9). Applies in the
+notified mode on the CPU where a rank serves its pieces from one buffer; elsewhere the fetch
+finishes in place. Each C element is the same dot product either way (a GEMM of another shape
+may round differently in the last bits). Set it alike on every rank (a mismatch is an error on
+every rank)."""
+
+
+def fetch_ahead() -> bool | None:
+    """``OSMM_FETCH_AHEAD`` (see there): True or False when set, None (decide by the size of
+    what a rank gets) when unset or blank."""
+    if not os.environ.get(FETCH_AHEAD, "").strip():
+        return None
+    return _flag(FETCH_AHEAD)
+
+
 TRANSPORT = "OSMM_TRANSPORT"
 """How the notified mode moves a product's partials and pieces: ``rma`` (one-sided puts or
 accumulates into the target's slot, a flush, then a stamp by ``MPI_Accumulate``), ``messages``

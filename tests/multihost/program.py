@@ -115,6 +115,7 @@ def main() -> int:
             "seconds": (imported, products),
             "deferred": om.stats()["deferred_reduces"],
             "messages": om.stats()["messages"],
+            "ahead": om.stats()["fetches_ahead"],
         },
         root=0,
     )
@@ -127,6 +128,7 @@ def main() -> int:
             "checked": [e["checked"] for e in everyone],
             "deferred": [e["deferred"] for e in everyone],
             "messages": [e["messages"] for e in everyone],
+            "ahead": [e["ahead"] for e in everyone],
             "failures": {r: e["failures"] for r, e in enumerate(everyone) if e["failures"]},
             "sources": sources,
             "seconds": round(time.perf_counter() - start, 2),

@@ -53,7 +53,8 @@ def test_rma_bytes_of_the_backward_products_count_the_shared_pieces_once(sync):
     )
 
 
-def test_memory_bytes_of_the_gradient_counts_the_shared_pieces_once():
+def test_memory_bytes_of_the_gradient_counts_the_shared_pieces_once(monkeypatch):
+    monkeypatch.setenv("OSMM_FETCH_AHEAD", "0")  # the waiter's copies: test_memory_bytes_ahead
     plan = _k_split()
     d_a, d_b = plan.backward()
     for rank in range(4):

@@ -11,6 +11,13 @@ from osmm_jax._src.planning.plan import Plan
 from osmm_jax._src.runtime import fetch, slots
 
 
+@pytest.fixture(autouse=True)
+def _fetch_in_place(monkeypatch):
+    """The formulas below are those of a fetch in place (the waiter's copies of a fetch ahead:
+    :func:`test_a_fetch_ahead_adds_the_waiter_s_copies`)."""
+    monkeypatch.setenv("OSMM_FETCH_AHEAD", "0")
+
+
 def _grid(n=8):
     return Plan(*(Layout.grid((n, n), (2, 2)) for _ in range(3)))
 
@@ -109,3 +116,30 @@ def test_bad_arguments_are_refused_by_name(kwargs, match):
     args = {"rank": 0, **kwargs}
     with pytest.raises((ValueError, TypeError), match=match):
         om.memory_bytes(_grid(), **args)
+
+
+@pytest.mark.parametrize("transport", ["rma", "messages"])
+def test_a_fetch_ahead_adds_the_waiter_s_copies(monkeypatch, transport):
+    """Fetching ahead, a rank's waiter holds a copy of what it gets, and with RMA a copy of
+    the block its pieces leave from (sent from its A block: whole rows)."""
+    plan = Plan(
+        Layout.rows((12, 4), nranks=3),
+        Layout.cols((4, 30), nranks=3),
+        Layout.cols((12, 30), nranks=3),
+    )
+    monkeypatch.setenv("OSMM_TRANSPORT", transport)
+    for rank in range(3):
+        mine = plan.for_rank(rank)
+        gets = sum(t.elements for t in mine.gets)
+        assert gets > 0 and {t.matrix for t in mine.served} == {"A"}
+        in_place = om.memory_bytes(plan, rank, sync="notify")
+        monkeypatch.setenv("OSMM_FETCH_AHEAD", "1")
+        ahead = om.memory_bytes(plan, rank, sync="notify")
+        monkeypatch.setenv("OSMM_FETCH_AHEAD", "0")
+        a_block = 4 * 4 if transport == "rma" else 0  # 4 rows of A, 4 wide
+        messages = transport == "messages"
+        expected = memory.one_sided_transient(
+            plan, rank, False, messages=messages, ahead=gets + a_block
+        )
+        assert ahead.transient == expected * 4 > in_place.transient
+        assert ahead.blocks == in_place.blocks and ahead.windows == in_place.windows

@@ -82,3 +82,32 @@ def test_the_resident_window_is_the_slots_a_rank_s_origins_write():
     assert slots.resident_window_bytes(grid, 0, 4, 4, notify) == 2 * 64
     assert slots.resident_window_bytes(grid, 0, 4, 4, slots.FENCE) == (16 + 16) * 4
     assert slots.resident_window_bytes(grid, 0, 4, 4, slots.Sync("notify", slot_budget=64)) == 64
+
+
+def _sequence_parallel(rows, nranks=3, k=4, n=9):
+    """Rows of A split, B and C by columns: every rank gets the other ranks' rows of A."""
+    return Plan(
+        Layout.rows((rows, k), nranks=nranks),
+        Layout.cols((k, n), nranks=nranks),
+        Layout.cols((rows, n), nranks=nranks),
+    )
+
+
+def test_a_fetch_runs_ahead_by_default_while_it_gets_few_elements():
+    """Unset (None), a rank fetches ahead while it gets at most FETCH_AHEAD_MAX_ELEMENTS;
+    ``True``/``False`` decide alone; never fenced, on one rank, or for a rank that gets
+    nothing."""
+    small, notify = _sequence_parallel(30), slots.Sync("notify", fetch_ahead=None)
+    gets = sum(t.elements for t in small.for_rank(0).gets)
+    assert 0 < gets <= slots.FETCH_AHEAD_MAX_ELEMENTS
+    assert slots.fetches_ahead(small, 0, notify)
+    assert not slots.fetches_ahead(small, 0, notify._replace(fetch_ahead=False))
+    assert not slots.fetches_ahead(small, 0, slots.Sync("fence", fetch_ahead=True))
+    assert not slots.fetches_ahead(_sequence_parallel(30, nranks=1), 0, notify)
+    # Each rank gets 2/3 of the rows x 4 columns (wide C: cheaper than B's columns).
+    large = _sequence_parallel(slots.FETCH_AHEAD_MAX_ELEMENTS // 2, n=3000)
+    assert sum(t.elements for t in large.for_rank(0).gets) > slots.FETCH_AHEAD_MAX_ELEMENTS
+    assert not slots.fetches_ahead(large, 0, notify)
+    assert slots.fetches_ahead(large, 0, notify._replace(fetch_ahead=True))
+    k_split = _k_split()  # delivers partials, gets nothing
+    assert not slots.fetches_ahead(k_split, 0, slots.Sync("notify", fetch_ahead=True))

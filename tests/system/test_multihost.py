@@ -93,6 +93,8 @@ def test_products_and_speed_cache_across_four_hosts(hosts, tmp_path):
     assert sum(result["deferred"]) > 0, result["deferred"]
     # and move their partials as two-sided messages (OSMM_TRANSPORT unset: auto)
     assert all(n > 0 for n in result["messages"]), result["messages"]
+    # and the products that fetch small pieces fetch them ahead (OSMM_FETCH_AHEAD unset)
+    assert sum(result["ahead"]) > 0, result["ahead"]
     expected = [h for h, n in zip(hosts.names, SLOTS) for _ in range(n)]
     assert result["hostnames"] == expected
     assert len(set(result["netns"])) == HOSTS

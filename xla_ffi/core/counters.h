@@ -29,6 +29,7 @@ struct Counters {
   std::atomic<int64_t> credit_pushes{0};        // progress written into an origin's window
   std::atomic<int64_t> slot_window_bytes{0};    // size of the last slots window used
   std::atomic<int64_t> deferred_reduces{0};     // reduces finished by a waiter (deferred.h)
+  std::atomic<int64_t> fetches_ahead{0};        // fetches finished by a waiter (deferred.h)
   std::atomic<int64_t> messages{0};       // messages sent by the message transport (messages.h)
   std::atomic<int64_t> message_bytes{0};  // their bytes, stamps and images' zeros included
   std::atomic<int64_t> resyncs{0};  // times the ranks started again after an abandoned product

@@ -57,6 +57,7 @@ nb::dict Stats() {
   d["message_bytes"] = c.message_bytes.load();
   d["resyncs"] = c.resyncs.load();
   d["deferred_reduces"] = c.deferred_reduces.load();
+  d["fetches_ahead"] = c.fetches_ahead.load();
   d["progress_polls"] = osmm::ProgressPolls();
   d["windows"] = osmm::LiveWindowCount();
   d["window_bytes"] = osmm::LiveWindowBytes();

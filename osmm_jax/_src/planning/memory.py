@@ -180,7 +180,13 @@ class PeakMemory(NamedTuple):
 
 
 def one_sided_transient(
-    plan: Plan, rank: int, packed: bool, whole_c: int = 0, taken=(), messages: bool = False
+    plan: Plan,
+    rank: int,
+    packed: bool,
+    whole_c: int = 0,
+    taken=(),
+    messages: bool = False,
+    ahead: int = 0,
 ) -> int:
     """Elements (accumulation dtype) a one_sided product of ``plan`` adds on ``rank`` beside
     its blocks, at its busiest moment, the larger of:
@@ -204,6 +210,9 @@ def one_sided_transient(
     shared by the targets of a replicated C); a staged plan's all-gather, its own block
     (counted by the caller in ``whole_c``).
 
+    ``ahead``: elements a fetch run ahead holds on its waiter thread beside the fetch
+    (xla_ffi/protocols/deferred.h: its result, and with RMA the buffer its pieces leave from).
+
     The product's own C block is the result XLA writes, counted with the blocks."""
     mine = plan.for_rank(rank)
     serves = sum(t.elements for t in mine.served if t not in taken)
@@ -211,7 +220,7 @@ def one_sided_transient(
     fetched = sum(t.elements for t in mine.gets if t not in taken)
     partials = sum({(t.rows, t.cols, t.inner): t.elements for t in mine.deliveries}.values())
     compute = max(fetched, _joined_operands(mine.multiplies)) + partials * (2 if messages else 1)
-    return max(served + fetched, compute, whole_c)
+    return max(served + fetched + ahead, compute, whole_c)
 
 
 def _joined_operands(multiplies) -> int:

@@ -201,7 +201,9 @@ def stats() -> dict:
     ``deferred_deliveries``, ``credit_reads``, ``credit_pushes``,
     ``slot_window_bytes``, ``resyncs`` (times the ranks started again
     together after a product abandoned by one of them), ``deferred_reduces``
-    (weight gradients whose finish a waiter thread ran, ``OSMM_DEFER``), and
+    (weight gradients whose finish a waiter thread ran, ``OSMM_DEFER``),
+    ``fetches_ahead`` (fetches a waiter thread finished while the GEMMs on
+    this rank's own pieces ran, ``OSMM_FETCH_AHEAD``), and
     ``messages`` and ``message_bytes`` (the message transport's sends, stamps
     included, ``OSMM_TRANSPORT``; their payload counts in ``rma_bytes`` and
     ``sent_bytes`` as RMA's would, and each message as a notification).

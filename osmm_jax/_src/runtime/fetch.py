@@ -24,6 +24,13 @@ owner joined into one):
   of its float32 or float64 blocks sends them from the blocks themselves; otherwise it packs
   them into one buffer first.
 
+  Ahead (:func:`~osmm_jax._src.runtime.slots.fetches_ahead`, ``OSMM_FETCH_AHEAD``), a rank
+  whose pieces leave from one buffer hands the round's finish to a native waiter thread
+  (``osmm_reduce_start_deferred``, xla_ffi/protocols/deferred.h): the fetched buffer is an
+  asynchronous result, so the GEMMs on this rank's own pieces run while it arrives, as in a
+  collective matmul. The waiter holds a copy of the fetched buffer (and, with RMA, of the
+  buffer the pieces leave from) until the result is collected.
+
   A rank hears only from the ranks it gets pieces from and sends only to those that get pieces
   from it: its notifications, slots and window bytes grow with its peers, not with the rank
   count. A rank whose program stops inside the fetch leaves the ranks that do not get from it
@@ -155,7 +162,8 @@ def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync, taken
     for (owner, *_), offset in where.items():
         starts.setdefault(owner, offset)
     owners = sorted(starts)
-    chunks, transfers = _sources(plan, rank, a, b, acc, served, getters, taken)
+    direct = not packs_pieces(plan, rank, a.dtype == acc, taken)
+    chunks, transfers = _sources(plan, rank, a, b, acc, served, getters, direct)
     bases = [starts.get(owner, 0) * itemsize for owner in owners]
     sizes = {}
     for t in gets:
@@ -166,21 +174,33 @@ def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync, taken
     # must meet a new signature at the same call, so the call id says which dtype it is.
     call_id = _call_id(plan, str(a.dtype), str(acc), sync.mode, notify[:3], taken=taken)
     local = jnp.zeros((total,), acc)
-    summed = primitives.notified_round(
-        chunks, transfers, local, comm=plan.comm_key, call_id=call_id, notify=notify
-    )
+    if len(chunks) == 1 and slots.fetches_ahead(plan, rank, sync):
+        # Ahead: the finish is a waiter's, and only what reads the pieces waits for it. The
+        # same protocol and signature, so ranks decide alone; a rank that sends pieces of both
+        # A and B from its blocks (two buffers) fetches in place.
+        summed = primitives.reduce_deferred(
+            chunks[0],
+            local,
+            comm=plan.comm_key,
+            call_id=call_id,
+            window_bytes=(1 + notify[0]) * notify[1],
+            transfers=transfers[0],
+            notify=notify,
+        )
+    else:
+        summed = primitives.notified_round(
+            chunks, transfers, local, comm=plan.comm_key, call_id=call_id, notify=notify
+        )
     return summed.astype(a.dtype)
 
 
-def _sources(plan: Plan, rank: int, a, b, acc, served, getters, taken) -> tuple[list, list]:
+def _sources(plan: Plan, rank: int, a, b, acc, served, getters, direct) -> tuple[list, list]:
     """The buffers this rank sends its pieces from and each one's transfer records: every
     getter's pieces land one after another from the start of its slot, in
-    :func:`_piece_key` order. Pieces that are whole rows of this rank's blocks, in the
-    accumulation dtype already, are sent straight from the block that holds them (a chunk for
-    A, one for B: no packed copy to hold); otherwise every piece is packed, cast, into one
-    buffer."""
+    :func:`_piece_key` order. ``direct`` (not :func:`packs_pieces`): the pieces are sent
+    straight from the block that holds them (a chunk for A, one for B: no packed copy to
+    hold); otherwise every piece is packed, cast, into one buffer."""
     blocks = {"A": a, "B": b}
-    direct = not packs_pieces(plan, rank, a.dtype == acc, taken)
     matrices = sorted({t.matrix for t in served}) if direct else ["packed"]
     records = {m: [] for m in matrices}
     pieces, packed_at = [], 0
@@ -217,7 +237,8 @@ def packs_pieces(plan: Plan, rank: int, in_accumulation_dtype: bool, taken=None)
     the inputs are not in the accumulation dtype (16-bit, cast to float32), a piece is not
     whole rows of its block, or the pieces of a block leave some of its rows unsent (a device
     stages a whole block in host memory to send from it: no more than the pieces, then).
-    ``taken``: as for :func:`fetch_buffer`."""
+    Whether it packs is part of the fetch's signature, which the call id must determine, so
+    it depends on nothing a rank chooses alone. ``taken``: as for :func:`fetch_buffer`."""
     served = moved(plan, rank, taken)[1]
     if not served:
         return False

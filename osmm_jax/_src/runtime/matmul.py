@@ -287,9 +287,20 @@ def _one_sided_run(plan: Plan, rank: int, sync: one_sided.Sync, same_dtype: bool
     if executed is plan.gather_stage:  # the whole C, and its own block's staged image
         whole_c = plan.c.shape[0] * plan.c.shape[1]
         whole_c += block_area(executed.c, rank) if messages else 0
+    ahead = slots.fetches_ahead(executed, rank, sync)
     packs = sync.mode == "notify" and fetch.packs_pieces(executed, rank, same_dtype, taken)
-    served = sum(t.elements for t in fetch.moved(executed, rank, taken)[1]) if packs else 0
-    transient = one_sided_transient(executed, rank, packs, whole_c, taken or (), messages)
+    gets, serves = fetch.moved(executed, rank, taken)
+    served = sum(t.elements for t in serves) if packs else 0
+    matrices = {t.matrix for t in serves}
+    copies = 0
+    if ahead and (packs or len(matrices) < 2):  # one buffer to send from: the round defers
+        # The waiter's result, and with RMA its copy of what the pieces leave from.
+        copies = sum(t.elements for t in gets)
+        if not messages:
+            layouts = {"A": executed.a, "B": executed.b}
+            blocks = sum(block_area(layouts[m], rank) for m in matrices)
+            copies += served if packs else blocks
+    transient = one_sided_transient(executed, rank, packs, whole_c, taken or (), messages, copies)
     return transient, served
 
 
@@ -298,11 +309,15 @@ def _one_sided_run(plan: Plan, rank: int, sync: one_sided.Sync, same_dtype: bool
 
 def _resolve_sync(sync) -> one_sided.Sync:
     """``sync`` (or ``OSMM_SYNC``, or the default for this MPI), the slot budget, how the
-    credits travel and the transport (``OSMM_TRANSPORT``), as a product runs them."""
+    credits travel, the transport (``OSMM_TRANSPORT``) and whether a fetch runs ahead
+    (``OSMM_FETCH_AHEAD``; on the CPU only), as a product runs them."""
     waiting = communicators.accumulates_wait_for_target()
     mode = config.resolve_sync(sync, waiting)
     credits = "pull" if waiting else "push"
-    return one_sided.Sync(mode, config.slot_budget(), credits, transport=config.transport())
+    ahead = config.fetch_ahead() if jax.default_backend() == "cpu" else False
+    return one_sided.Sync(
+        mode, config.slot_budget(), credits, transport=config.transport(), fetch_ahead=ahead
+    )
 
 
 def _resolve_options(method, verify, chunk_bytes, sync) -> _Options:

@@ -135,9 +135,10 @@ def _dot(a_piece, b_piece, after=None):
     )
 
 
-def products(plan: Plan, rank: int, a, b, requests, remote: dict, after=None) -> list:
+def products(plan: Plan, rank: int, a, b, requests, remote: dict, after=None, apart=False) -> list:
     """``[product(plan, rank, a, b, m, rows, remote, after) for m, rows in requests]``, with the
-    GEMMs merged where that is exact and cheaper.
+    GEMMs merged where that is exact and cheaper; ``apart``: never a GEMM over this rank's own
+    pieces and fetched ones together (the fetch runs ahead, :func:`_gemm_groups`).
 
     Requests over the same inner range whose ``rows x m.cols`` rectangles tile one larger
     rectangle are computed as ONE GEMM over that rectangle, which is then sliced. One large
@@ -155,7 +156,7 @@ def products(plan: Plan, rank: int, a, b, requests, remote: dict, after=None) ->
     round differently in the last bits).
     """
     results: list = [None] * len(requests)
-    for members, union in _gemm_groups(requests):
+    for members, union in _gemm_groups(requests, rank if apart else None):
         if union is None:
             (i,) = members
             m, rows = requests[i]
@@ -186,12 +187,15 @@ def _merged_gemm(plan: Plan, rank: int, a, b, requests, union, remote: dict, aft
     return _dot(a_joined, b_joined, after)
 
 
-def _gemm_groups(requests) -> list:
+def _gemm_groups(requests, apart=None) -> list:
     """The GEMMs :func:`products` runs for ``requests``: ``(indices, union)`` each, ``union``
-    the merged rectangle of several requests, or None for a single request's own GEMM."""
+    the merged rectangle of several requests, or None for a single request's own GEMM.
+    ``apart``: a rank whose purely local requests (both operands its own) merge only with one
+    another, so that their GEMMs need nothing fetched and run while a fetch ahead completes;
+    None: merge regardless."""
     groups, gemms = {}, []
     for i, (m, _) in enumerate(requests):
-        groups.setdefault(m.inner, []).append(i)
+        groups.setdefault((m.inner, _own(m, apart)), []).append(i)
     for members in groups.values():
         union = None
         if len(members) > 1:
@@ -201,6 +205,11 @@ def _gemm_groups(requests) -> list:
         else:
             gemms.append((tuple(members), union))
     return gemms
+
+
+def _own(m, rank) -> bool:
+    """Whether multiply ``m`` reads only ``rank``'s own blocks (False for ``rank`` None)."""
+    return rank is not None and m.a_source == m.b_source == rank
 
 
 def _tiled_rectangle(tiles):
@@ -229,6 +238,7 @@ class _Operands(NamedTuple):
     remote: dict  # the fetched pieces, {(matrix, rows, cols): array}
     multiplies: dict  # this rank's LocalMultiply by (rows, inner, cols)
     acc: np.dtype  # the accumulation dtype
+    apart: int | None = None  # this rank when its fetch runs ahead (_gemm_groups), else None
 
 
 def _operands(plan: Plan, rank: int, a, b, sync: Sync, fetched=None) -> _Operands:
@@ -241,7 +251,8 @@ def _operands(plan: Plan, rank: int, a, b, sync: Sync, fetched=None) -> _Operand
             fetched = fetch.fetch_pieces(plan, rank, a, b, sync)
         remote = _cut_to_multiplies(plan, rank, fetched)
     multiplies = {(m.rows, m.inner, m.cols): m for m in plan.multiplies_on(rank)}
-    return _Operands(plan, rank, a, b, remote, multiplies, acc)
+    apart = rank if plan.has_gets and slots.fetches_ahead(plan, rank, sync) else None
+    return _Operands(plan, rank, a, b, remote, multiplies, acc, apart)
 
 
 def _partials(operands: _Operands, pieces, after=None) -> list:
@@ -249,11 +260,12 @@ def _partials(operands: _Operands, pieces, after=None) -> list:
     range, summed; GEMMs merged across pieces where :func:`products` can, and a piece whose
     inner ranges none of them shares with another piece joined into one GEMM over all of
     them (:func:`_joined_over_inner`)."""
-    plan, rank, a, b, remote, _, _ = operands
+    plan, rank, a, b, remote = operands[:5]
     requests, owners = _requests(operands, pieces)
     sums = _joined_over_inner(operands, len(pieces), requests, owners, after)
     rest = [i for i, owner in enumerate(owners) if sums[owner] is None]
-    parts = products(plan, rank, a, b, [requests[i] for i in rest], remote, after)
+    apart = operands.apart is not None
+    parts = products(plan, rank, a, b, [requests[i] for i in rest], remote, after, apart)
     for i, part in zip(rest, parts):
         index = owners[i]
         sums[index] = part if sums[index] is None else sums[index] + part
@@ -275,13 +287,16 @@ def _joined_over_inner(operands: _Operands, npieces: int, requests, owners, afte
     in the last bits).
     """
     plan, rank, a, b, remote = operands[:5]
-    merged = {i for members, union in _gemm_groups(requests) if union is not None for i in members}
+    groups = _gemm_groups(requests, operands.apart)
+    merged = {i for members, union in groups if union is not None for i in members}
     by_piece: dict[int, list[int]] = {}
     for i, owner in enumerate(owners):
         by_piece.setdefault(owner, []).append(i)
     sums = [None] * npieces
     for owner, members in by_piece.items():
         if len(members) < 2 or any(i in merged for i in members):
+            continue
+        if len({_own(requests[i][0], operands.apart) for i in members}) > 1:
             continue
         members = sorted(members, key=lambda i: requests[i][0].inner)
         inners = [requests[i][0].inner for i in members]
@@ -304,7 +319,7 @@ def _whole_block(operands: _Operands, pieces):
     requests, owners = _requests(operands, pieces)
     if not requests or len(set(owners)) != len(owners):
         return None  # nothing, or a piece summed over several inner ranges
-    groups = _gemm_groups(requests)
+    groups = _gemm_groups(requests, operands.apart)
     block = tuple(operands.plan.c.blocks[operands.rank])
     if len(groups) != 1 or groups[0][1] != block:
         return None
@@ -323,7 +338,7 @@ def _requests(operands: _Operands, pieces) -> tuple[list, list]:
 
 
 def _gemm_count(operands: _Operands, pieces) -> int:
-    return len(_gemm_groups(_requests(operands, pieces)[0]))
+    return len(_gemm_groups(_requests(operands, pieces)[0], operands.apart))
 
 
 def _add_local(operands: _Operands, local, rows, cols, part):

@@ -96,6 +96,31 @@ def uses_messages(plan: Plan, sync: Sync) -> bool:
     return plan.comm_key != 0 and communicators.spans_nodes(plan.comm_key)
 
 
+FETCH_AHEAD_MAX_ELEMENTS = 1 << 22
+"""Unless ``OSMM_FETCH_AHEAD`` says otherwise, a rank fetches ahead while it gets at most this
+many elements in a product (16 MiB of float32). A fetch ahead holds, beside the fetched buffer
+XLA owns, the waiter's copy of it (and, with RMA, a copy of the buffer its pieces leave from)
+until the result is collected. Measured (benchmarks/results/overlap.md, section 9), the
+sequence-parallel Transformer step, whose ranks get about 4 MiB per layer, took 1.03-1.07x
+less time fetching ahead on 3 ranks of speeds 1:1:2, 0.99-1.01x on 3 and 4 emulated hosts and
+0.97x on 2; the memory benchmark's products, which get 72 MiB and more, would hold that much
+more for at most such a gain."""
+
+
+def fetches_ahead(plan: Plan, rank: int, sync: Sync) -> bool:
+    """Whether ``rank`` fetches the pieces of a product of ``plan`` ahead of its GEMMs (a
+    waiter thread receives them while the GEMMs on this rank's own pieces run,
+    ``config.FETCH_AHEAD``): ``sync.fetch_ahead`` if True or False, else (None) while it gets
+    at most :data:`FETCH_AHEAD_MAX_ELEMENTS`. Only in the notified mode, on several ranks, for
+    a rank that gets pieces."""
+    gets = sum(t.elements for t in plan.for_rank(rank).gets) if plan.has_gets else 0
+    if sync.mode != "notify" or plan.nranks == 1 or gets == 0:
+        return False
+    if sync.fetch_ahead is not None:
+        return sync.fetch_ahead
+    return gets <= FETCH_AHEAD_MAX_ELEMENTS
+
+
 def _attribute(
     count: int,
     nbytes: int,
@@ -196,13 +221,15 @@ class Sync(NamedTuple):
     its own part done, until the origin next calls MPI. ``defer``: whether this product, if its
     partials leave in one chunk, is finished by a native waiter thread while the program goes
     on (set for weight gradients under ``OSMM_DEFER``, see ``matmul._deferring``).
-    ``transport``: how the partials travel (:func:`uses_messages`)."""
+    ``transport``: how the partials travel (:func:`uses_messages`). ``fetch_ahead``: whether
+    a fetch runs ahead of the GEMMs (:func:`fetches_ahead`)."""
 
     mode: str = "fence"
     slot_budget: float = float("inf")
     credits: str = "push"
     defer: bool = False  # notify only: finish on a waiter (weight gradients, config.DEFER)
     transport: str = "rma"  # notify only: "rma", "messages" or "auto" (config.TRANSPORT)
+    fetch_ahead: bool | None = False  # notify only: None by size (config.FETCH_AHEAD)
 
 
 FENCE = Sync("fence")

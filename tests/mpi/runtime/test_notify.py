@@ -261,10 +261,13 @@ def _fetch_case(c_kind: str):
 
 @pytest.mark.ranks(min=2, reason="pieces owned by other ranks")
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float64])
-def test_notified_fetch_pushes_the_pieces_without_a_fence_or_a_get(dtype):
+def test_notified_fetch_pushes_the_pieces_without_a_fence_or_a_get(dtype, monkeypatch):
     """The owners push the B pieces their getters need: no fence, no get, each rank sends the
     pieces it serves (in the accumulation dtype), and the product is the fenced one bit for bit
-    (the pieces arrive unchanged, 16-bit ones through float32)."""
+    (the pieces arrive unchanged, 16-bit ones through float32; the fetch in place, so that the
+    GEMMs are the fenced product's: fetching ahead splits them, tests/mpi/runtime/
+    test_fetch_ahead.py)."""
+    monkeypatch.setenv("OSMM_FETCH_AHEAD", "0")
     case = _fetch_case("rows")
     plan = _plan(case)
     assert plan.has_gets and not plan.has_deliveries
