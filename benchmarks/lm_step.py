@@ -59,6 +59,7 @@ project's 2-core machine; at train_lm's default size communication does.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib.util
 import os
@@ -85,6 +86,9 @@ DP = "osmm DP, speed-weighted (one fused sum)"
 LAYERS = "osmm DP layers, speed-weighted (one_sided)"
 TP = "osmm TP, speed-weighted (one_sided)"
 SP = "osmm TP + sequence parallel, speed-weighted (one_sided)"
+SP_AHEAD = "osmm TP + sequence parallel, fetch ahead (OSMM_FETCH_AHEAD=1)"
+SP_IN_PLACE = "osmm TP + sequence parallel, fetch in place (OSMM_FETCH_AHEAD=0)"
+FETCH_AHEAD = {SP_AHEAD: "1", SP_IN_PLACE: "0"}  # the setting each of these is compiled with
 EVEN = "all-reduce DP, even (one fused all-reduce)"
 JAX = "JAX NamedSharding DP, even"
 FLOOR = "no-communication floor (speed-weighted rows)"
@@ -152,6 +156,22 @@ def _own_times(fn, into: list):
         return out
 
     return run
+
+
+@contextlib.contextmanager
+def _setting(name: str, value: str | None):
+    """Environment variable ``name`` set to ``value`` inside (untouched for None): a step
+    reads osmm_jax's settings when it is compiled, at its first call."""
+    old = os.environ.get(name)
+    if value is not None:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if value is not None and old is None:
+            del os.environ[name]
+        elif value is not None:
+            os.environ[name] = old
 
 
 def _parse(argv):
@@ -222,6 +242,8 @@ def main(argv=None) -> int:
         LAYERS: layers_step(weighted, "one_sided"),
         TP: (tp_step, (tp_params, tp_opt, jnp.asarray(x), jnp.asarray(y))),
         SP: step_on(_rows(weighted), sp_layers, dp=True),
+        SP_AHEAD: step_on(_rows(weighted), sp_layers, dp=True),
+        SP_IN_PLACE: step_on(_rows(weighted), sp_layers, dp=True),
         EVEN: step_on(_rows(even), dp=True, sum_method="allreduce"),
         JAX: (
             jax_step,
@@ -236,13 +258,14 @@ def main(argv=None) -> int:
     # The first call of each step compiles it; its loss is checked against one process's.
     losses = {}
     for name, (fn, fn_args) in fns.items():
-        loss = jax.device_get(fn(*fn_args)[2].addressable_data(0))
-        summed = name in (DP, LAYERS, SP, EVEN)
+        with _setting("OSMM_FETCH_AHEAD", FETCH_AHEAD.get(name)):
+            loss = jax.device_get(fn(*fn_args)[2].addressable_data(0))
+        summed = name in (DP, LAYERS, SP, SP_AHEAD, SP_IN_PLACE, EVEN)
         losses[name] = float(COMM.allreduce(float(loss)) if summed else loss)
     reference = losses[ALONE]
     wrong = [
         name
-        for name in (DP, LAYERS, TP, SP, EVEN, JAX)
+        for name in (DP, LAYERS, TP, SP, SP_AHEAD, SP_IN_PLACE, EVEN, JAX)
         if not abs(losses[name] - reference) <= RTOL * abs(reference) + ATOL
     ]
     if wrong:
@@ -273,6 +296,7 @@ def main(argv=None) -> int:
         "dp_over_limit": seconds[DP] / limit,
         "tp_over_limit": seconds[TP] / limit,
         "sp_over_limit": seconds[SP] / limit,
+        "sp_in_place_over_ahead": seconds[SP_IN_PLACE] / seconds[SP_AHEAD],
         "tp_floor_over_limit": seconds[TP_FLOOR] / limit,
         "tp_over_tp_floor": seconds[TP] / seconds[TP_FLOOR],
         "even_allreduce_over_limit": seconds[EVEN] / limit,
@@ -348,6 +372,9 @@ def _notes(record: dict) -> list[str]:
         f"communication, the even split takes {r['even_floor_over_floor']:.2f}x the "
         "speed-weighted split's time: no even-split step can be slower than that by its split "
         "alone.",
+        "Sequence parallelism with its fetches in place takes "
+        f"{r['sp_in_place_over_ahead']:.2f}x the time of the same step fetching ahead (the "
+        "gathered rows arrive while the GEMMs on each rank's own rows run).",
         f"Aggregate limit {limit * 1e3:.0f} ms = 1 / sum(1 / T_r), T_r = each rank's own median "
         f"time for the whole step alone, all ranks at once: {alone} ms (from GEMM rates instead: "
         f"{record['aggregate_limit_gemm_s'] * 1e3:.0f} ms).",

@@ -29,24 +29,38 @@ JOB_TIMEOUT_S = 900.0
 
 
 def run_config(
-    name: str, cases: str, repeats: int, hosts, peers: bool = False, rma: bool = False
+    name: str,
+    cases: str,
+    repeats: int,
+    hosts,
+    peers: bool = False,
+    rma: bool = False,
+    lm_step: bool = False,
 ) -> list[dict]:
-    """One ``benchmarks.overlap_step`` job in configuration ``name``; its records."""
+    """One ``benchmarks.overlap_step`` job in configuration ``name`` (``benchmarks.lm_step``
+    with ``lm_step``); its records."""
     config = CONFIGS[name]
     program = [sys.executable, "-m", "benchmarks.overlap_step", "--cases", cases]
     program += ["--repeats", str(repeats), *(["--peers"] if peers else [])]
     program += ["--rma"] if rma else []
     uptime, load = load_average()
     with tempfile.TemporaryDirectory() as scratch:
+        if lm_step:  # its tables are printed; its files stay in the scratch folder
+            program = [sys.executable, "-m", "benchmarks.lm_step", "--repeats", str(repeats)]
+            program += ["--out", scratch, "--json", str(Path(scratch) / "lm_step.json")]
         command, env = job_command(config, program, hosts, Path(scratch))
         if name == "shm3_112":
             at = command.index("-n") + 2
             command[at:at] = ["-bind-to", "user:0,0,1"]
         started = time.perf_counter()
         end = run_job(command, env, JOB_TIMEOUT_S, merge_stderr=True)
+        saved = Path(scratch) / "lm_step.json"
+        lines = end.stdout.splitlines()
+        if lm_step and saved.exists():
+            lines.append(json.dumps({"title": "lm_step", **json.loads(saved.read_text())[-1]}))
     records = [
         {"config": name, "about": config.about, "load": load, "uptime": uptime, **json.loads(line)}
-        for line in end.stdout.splitlines()
+        for line in lines
         if line.startswith('{"title"')
     ]
     print(
@@ -70,6 +84,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="append the records to this JSON list")
     parser.add_argument("--peers", action="store_true", help="also time JAX's own DP step")
     parser.add_argument("--rma", action="store_true", help="also time OSMM_TRANSPORT=rma")
+    parser.add_argument(
+        "--lm-step", action="store_true", help="run benchmarks.lm_step instead (--cases ignored)"
+    )
     args = parser.parse_args(argv)
     names = args.configs.split(",")
     tcp = [CONFIGS[n].ranks for n in names if CONFIGS[n].tcp]
@@ -81,7 +98,9 @@ def main(argv=None) -> int:
         # Removed on the way out, even on SIGTERM or SIGHUP (see netns.emulated_hosts).
         hosts = stack.enter_context(netns.emulated_hosts(max(tcp))) if tcp else None
         for name in names:
-            records += run_config(name, args.cases, args.repeats, hosts, args.peers, args.rma)
+            records += run_config(
+                name, args.cases, args.repeats, hosts, args.peers, args.rma, args.lm_step
+            )
     if args.json:
         path = Path(args.json)
         old = json.loads(path.read_text()) if path.exists() else []
