@@ -188,6 +188,8 @@ def test_the_lm_step_benchmark_runs_and_writes_its_results(tmp_path):
         "osmm DP layers, speed-weighted (one_sided)",
         "osmm TP, speed-weighted (one_sided)",
         "osmm TP + sequence parallel, speed-weighted (one_sided)",
+        "osmm TP + sequence parallel, fetch ahead (OSMM_FETCH_AHEAD=1)",
+        "osmm TP + sequence parallel, fetch in place (OSMM_FETCH_AHEAD=0)",
         "all-reduce DP, even (one fused all-reduce)",
         "JAX NamedSharding DP, even",
         "no-communication floor (speed-weighted rows)",
