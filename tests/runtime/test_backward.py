@@ -54,7 +54,8 @@ def test_rma_bytes_of_the_backward_products_count_the_shared_pieces_once(sync):
 
 
 def test_memory_bytes_of_the_gradient_counts_the_shared_pieces_once(monkeypatch):
-    monkeypatch.setenv("OSMM_FETCH_AHEAD", "0")  # the waiter's copies: test_memory_bytes_ahead
+    # In place: a fetch ahead's copies are test_matmul's test_a_fetch_ahead_adds_the_waiter_s_copies.
+    monkeypatch.setenv("OSMM_FETCH_AHEAD", "0")
     plan = _k_split()
     d_a, d_b = plan.backward()
     for rank in range(4):

@@ -121,7 +121,8 @@ def test_bad_arguments_are_refused_by_name(kwargs, match):
 @pytest.mark.parametrize("transport", ["rma", "messages"])
 def test_a_fetch_ahead_adds_the_waiter_s_copies(monkeypatch, transport):
     """Fetching ahead, a rank's waiter holds a copy of what it gets, and with RMA a copy of
-    the block its pieces leave from (sent from its A block: whole rows)."""
+    the block its pieces leave from (sent from its A block: whole rows); its GEMMs on own and
+    fetched rows are apart, so its C block is summed from their results (one block more)."""
     plan = Plan(
         Layout.rows((12, 4), nranks=3),
         Layout.cols((4, 30), nranks=3),
@@ -138,8 +139,9 @@ def test_a_fetch_ahead_adds_the_waiter_s_copies(monkeypatch, transport):
         monkeypatch.setenv("OSMM_FETCH_AHEAD", "0")
         a_block = 4 * 4 if transport == "rma" else 0  # 4 rows of A, 4 wide
         messages = transport == "messages"
+        c_block = 12 * 10
         expected = memory.one_sided_transient(
-            plan, rank, False, messages=messages, ahead=gets + a_block
+            plan, rank, False, messages=messages, ahead=gets + a_block + c_block
         )
         assert ahead.transient == expected * 4 > in_place.transient
         assert ahead.blocks == in_place.blocks and ahead.windows == in_place.windows

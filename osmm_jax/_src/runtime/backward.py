@@ -24,6 +24,7 @@ import weakref
 
 import jax.numpy as jnp
 
+from osmm_jax._src import dtypes
 from osmm_jax._src.planning.plan import Plan, backward_plans
 from osmm_jax._src.planning.records import rectangle_within
 from osmm_jax._src.planning.totals import per_rank_totals
@@ -112,9 +113,10 @@ def d_a_and_cotangent(plan: Plan, rank: int, d_c, b_t, chunk_bytes: int, sync: S
     the cotangent, ``b_t``: of ``B.T``) and its flat fetched buffer, which holds the pieces of
     ``dC`` that :func:`d_b_from_cotangent` takes (empty where it takes none on this rank)."""
     plan_da, _ = backward_plans(plan)
+    ahead = fetch.runs_ahead(plan_da, rank, sync, _in_accumulation_dtype(d_c))
     fetched = fetch.fetch_buffer(plan_da, rank, d_c, b_t, sync)
     pieces = fetch.pieces_in(plan_da, rank, fetched)
-    d_a = one_sided.forward(plan_da, rank, d_c, b_t, chunk_bytes, sync, fetched=pieces)
+    d_a = one_sided.forward(plan_da, rank, d_c, b_t, chunk_bytes, sync, pieces, ahead)
     if not _takes_on(plan, rank):  # hold it no longer than dA's product needs it
         fetched = jnp.zeros((0,), fetched.dtype)
     return d_a, fetched
@@ -133,4 +135,11 @@ def d_b_from_cotangent(plan: Plan, rank: int, a_t, d_c, fetched, chunk_bytes: in
         for (matrix, rows, cols), piece in fetch.pieces_in(plan_da, rank, fetched).items():
             if matrix == "A":
                 pieces.setdefault(("B", rows, cols), piece)
-    return one_sided.forward(plan_db, rank, a_t, d_c, chunk_bytes, sync, fetched=pieces)
+    # GEMMs grouped as dB's own whole fetch would group them: the bits of two fetches.
+    ahead = fetch.runs_ahead(plan_db, rank, sync, _in_accumulation_dtype(a_t))
+    return one_sided.forward(plan_db, rank, a_t, d_c, chunk_bytes, sync, pieces, ahead)
+
+
+def _in_accumulation_dtype(x) -> bool:
+    """Whether ``x`` (a product's A operand) is already in its accumulation dtype."""
+    return x.dtype == dtypes.accumulation_dtype(x.dtype)

@@ -174,10 +174,9 @@ def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync, taken
     # must meet a new signature at the same call, so the call id says which dtype it is.
     call_id = _call_id(plan, str(a.dtype), str(acc), sync.mode, notify[:3], taken=taken)
     local = jnp.zeros((total,), acc)
-    if len(chunks) == 1 and slots.fetches_ahead(plan, rank, sync):
+    if runs_ahead(plan, rank, sync, a.dtype == acc, taken):
         # Ahead: the finish is a waiter's, and only what reads the pieces waits for it. The
-        # same protocol and signature, so ranks decide alone; a rank that sends pieces of both
-        # A and B from its blocks (two buffers) fetches in place.
+        # same protocol and signature, so ranks decide alone.
         summed = primitives.reduce_deferred(
             chunks[0],
             local,
@@ -229,6 +228,22 @@ def _sources(plan: Plan, rank: int, a, b, acc, served, getters, direct) -> tuple
     else:
         chunks = [jnp.concatenate(pieces).astype(acc) if pieces else jnp.zeros((0,), acc)]
     return (chunks or [jnp.zeros((0,), acc)]), ([records[m] for m in matrices] or [[]])
+
+
+def runs_ahead(plan: Plan, rank: int, sync: Sync, in_accumulation_dtype: bool, taken=None) -> bool:
+    """Whether ``rank``'s notified fetch of ``plan`` finishes on a waiter thread while the
+    GEMMs on this rank's own pieces run: :func:`~.slots.fetches_ahead` allows it, the rank
+    gets pieces (less ``taken``, as for :func:`fetch_buffer`), and the pieces it serves leave
+    from one buffer (packed, or one block: a rank that sends pieces of both A and B from its
+    blocks fetches in place). :mod:`.one_sided` keeps the GEMMs on own pieces apart from the
+    others exactly where this holds, and the memory prediction counts the waiter's copies."""
+    if not slots.fetches_ahead(plan, rank, sync):
+        return False
+    gets, served = moved(plan, rank, taken)
+    if not gets:
+        return False
+    one_buffer = len({t.matrix for t in served}) < 2
+    return one_buffer or packs_pieces(plan, rank, in_accumulation_dtype, taken)
 
 
 def packs_pieces(plan: Plan, rank: int, in_accumulation_dtype: bool, taken=None) -> bool:

@@ -287,18 +287,20 @@ def _one_sided_run(plan: Plan, rank: int, sync: one_sided.Sync, same_dtype: bool
     if executed is plan.gather_stage:  # the whole C, and its own block's staged image
         whole_c = plan.c.shape[0] * plan.c.shape[1]
         whole_c += block_area(executed.c, rank) if messages else 0
-    ahead = slots.fetches_ahead(executed, rank, sync)
     packs = sync.mode == "notify" and fetch.packs_pieces(executed, rank, same_dtype, taken)
     gets, serves = fetch.moved(executed, rank, taken)
     served = sum(t.elements for t in serves) if packs else 0
-    matrices = {t.matrix for t in serves}
     copies = 0
-    if ahead and (packs or len(matrices) < 2):  # one buffer to send from: the round defers
+    if fetch.runs_ahead(executed, rank, sync, same_dtype) and not executed.has_deliveries:
+        # The GEMMs on own and fetched pieces are apart, so no one GEMM writes the C block
+        # whole (one_sided._whole_block): it is summed from theirs.
+        copies = block_area(executed.c, rank)
+    if fetch.runs_ahead(executed, rank, sync, same_dtype, taken):
         # The waiter's result, and with RMA its copy of what the pieces leave from.
-        copies = sum(t.elements for t in gets)
+        copies += sum(t.elements for t in gets)
         if not messages:
             layouts = {"A": executed.a, "B": executed.b}
-            blocks = sum(block_area(layouts[m], rank) for m in matrices)
+            blocks = sum(block_area(layouts[m], rank) for m in {t.matrix for t in serves})
             copies += served if packs else blocks
     transient = one_sided_transient(executed, rank, packs, whole_c, taken or (), messages, copies)
     return transient, served

@@ -54,13 +54,24 @@ from osmm_jax._src.runtime.slots import FENCE, Sync, executed_plan
 _OPS = {"accumulate": native.OP_ACCUMULATE, "put": native.OP_PUT}
 
 
-def forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0, sync: Sync = FENCE, fetched=None):
+def forward(
+    plan: Plan,
+    rank: int,
+    a,
+    b,
+    chunk_bytes: int = 0,
+    sync: Sync = FENCE,
+    fetched=None,
+    ahead: bool = False,
+):
     """This rank's C block by one-sided transfers (see the module docstring).
 
     ``fetched``: the remote pieces, ``{(matrix, rows, cols): array}`` holding every piece
     this rank's multiplies get, already fetched (by another product: see
     :mod:`osmm_jax._src.runtime.backward`); None to fetch them here. Only for a plan run as
-    itself (not staged)."""
+    itself (not staged). ``ahead``: with ``fetched``, whether this plan's own fetch of them
+    would run ahead (:func:`~.fetch.runs_ahead`): the GEMMs on own pieces are then kept apart,
+    grouped as they are when this product fetches them itself (the same bits)."""
     executed = executed_plan(plan, sync)  # a staged plan's gather stage, or its direct plan
     if executed is not plan:
         assert fetched is None, "pieces fetched for a staged plan"  # caller's bug
@@ -68,7 +79,7 @@ def forward(plan: Plan, rank: int, a, b, chunk_bytes: int = 0, sync: Sync = FENC
         if executed is plan.gather_stage:
             return gather.gather_blocks(plan, rank, block, sync)
         return block
-    operands = _operands(plan, rank, a, b, sync, fetched)
+    operands = _operands(plan, rank, a, b, sync, fetched, ahead)
     local = jnp.zeros(plan.c.local_shape(rank), operands.acc)
     cells = _cells(plan, rank)
     own = [(cell, cell.rows) for cell in cells if cell.local and not cell.deliveries]
@@ -241,17 +252,18 @@ class _Operands(NamedTuple):
     apart: int | None = None  # this rank when its fetch runs ahead (_gemm_groups), else None
 
 
-def _operands(plan: Plan, rank: int, a, b, sync: Sync, fetched=None) -> _Operands:
+def _operands(plan: Plan, rank: int, a, b, sync: Sync, fetched=None, ahead=False) -> _Operands:
     """This rank's operands, after getting the remote pieces (if the plan has any and
-    ``fetched`` does not hold them already)."""
+    ``fetched`` does not hold them already; ``ahead``: as for :func:`forward`)."""
     acc = dtypes.accumulation_dtype(a.dtype)
     remote = {}
     if plan.has_gets:
         if fetched is None:
+            ahead = fetch.runs_ahead(plan, rank, sync, a.dtype == acc)
             fetched = fetch.fetch_pieces(plan, rank, a, b, sync)
         remote = _cut_to_multiplies(plan, rank, fetched)
     multiplies = {(m.rows, m.inner, m.cols): m for m in plan.multiplies_on(rank)}
-    apart = rank if plan.has_gets and slots.fetches_ahead(plan, rank, sync) else None
+    apart = rank if plan.has_gets and ahead else None
     return _Operands(plan, rank, a, b, remote, multiplies, acc, apart)
 
 

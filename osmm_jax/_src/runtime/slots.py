@@ -102,7 +102,7 @@ many elements in a product (16 MiB of float32). A fetch ahead holds, beside the 
 XLA owns, the waiter's copy of it (and, with RMA, a copy of the buffer its pieces leave from)
 until the result is collected. Measured (benchmarks/results/overlap.md, section 9), the
 sequence-parallel Transformer step, whose ranks get about 4 MiB per layer, was 1.03-1.07x
-faster fetching ahead on 3 ranks of speeds 1:1:2, 0.99-1.01x on 3 and 4 emulated hosts and
+faster fetching ahead on 3 ranks of speeds 1:1:2, 1.00-1.01x on 3 and 4 emulated hosts and
 0.97x on 2; the memory benchmark's products, which get 72 MiB and more, would hold that much
 more for at most such a gain."""
 
