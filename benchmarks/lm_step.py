@@ -28,6 +28,12 @@ one warm-up call each):
   every gradient summed in one flat all-reduce (mpi4jax), what DistributedDataParallel does;
 * ``JAX NamedSharding DP, even``: ``jax`` mode (equal sequences, replicated parameters, JAX's
   gradient all-reduce over gloo);
+* ``JAX NamedSharding TP, even``: JAX's own tensor parallelism (XLA's SPMD partitioner over
+  gloo) with Megatron's split: the column layers (qkv, MLP up) by output features, the row
+  layers (attention projection, MLP down) by input features, the rest and the batch
+  replicated. JAX splits a dimension only into equal parts, so each pair's inner width is
+  padded with zeros to whole heads (features) per rank (:class:`EvenShardLayers`), as its users
+  do where the rank count does not divide the heads;
 * ``no-communication floor (speed-weighted rows)``: every rank runs the stock model on its
   ``dp`` sequences alone, nothing summed (the split's own imbalance, without communication);
 * ``no-communication floor (even rows)``: the same on the even split; its ratio to the
@@ -72,6 +78,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 from mpi4py import MPI
 
 import osmm_jax as om
@@ -91,6 +98,7 @@ SP_IN_PLACE = "osmm TP + sequence parallel, fetch in place (OSMM_FETCH_AHEAD=0)"
 FETCH_AHEAD = {SP_AHEAD: "1", SP_IN_PLACE: "0"}  # the setting each of these is compiled with
 EVEN = "all-reduce DP, even (one fused all-reduce)"
 JAX = "JAX NamedSharding DP, even"
+JAX_TP = "JAX NamedSharding TP, even"
 FLOOR = "no-communication floor (speed-weighted rows)"
 EVEN_FLOOR = "no-communication floor (even rows)"
 TP_FLOOR = "no-communication floor (TP shards)"
@@ -131,6 +139,45 @@ class ShardLayers(lm.Layers):
         if kind == "row":
             return lm.StockLinear(sizes[RANK], n_out, rngs=rngs)
         return lm.StockLinear(n_in, n_out, rngs=rngs)
+
+
+class EvenShardLayers(lm.Layers):
+    """Stock dense layers for JAX's own tensor parallelism, which splits a dimension only into
+    ``nranks`` equal parts: each tensor-parallel pair's inner width (``heads`` heads of the
+    attention pair, ``4 d`` features of the MLP pair) padded with zeros to a multiple of
+    ``nranks`` heads or features. The zero columns and rows change neither the loss nor any
+    other gradient (their own stay zero, and so does adam's update of them): the step is the
+    model's, and their arithmetic is the price of the even split."""
+
+    def __init__(self, nranks: int, heads: int, d: int):
+        # Every head and every hidden feature a unit of its own: a pair's ``sizes`` below.
+        super().__init__("single", head_sizes=[1] * heads, mlp_sizes=[1] * (4 * d))
+        self.nranks = nranks
+
+    def dense(self, kind: str, n_in: int, n_out: int, rngs, sizes=None):
+        layer = lm.StockLinear(n_in, n_out, rngs=rngs)  # drawn as the model's own, then padded
+        if kind == "other":
+            return layer
+        width = n_out if kind == "column" else n_in
+        pad = -width % (sizes[0] * self.nranks)  # sizes[0]: one unit's columns (rows)
+        if kind == "column":
+            layer.kernel = nnx.Param(jnp.pad(layer.kernel[...], ((0, 0), (0, pad))))
+            layer.bias = nnx.Param(jnp.pad(layer.bias[...], (0, pad)))
+        else:
+            layer.kernel = nnx.Param(jnp.pad(layer.kernel[...], ((0, pad), (0, 0))))
+        return layer
+
+
+def megatron_spec(path: str, param) -> P:
+    """Where JAX's tensor-parallel step keeps ``param`` (its key path ``path``): the column
+    layers (qkv, up) split by output features, the row layers (proj, down) by input features
+    (their bias replicated), everything else replicated; over the mesh's one axis."""
+    layer = next((n for n in ("qkv", "up", "proj", "down") if f"['{n}']" in path), None)
+    if layer in ("qkv", "up"):
+        return P(None, "data") if param.ndim == 2 else P("data")
+    if layer in ("proj", "down") and param.ndim == 2:
+        return P("data", None)
+    return P()
 
 
 def step_flops(tokens: int, d: int, n_layers: int, context: int, vocab: int) -> float:
@@ -237,6 +284,14 @@ def main(argv=None) -> int:
     jax_step, jax_params, jax_opt = lm.make_step(
         build(lm.Layers("single")), LEARNING_RATE, tokens, mesh=mesh
     )
+    jax_tp_step, jax_tp_params, jax_tp_opt = lm.make_step(
+        build(EvenShardLayers(SIZE, args.heads, args.d)),
+        LEARNING_RATE,
+        tokens,
+        mesh=mesh,
+        specs=megatron_spec,
+    )
+    whole = [common.global_array(v.shape, P(), mesh, jnp.asarray(v)) for v in (x, y)]
     fns = {
         DP: step_on(_rows(weighted), dp=True, sum_method="one_sided"),
         LAYERS: layers_step(weighted, "one_sided"),
@@ -249,6 +304,7 @@ def main(argv=None) -> int:
             jax_step,
             (jax_params, jax_opt, lm.shard_batch(x, mesh), lm.shard_batch(y, mesh)),
         ),
+        JAX_TP: (jax_tp_step, (jax_tp_params, jax_tp_opt, *whole)),
         FLOOR: step_on(_rows(weighted)),
         EVEN_FLOOR: step_on(_rows(even)),
         TP_FLOOR: step_on(slice(None), ShardLayers("tp", head_sizes=heads, mlp_sizes=hidden)),
@@ -265,7 +321,7 @@ def main(argv=None) -> int:
     reference = losses[ALONE]
     wrong = [
         name
-        for name in (DP, LAYERS, TP, SP, SP_AHEAD, SP_IN_PLACE, EVEN, JAX)
+        for name in (DP, LAYERS, TP, SP, SP_AHEAD, SP_IN_PLACE, EVEN, JAX, JAX_TP)
         if not abs(losses[name] - reference) <= RTOL * abs(reference) + ATOL
     ]
     if wrong:
@@ -293,6 +349,7 @@ def main(argv=None) -> int:
         "layers_over_limit": seconds[LAYERS] / limit,
         "even_allreduce_over_tp": seconds[EVEN] / seconds[TP],
         "jax_over_dp": seconds[JAX] / seconds[DP],
+        "jax_tp_over_tp": seconds[JAX_TP] / seconds[TP],
         "dp_over_limit": seconds[DP] / limit,
         "tp_over_limit": seconds[TP] / limit,
         "sp_over_limit": seconds[SP] / limit,
@@ -330,6 +387,10 @@ def main(argv=None) -> int:
         "sequences_even": even,
         "heads_per_rank": list(heads),
         "mlp_hidden_per_rank": list(hidden),
+        "jax_tp_padded": {
+            "heads": -(-args.heads // SIZE) * SIZE,
+            "mlp_hidden": -(-4 * args.d // SIZE) * SIZE,
+        },
         "step_gflop": flops / 1e9,
         "first_step_loss": losses,
         "entries": entries,
@@ -356,6 +417,7 @@ def main(argv=None) -> int:
 
 def _notes(record: dict) -> list[str]:
     r, limit = record["ratios"], record["aggregate_limit_s"]
+    padded = record["jax_tp_padded"]
     alone = ", ".join(f"{t * 1e3:.0f}" for t in record["alone_seconds_per_rank"])
     return [
         f"The even all-reduce step takes {r['even_allreduce_over_dp']:.2f}x the speed-weighted "
@@ -372,6 +434,9 @@ def _notes(record: dict) -> list[str]:
         f"communication, the even split takes {r['even_floor_over_floor']:.2f}x the "
         "speed-weighted split's time: no even-split step can be slower than that by its split "
         "alone.",
+        f"JAX's own tensor-parallel step (even shards: {padded['heads']} heads and "
+        f"{padded['mlp_hidden']} MLP features with the zero padding) takes "
+        f"{r['jax_tp_over_tp']:.2f}x the speed-weighted TP step's time.",
         "Sequence parallelism with its fetches in place takes "
         f"{r['sp_in_place_over_ahead']:.2f}x the time of the same step fetching ahead (the "
         "gathered rows arrive while the GEMMs on each rank's own rows run).",

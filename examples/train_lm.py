@@ -238,7 +238,9 @@ def batches(data: np.ndarray, steps: int, batch: int, context: int, seed: int):
         yield windows[:, :-1], windows[:, 1:]
 
 
-def make_step(model, lr: float, tokens_total: int, *, dp: bool = False, mesh=None, sum_method=None):
+def make_step(
+    model, lr: float, tokens_total: int, *, dp: bool = False, mesh=None, specs=None, sum_method=None
+):
     """One jitted adam step of ``model``: returns ``(step, params, opt_state)``.
 
     ``step(params, opt_state, x, y)`` takes ``(sequences, context)`` int32
@@ -248,24 +250,40 @@ def make_step(model, lr: float, tokens_total: int, *, dp: bool = False, mesh=Non
     sums the gradients that no osmm_jax layer summed; otherwise the loss is the mean over
     the tokens given. ``sum_method``: the method of that fused sum (``one_sided``, the
     default, or ``allreduce``). ``mesh``: JAX's own sharding over every process: params
-    and optimiser state are global arrays replicated over ``mesh``, ``x`` and
-    ``y`` global arrays split by sequences (:func:`shard_batch`), and the mean
-    is over the global batch.
+    and optimiser state are global arrays over ``mesh``, replicated unless ``specs(path,
+    param)`` gives another ``PartitionSpec`` (``path``: the param's key path as a string);
+    ``x`` and ``y`` are global arrays (split by sequences, :func:`shard_batch`, or
+    replicated), and the mean is over the global batch.
     """
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     optimizer = optax.adam(lr)
     if mesh is None:
-        replicated = None
+        placement = None
         opt_state = optimizer.init(params)
     else:
         from jax.sharding import NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        global_array = _jax_peers().global_array
-        params = jax.tree.map(lambda p: global_array(p.shape, P(), mesh, p), params)
-        replicated = NamedSharding(mesh, P())
-        # Placed as the step returns it: otherwise the second step compiles again.
-        opt_state = jax.jit(optimizer.init, out_shardings=replicated)(params)
+        def sharding(path, param):
+            spec = P() if specs is None else specs(jax.tree_util.keystr(path), param)
+            return NamedSharding(mesh, spec)
+
+        placed = jax.tree_util.tree_map_with_path(sharding, params)
+        params = jax.tree.map(
+            lambda p, where: jax.make_array_from_callback(p.shape, where, lambda i: p[i]),
+            params,
+            placed,
+        )
+        # Adam's moments lie as their params do, its count is replicated; the step returns
+        # everything placed so (otherwise the second step compiles again).
+        like_params = jax.tree.structure(params)
+        state_placed = jax.tree.map(
+            lambda x: placed if jax.tree.structure(x) == like_params else NamedSharding(mesh, P()),
+            jax.eval_shape(optimizer.init, params),
+            is_leaf=lambda x: jax.tree.structure(x) == like_params,
+        )
+        opt_state = jax.jit(optimizer.init, out_shardings=state_placed)(params)
+        placement = (placed, state_placed)
 
     def loss_fn(params, x, y):
         logits = nnx.merge(graphdef, params, rest)(x)
@@ -285,8 +303,8 @@ def make_step(model, lr: float, tokens_total: int, *, dp: bool = False, mesh=Non
         loss, grads = value_and_grad(loss_fn)(params, x, y)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        if replicated is not None:
-            params, opt_state = jax.lax.with_sharding_constraint((params, opt_state), replicated)
+        if placement is not None:
+            params, opt_state = jax.lax.with_sharding_constraint((params, opt_state), placement)
         return params, opt_state, loss
 
     return step, params, opt_state

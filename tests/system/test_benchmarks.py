@@ -192,6 +192,7 @@ def test_the_lm_step_benchmark_runs_and_writes_its_results(tmp_path):
         "osmm TP + sequence parallel, fetch in place (OSMM_FETCH_AHEAD=0)",
         "all-reduce DP, even (one fused all-reduce)",
         "JAX NamedSharding DP, even",
+        "JAX NamedSharding TP, even",
         "no-communication floor (speed-weighted rows)",
         "no-communication floor (even rows)",
         "no-communication floor (TP shards)",
@@ -211,7 +212,9 @@ def test_the_lm_step_benchmark_runs_and_writes_its_results(tmp_path):
         "even_allreduce_over_layers",
         "layers_over_limit",
         "even_floor_over_floor",
+        "jax_tp_over_tp",
     }
+    assert record["jax_tp_padded"] == {"heads": 4, "mlp_hidden": 64}  # 2 ranks divide both
     text = (tmp_path / "lm_step.md").read_text()
     for part in ("load average", "aggregate limit", "speed-weighted DP ÷ aggregate limit"):
         assert part in text, text
