@@ -49,7 +49,7 @@ import jax.ffi
 from jax.interpreters import mlir
 
 # The jax releases the whole suite has passed on, oldest and newest (BUILD.md, "Tested versions").
-TESTED_JAX = ("0.6.2", "0.12.0.1")
+TESTED_JAX = ("0.6.2", "0.12.1")
 # The mpi4jax releases the same, for the `mpi4jax` extra.
 TESTED_MPI4JAX = ("0.9.1.post2", "0.9.1.post2")
 
