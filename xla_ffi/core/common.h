@@ -25,6 +25,25 @@ inline MPI_Comm CommFromHandle(int64_t handle) {
   return comm;
 }
 
+// The XLA execution (ffi::RunId) whose handler call runs on this thread, set by the CPU
+// handlers for their call (RunScope); 0 outside one, and on platforms that do not set it. It
+// names the program run a notified product belongs to (notify.cc: which program a failure
+// happened in). Defined in libosmm_core (run.cc), so that the handler modules and the core
+// see one variable per thread.
+int64_t CurrentRun();
+void SetCurrentRun(int64_t run);
+
+class RunScope {
+ public:
+  explicit RunScope(int64_t run) : previous_(CurrentRun()) { SetCurrentRun(run); }
+  ~RunScope() { SetCurrentRun(previous_); }
+  RunScope(const RunScope&) = delete;
+  RunScope& operator=(const RunScope&) = delete;
+
+ private:
+  int64_t previous_;
+};
+
 // A key that identifies a communicator in the window cache.
 inline uint64_t CommKey(MPI_Comm comm) {
   uint64_t key = 0;

@@ -38,10 +38,11 @@ struct SyncState {
   // Failed a product for an abandonment: start again at the next. Atomic: a communicator's
   // waiter (deferred.h) sets it while its next start may read it.
   std::atomic<bool> resync{false};
-  std::vector<int64_t> stamps;   // per target rank
-  std::vector<int64_t> credits;  // per origin rank
-  int64_t own = 0;               // this rank's own progress, written into its window
-  int64_t notice = 0;            // the notice this rank sends (AnnounceAbandoned)
+  std::atomic<int64_t> failed_run{0};  // the program run of the product failed (0: unknown)
+  std::vector<int64_t> stamps;         // per target rank
+  std::vector<int64_t> credits;        // per origin rank
+  int64_t own = 0;                     // this rank's own progress, written into its window
+  int64_t notice = 0;                  // the notice this rank sends (AnnounceAbandoned)
 };
 
 SyncState& StateOf(MPI_Comm comm, int size) {
@@ -95,6 +96,12 @@ int64_t NoticeGeneration(const NotifiedReduce& n) {
   return ReadEntry(n, 2 * n.size + 1) >> kNoticeShift;
 }
 
+// This rank failed `n` for an abandonment (or abandoned it): start again (Resync) next time.
+void MarkFailed(const NotifiedReduce& n, SyncState& state) {
+  state.failed_run = n.run;
+  state.resync = true;
+}
+
 // Tells every rank that this rank abandoned a product (`state.notice`, MPI_MAX into entry 2P+1
 // of every sync window, this rank's own included), completed before any stamp of the abandoned
 // product goes out: a rank that hears of the abandonment through a stamp has the notice too.
@@ -111,7 +118,7 @@ ffi::Error AnnounceAbandoned(const NotifiedReduce& n, SyncState& state) {
     }
   }
   if (int rc = MPI_Win_flush_all(n.sync_win); rc != MPI_SUCCESS) return MpiError(rc, what);
-  state.resync = true;
+  MarkFailed(n, state);
   return ffi::Error::Success();
 }
 
@@ -227,6 +234,7 @@ ffi::Error OpenNotified(BufferOps& ops, MPI_Comm comm, const NotifySpec& spec, i
                         int64_t window_bytes, NotifiedReduce* out, ffi::Error* local) {
   out->spec = spec;
   out->comm = comm;
+  out->run = CurrentRun();
   MPI_Comm_rank(comm, &out->rank);
   MPI_Comm_size(comm, &out->size);
   int64_t slot_bytes = 0;  // of the whole slots window
@@ -277,10 +285,13 @@ ffi::Error OpenNotified(BufferOps& ops, MPI_Comm comm, const NotifySpec& spec, i
     if (ffi::Error err = OpenMessages(*out, state.window); err.failure()) return err;
   }
   if (state.resync || NoticeGeneration(*out) > state.generation) {
-    // A rank that hears of the abandonment only now has not failed a product for it yet:
-    // this one, which the others do not run, is its failure.
+    // Not failed yet (it hears of the abandonment only now), or failed in this program run (a
+    // deferred product, on the waiter, while the program went on): this product fails. Failed
+    // in an earlier run: this start begins the next program, as the abandoning rank's does,
+    // and runs. Run ids unknown (0): as earlier.
     DrainDeferred(comm);  // nothing of the waiter's may run while the slots are cleared
-    const bool failed_already = state.resync;  // a deferred reduce may have failed for it
+    const bool failed_already =
+        state.resync && (state.failed_run == 0 || out->run == 0 || state.failed_run != out->run);
     if (ffi::Error err = Resync(*out, state, slot_bytes); err.failure()) return err;
     if (!failed_already) return ffi::Error::Internal(VoidedBy(*out));
   }
@@ -301,14 +312,6 @@ ffi::Error OpenNotified(BufferOps& ops, MPI_Comm comm, const NotifySpec& spec, i
   out->last_read.assign(spec.targets.size(), -1.0);
   GlobalCounters().slot_window_bytes.store(window_bytes, std::memory_order_relaxed);
   return ffi::Error::Success();
-}
-
-MPI_Aint SlotDisplacement(const NotifiedReduce& n, int64_t target) {
-  const auto it = std::lower_bound(n.spec.targets.begin(), n.spec.targets.end(), target);
-  const size_t i = static_cast<size_t>(it - n.spec.targets.begin());
-  const int64_t position = n.spec.positions[i];
-  const int64_t slot = n.first_slot + position % n.spec.per_product();
-  return static_cast<MPI_Aint>((1 + slot) * n.spec.slot_bytes + n.spec.bases[i]);
 }
 
 bool MayDeliverNow(NotifiedReduce& n, int64_t target) {
@@ -427,16 +430,16 @@ ffi::Error RoundArrived(NotifiedReduce& n, SyncState& state, size_t first, size_
       continue;
     }
     if (product != n.product || (stamp & ~int64_t{3}) != n.stamp) {
+      auto named = [](int64_t p, int64_t s) {
+        return "product #" + std::to_string(p) + " (id bits " + std::to_string((s >> 2) & kIdMask) +
+               ")";
+      };
       return Desynchronised(n.comm, "osmm_reduce (notified): rank " + std::to_string(n.rank) +
-                                        " runs its notified "
-                                        "product #" +
-                                        std::to_string(n.product) + " (id bits " +
-                                        std::to_string((n.stamp >> 2) & kIdMask) + ") but rank " +
-                                        std::to_string(origin) + " delivered for product #" +
-                                        std::to_string(product) + " (id bits " +
-                                        std::to_string((stamp >> 2) & kIdMask) + ")");
+                                        " runs its notified " + named(n.product, n.stamp) +
+                                        " but rank " + std::to_string(origin) + " delivered for " +
+                                        named(product, stamp));
     }
-    if ((stamp & kStampAbandoned) != 0) state.resync = true;  // the ranks start again next product
+    if ((stamp & kStampAbandoned) != 0) MarkFailed(n, state);  // the ranks start again next product
     if ((stamp & kStampAbandoned) != 0 && failed->empty()) {
       *failed = "osmm_reduce_finish: rank " + std::to_string(origin) +
                 " abandoned this product (an error stopped its program between the start and "
@@ -471,7 +474,7 @@ ffi::Error Finish(BufferOps& ops, NotifiedReduce& n,
     const int64_t status = abandoned ? kStampAbandoned : kStampFailed;
     if (ffi::Error err = SendStamps(n, n.stamp | status); err.failure()) return err;
     if (failure->empty()) *failure = VoidedBy(n);
-    state.resync = true;
+    MarkFailed(n, state);
     return ffi::Error::Success();
   }
   Deliveries targets{n, state, deliver, problem, abandoned, {}, 0};
@@ -554,7 +557,7 @@ ffi::Error Finish(BufferOps& ops, NotifiedReduce& n,
     if (!progressed && NoticeGeneration(n) > state.generation) {
       // A product was abandoned: some of what this one waits for will never come.
       if (failure->empty()) *failure = VoidedBy(n);
-      state.resync = true;
+      MarkFailed(n, state);
       return n.spec.messages ? CancelReceives(n) : ffi::Error::Success();
     }
     if (!progressed) {

@@ -154,6 +154,7 @@ struct NotifiedReduce {
   std::vector<int> target_state;  // per spec.targets entry: 0 undecided, 1 issuing, 2 deferred
   std::vector<double> last_read;  // per target: when its progress was last read remotely
   bool background = false;        // finished by a waiter beside the computation (deferred.h)
+  int64_t run = 0;                // the program run that opened it (current_run; 0: unknown)
   // The message transport (messages.h): the lane, and per target the id of this product's
   // message there, per origin the id of its posted receive (-1: none) and the stamp it
   // brought (-1: not yet).

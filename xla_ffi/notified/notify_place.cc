@@ -1,5 +1,6 @@
 // Placement (notify.h, NotifySpec::place): the notified fetch's and all-gather's slots copied
-// into place in the target's block instead of summed over it.
+// into place in the target's block instead of summed over it; and where an origin's slot at a
+// target begins (SlotDisplacement).
 #include <algorithm>
 #include <utility>
 #include <vector>
@@ -48,6 +49,14 @@ ffi::Error PlaceLocal(BufferOps& ops, const NotifiedReduce& n, ffi::DataType dty
     at = std::max(at, end);
   }
   return ffi::Error::Success();
+}
+
+MPI_Aint SlotDisplacement(const NotifiedReduce& n, int64_t target) {
+  const auto it = std::lower_bound(n.spec.targets.begin(), n.spec.targets.end(), target);
+  const size_t i = static_cast<size_t>(it - n.spec.targets.begin());
+  const int64_t position = n.spec.positions[i];
+  const int64_t slot = n.first_slot + position % n.spec.per_product();
+  return static_cast<MPI_Aint>((1 + slot) * n.spec.slot_bytes + n.spec.bases[i]);
 }
 
 }  // namespace osmm
