@@ -24,6 +24,8 @@ ones), on every rank:
   ``/proc/self/clear_refs``), measured on a call after osmm_jax's windows were freed, so that
   the windows the call creates count;
 * ``kept``: what stays resident after the call, its result dropped (windows, slots, caches);
+* ``released``: how much of the resident set :func:`osmm_jax.release` then gives back (the
+  windows it frees);
 * ``predicted``: :func:`osmm_jax.memory_bytes` for the rank, the method and the direction.
 
 Every figure is the median over ``--repeats`` calls. Rank 0 prints a Markdown table with
@@ -45,7 +47,7 @@ import numpy as np
 import osmm_jax as om
 from benchmarks import common
 from benchmarks.common import COMM, RANK, SIZE
-from osmm_jax._src.runtime import backward, native
+from osmm_jax._src.runtime import backward
 
 MiB = 2**20
 FAMILIES = ("rows", "k_split", "grid")
@@ -105,7 +107,7 @@ def measure(family: str, method: str, direction: str, n: int, repeats: int) -> d
         fn, args = jax.jit(lambda x, y, d: jax.vjp(product, x, y)[1](d)), (a, b, dc)
     jax.block_until_ready(fn(*args))  # compile
     jax.effects_barrier()
-    native.free_windows()  # the measured call creates the windows it needs
+    om.release()  # the measured call creates the windows it needs
     held, kept = [], []
     for _ in range(repeats):
         gc.collect()
@@ -117,13 +119,18 @@ def measure(family: str, method: str, direction: str, n: int, repeats: int) -> d
         del out
         gc.collect()
         kept.append(_status_bytes("VmRSS") - before)
+    window_bytes = om.stats()["window_bytes"]
+    resident = _status_bytes("VmRSS")
+    om.release()
+    released = resident - _status_bytes("VmRSS")
     predicted = om.memory_bytes(plan, RANK, method=method, direction=direction)
     return {
         "needed": needed_bytes(plan, direction),
         "predicted": predicted.total,
         "held": statistics.median(held),
         "kept": statistics.median(kept),
-        "window_bytes": om.stats()["window_bytes"],
+        "window_bytes": window_bytes,
+        "released": released,
     }
 
 
@@ -131,15 +138,16 @@ def print_table(records: list[dict]) -> None:
     """Rank 0: one row per case and rank, MiB and held / needed."""
     print(
         "| family | method | direction | rank | needed MiB | held MiB | held / needed | kept MiB "
-        "| predicted MiB | held / predicted |"
+        "| released MiB | predicted MiB | held / predicted |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for rec in records:
         for rank, r in enumerate(rec["ranks"]):
             print(
                 f"| {rec['family']} | {rec['method']} | {rec['direction']} | {rank} | "
                 f"{r['needed'] / MiB:.0f} | {r['held'] / MiB:.0f} | "
                 f"{r['held'] / max(r['needed'], 1):.2f} | {r['kept'] / MiB:.0f} | "
+                f"{r.get('released', 0) / MiB:.0f} | "
                 f"{r['predicted'] / MiB:.0f} | {r['held'] / max(r['predicted'], 1):.2f} |"
             )
 

@@ -337,15 +337,19 @@ bool CommUsesNetwork(MPI_Comm private_comm) {
   return false;
 }
 
-ffi::Error FreeWindows() {
-  Cache& cache = GlobalCache();
-  std::lock_guard<std::mutex> cache_lock(cache.mu);
+namespace {
+
+bool MpiRunning() {
   int finalized = 0;
   int initialized = 0;
   MPI_Finalized(&finalized);
   MPI_Initialized(&initialized);
-  const bool can_free = initialized && !finalized;
-  if (can_free && !cache.comms.empty()) BeginTeardown();
+  return initialized && !finalized;
+}
+
+// Frees the MPI window of every entry, in creation order; `can_free`: MPI may still be called.
+// Caller holds cache.mu.
+ffi::Error FreeEntriesLocked(Cache& cache, bool can_free) {
   ffi::Error first_error = ffi::Error::Success();
   for (auto& e : cache.entries) {
     std::lock_guard<std::mutex> entry_lock(e->mu);
@@ -368,6 +372,27 @@ ffi::Error FreeWindows() {
       e->header_base = nullptr;
     }
   }
+  return first_error;
+}
+
+}  // namespace
+
+ffi::Error ReleaseWindows(int64_t* released_bytes) {
+  Cache& cache = GlobalCache();
+  std::lock_guard<std::mutex> cache_lock(cache.mu);
+  const int64_t before = cache.live_bytes.load();
+  ffi::Error err = ffi::Error::Success();
+  if (MpiRunning()) err = FreeEntriesLocked(cache, /*can_free=*/true);
+  *released_bytes = before - cache.live_bytes.load();
+  return err;
+}
+
+ffi::Error FreeWindows() {
+  Cache& cache = GlobalCache();
+  std::lock_guard<std::mutex> cache_lock(cache.mu);
+  const bool can_free = MpiRunning();
+  if (can_free && !cache.comms.empty()) BeginTeardown();
+  ffi::Error first_error = FreeEntriesLocked(cache, can_free);
   if (can_free) CloseStatusChannels();
   for (CommEntry& e : cache.comms) {
     if (e.dup == MPI_COMM_NULL) continue;

@@ -145,6 +145,13 @@ bool CommUsesNetwork(MPI_Comm private_comm);
 // Idempotent; once MPI is finalised it only forgets the handles.
 ffi::Error FreeWindows();
 
+// Frees every cached window, in creation order (identical on all ranks), between products:
+// the private communicators, the watchdog's channels and the rank's state stay, and the next
+// call that needs a window creates it again (collectively, at the size that call needs).
+// Collective over all communicators that own windows. Sets *released_bytes to the bytes of
+// window memory freed on this rank. Does nothing once MPI is finalised.
+ffi::Error ReleaseWindows(int64_t* released_bytes);
+
 // Number of live windows and their total size in bytes.
 int64_t LiveWindowCount();
 int64_t LiveWindowBytes();

@@ -58,6 +58,7 @@ nb::dict Stats() {
   d["resyncs"] = c.resyncs.load();
   d["deferred_reduces"] = c.deferred_reduces.load();
   d["fetches_ahead"] = c.fetches_ahead.load();
+  d["deferred_held"] = osmm::HeldDeferred();
   d["progress_polls"] = osmm::ProgressPolls();
   d["windows"] = osmm::LiveWindowCount();
   d["window_bytes"] = osmm::LiveWindowBytes();
@@ -85,6 +86,22 @@ void FreeWindows() {
     if (err.failure()) message = err.message();
   }
   if (!message.empty()) throw std::runtime_error(message);
+}
+
+int64_t ReleaseWindows() {
+  std::string message;
+  int64_t released = 0;
+  {
+    nb::gil_scoped_release release;
+    osmm::DrainAllDeferred();
+    osmm::DropUncollected();  // after jax.effects_barrier(): no finish will come for them
+    osmm::GlobalIssuer().Stop();
+    osmm::StopProgress();
+    xla::ffi::Error err = osmm::ReleaseWindows(&released);
+    if (err.failure()) message = err.message();
+  }
+  if (!message.empty()) throw std::runtime_error(message);
+  return released;
 }
 
 void PrepareComm(int64_t handle) {
@@ -175,7 +192,8 @@ NB_MODULE(OSMM_FFI_MODULE, m) {
         "This process's counters since start: rma_ops, rma_bytes, sent_bytes, accumulates, "
         "puts, gets, fences, calls (RMA epochs), agreements; closing_fence_seconds (time in reduce "
         "epochs' closing fences); notifications, notify_wait_seconds, deferred_deliveries, "
-        "credit_reads, credit_pushes, slot_window_bytes and resyncs (the notified mode); messages "
+        "credit_reads, credit_pushes, slot_window_bytes, resyncs and deferred_held (the notified "
+        "mode); messages "
         "and message_bytes (its message transport); "
         "progress_polls "
         "(MPI polls of the progress thread); staged_bytes and staging_seconds "
@@ -185,6 +203,11 @@ NB_MODULE(OSMM_FFI_MODULE, m) {
   m.def("free_windows", &FreeWindows,
         "Free all cached MPI windows in creation order. Collective: call on every rank, after "
         "jax.effects_barrier() and before MPI_Finalize. Idempotent.");
+  m.def("release_windows", &ReleaseWindows,
+        "Free all cached MPI windows in creation order between products (they are created "
+        "again on demand) and forget deferred results no finish collected; returns the bytes "
+        "freed on this rank. Collective: call on every "
+        "rank, after jax.effects_barrier().");
   m.def("prepare_comm", &PrepareComm, nb::arg("comm"),
         "Create the native layer's private duplicate of the communicator with handle `comm` "
         "(signed int64, as passed to the handlers). Collective over that communicator; "

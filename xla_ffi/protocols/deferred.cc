@@ -317,4 +317,10 @@ int64_t DropUncollected() {
   return count;
 }
 
+int64_t HeldDeferred() {
+  Registry& r = Jobs();
+  std::lock_guard<std::mutex> lock(r.mu);
+  return static_cast<int64_t>(r.jobs.size());
+}
+
 }  // namespace osmm

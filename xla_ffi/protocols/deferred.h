@@ -54,8 +54,15 @@ void DrainAllDeferred();
 
 // Forgets the results of every deferred reduce whose finish has not run (their programs
 // failed between the start and the finish); those still pending are forgotten when they end.
-// Returns how many.
+// Returns how many. release_windows calls it (after jax.effects_barrier(): every program is
+// over, so no finish will come for them).
 int64_t DropUncollected();
+
+// Deferred reduces and fetches this rank holds: started and not yet handed to their finish,
+// or handed to a finish that waits for them. 0 whenever no program runs, unless a program
+// failed between a start and its finish (it stopped before the finish could run) and
+// DropUncollected has not run since.
+int64_t HeldDeferred();
 
 }  // namespace osmm
 

@@ -203,7 +203,9 @@ def stats() -> dict:
     together after a product abandoned by one of them), ``deferred_reduces``
     (weight gradients whose finish a waiter thread ran, ``OSMM_DEFER``),
     ``fetches_ahead`` (fetches a waiter thread finished while the GEMMs on
-    this rank's own pieces ran, ``OSMM_FETCH_AHEAD``), and
+    this rank's own pieces ran, ``OSMM_FETCH_AHEAD``), ``deferred_held``
+    (those the waiter holds now: 0 between programs, unless a program stopped
+    between a start and its finish; :func:`release` forgets those), and
     ``messages`` and ``message_bytes`` (the message transport's sends, stamps
     included, ``OSMM_TRANSPORT``; their payload counts in ``rma_bytes`` and
     ``sent_bytes`` as RMA's would, and each message as a notification).
@@ -211,3 +213,36 @@ def stats() -> dict:
     from osmm_jax._src.runtime import native
 
     return native.stats()
+
+
+def release() -> int:
+    """Free the memory osmm_jax keeps on this rank between products; the bytes freed.
+
+    one_sided products keep their MPI windows from one product to the next (the slots that
+    partials and fetched pieces land in, the accumulator of a reduce, the notification
+    window), one set per communicator, sized by the largest product it has run: creating a
+    window is collective and costs as much as a small product, and a training loop runs the
+    same products every step. When a phase is over whose products will not come back (a large
+    product before training, an evaluation at another size), or before something else needs
+    the memory, ``release()`` frees them. The next product creates what it needs again, at its
+    own size, as its first call did (one collective per window).
+
+    Collective: call it on every rank of every communicator that ran one_sided products, at
+    the same point of the program. It first waits for this rank's dispatched computations
+    (``jax.effects_barrier()``); results already returned are arrays of their own and stay
+    valid. A rank that does not call it leaves the others waiting in the first window's free
+    (with :func:`timeout` set, the watchdog reports where). On GPUs the GPU handlers' pinned
+    host staging buffers are freed too (not counted in the result). So are the results of
+    deferred products that nobody collected: a program that stopped (an error) after a
+    deferred product's start and before its finish could run leaves the result, and the copies
+    the waiter thread made for it, with the waiter (``stats()["deferred_held"]``).
+
+    Returns: the bytes of window memory freed on this rank (``stats()["window_bytes"]`` before
+    the call; 0 when none was held).
+    """
+    import jax
+
+    from osmm_jax._src.runtime import native
+
+    jax.effects_barrier()
+    return native.release_windows()

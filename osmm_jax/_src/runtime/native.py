@@ -193,6 +193,22 @@ def free_windows() -> None:
         MODULES["cuda"].free_staging()
 
 
+def release_windows() -> int:
+    """Free every cached MPI window, in creation order, and the GPU handlers' host staging,
+    between products: they are created again on demand; and forget the results of deferred
+    reduces and fetches that no finish collected (their program failed between the start and
+    the finish). Returns the bytes of window memory freed on this rank.
+
+    Collective over every communicator that owns a window: call it on all ranks, after
+    ``jax.effects_barrier()``. Unlike :func:`free_windows` it leaves the private
+    communicators and the watchdog's channels in place (the program goes on).
+    """
+    released = int(_osmm_ffi.release_windows())
+    if "cuda" in MODULES:
+        MODULES["cuda"].free_staging()
+    return released
+
+
 # -- MPI progress during reduce epochs (xla_ffi/protocols/issuer.h) --------------------------------
 
 

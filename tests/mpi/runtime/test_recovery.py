@@ -14,13 +14,14 @@ step's next product fails that one, and at their next product all ranks start ag
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from mpi4py import MPI
 from product_cases import default_sync
 
 import osmm_jax as om
-from osmm_jax._src.runtime import communicators, native
+from osmm_jax._src.runtime import communicators, native, primitives
 from osmm_jax._src.runtime.checksum import inject_fault
 
 COMM = MPI.COMM_WORLD
@@ -199,3 +200,101 @@ def test_a_fetch_abandoned_by_one_rank_fails_everywhere_then_the_next_is_right(t
     before, after = _recovered(*_run(plan))
     assert after["windows"] == before["windows"]
     assert after["resyncs"] - before["resyncs"] == 1
+
+
+def _deferred_step(monkeypatch):
+    """A jitted step of a deferred weight gradient (``OSMM_DEFER=1``: its finish off the token
+    chain, on the waiter) and a K-split, in the notified mode; the step, its expected results on
+    this rank, and its arguments."""
+    monkeypatch.setenv("OSMM_DEFER", "1")
+    monkeypatch.setenv("OSMM_SYNC", "notify")
+    rows = om.plan(om.Layout.rows((M, K)), om.Layout.replicated((K, N)), om.Layout.rows((M, N)))
+    k_split = _plans()["k_split"]
+    rng = np.random.default_rng(5)
+    a, w = rng.standard_normal((M, K)).astype(np.float32), rng.standard_normal((K, N))
+    w = w.astype(np.float32)
+    args = (rows.a.shard(a, RANK), w, k_split.a.shard(a, RANK), k_split.b.shard(w, RANK))
+
+    def step():
+        grad = jax.grad(lambda x, y: jnp.sum(jnp.sin(om.matmul(x, y, rows))), argnums=1)
+        fn = jax.jit(lambda x, y, x2, y2: (grad(x, y), om.matmul(x2, y2, k_split)))
+        return lambda: jax.tree.map(np.asarray, fn(*args))
+
+    good = step()
+    _stats_after_warm_up(good)
+    return step, good, good()
+
+
+@THREE
+@pytest.mark.ranks(min=3, reason="ranks that fail the step at different products")
+def test_a_step_with_a_deferred_product_abandoned_by_one_rank_starts_again_in_step(
+    monkeypatch, transport
+):
+    """Rank 0 abandons the step's K-split. Another rank may fail its deferred weight gradient
+    on the waiter while its program goes on to the next product's start, which then starts the
+    ranks again: that product fails too (it is in the program that failed), so every rank's
+    next program starts from its first product, and the steps after are right, bit for bit.
+    (Were that product run after starting again, it would meet the abandoning rank's first
+    product of its next program: the ranks out of step.)"""
+    _, good, expected = _deferred_step(monkeypatch)
+    for _ in range(3):  # the ranks meet the notice at different products from run to run
+        _abandoned_by_rank_0(good)
+        for _ in range(2):
+            for got, want in zip(good(), expected):
+                assert got.tobytes() == want.tobytes()
+        COMM.Barrier()
+
+
+class _FailingFinish:
+    """Stands in for the deferred finish primitive: binds the real one on a ticket that a host
+    callback raises on, on rank 0 only, so that rank 0's finish never runs."""
+
+    def __init__(self, real):
+        self.real = real
+
+    def bind(self, ticket, **params):
+        def check(t):
+            if RANK == 0:
+                raise RuntimeError("the deferred finish never runs")
+            return t
+
+        shape = jax.ShapeDtypeStruct(ticket.shape, ticket.dtype)
+        return self.real.bind(jax.pure_callback(check, shape, ticket), **params)
+
+
+@THREE
+@pytest.mark.ranks(min=2, reason="a rank abandons a product the others are in")
+def test_a_deferred_result_nobody_collects_is_held_until_release(monkeypatch, transport):
+    """Rank 0's step stops twice: its deferred weight gradient's finish never runs (a host
+    callback on the ticket fails), and its K-split's finish fails (it abandons that product).
+    The waiter still does rank 0's part of the weight gradient and holds the result nobody
+    will collect; the steps after that are right, with the same bits, and ``om.release()``
+    forgets the results nobody collected."""
+    step, good, expected = _deferred_step(monkeypatch)
+    real = primitives.osmm_reduce_finish_deferred_p
+    monkeypatch.setattr(primitives, "osmm_reduce_finish_deferred_p", _FailingFinish(real))
+    stopping = step()  # traced at its first call, below
+    if RANK == 0:
+        native.inject_failure("osmm_reduce_finish")
+        with pytest.raises(jax.errors.JaxRuntimeError, match="injected failure|never runs"):
+            stopping()
+        native.inject_failure("osmm_reduce_finish", 0)  # spent, unless XLA stopped before it
+        assert om.stats()["deferred_held"] == 1
+    else:
+        try:
+            stopping()
+        except jax.errors.JaxRuntimeError as error:
+            assert "rank 0 abandoned" in str(error)
+        else:  # its part was complete: it fails its next product instead
+            with pytest.raises(jax.errors.JaxRuntimeError, match="rank 0 abandoned"):
+                good()
+    monkeypatch.setattr(primitives, "osmm_reduce_finish_deferred_p", real)
+    for _ in range(3):
+        for got, want in zip(good(), expected):
+            assert got.tobytes() == want.tobytes()
+    # Rank 0's, and any other rank's whose failing program ended before its finish ran.
+    assert om.stats()["deferred_held"] >= (1 if RANK == 0 else 0)
+    om.release()
+    assert om.stats()["deferred_held"] == 0
+    for got, want in zip(good(), expected):
+        assert got.tobytes() == want.tobytes()
