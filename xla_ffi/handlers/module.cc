@@ -74,33 +74,33 @@ nb::tuple LatencyHistogram() {
   return nb::make_tuple(bounds, counts, static_cast<double>(c.latency_sum_ns.load()) * 1e-9);
 }
 
-void FreeWindows() {
+// Runs `free` (FreeWindows or ReleaseWindows) with nothing of this layer's in the background:
+// no deferred reduce may still use a window being freed (every program is over, after
+// jax.effects_barrier(), so no finish will come for one not collected yet), nothing may still
+// be issuing into one, nor polling a communicator being freed. Collective and possibly slow:
+// other Python threads run meanwhile. Raises the error `free` returns.
+template <typename Free>
+void FreeQuiet(Free free) {
   std::string message;
   {
-    // Collective and possibly slow: let other Python threads run meanwhile.
     nb::gil_scoped_release release;
-    osmm::DrainAllDeferred();     // no deferred reduce may still use a window being freed
-    osmm::GlobalIssuer().Stop();  // nothing may still be issuing into a window being freed
-    osmm::StopProgress();         // nor polling a communicator being freed
-    xla::ffi::Error err = osmm::FreeWindows();
+    osmm::DrainAllDeferred();
+    osmm::DropUncollected();
+    osmm::GlobalIssuer().Stop();
+    osmm::StopProgress();
+    xla::ffi::Error err = free();
     if (err.failure()) message = err.message();
   }
   if (!message.empty()) throw std::runtime_error(message);
 }
 
+void FreeWindows() {
+  FreeQuiet([] { return osmm::FreeWindows(); });
+}
+
 int64_t ReleaseWindows() {
-  std::string message;
   int64_t released = 0;
-  {
-    nb::gil_scoped_release release;
-    osmm::DrainAllDeferred();
-    osmm::DropUncollected();  // after jax.effects_barrier(): no finish will come for them
-    osmm::GlobalIssuer().Stop();
-    osmm::StopProgress();
-    xla::ffi::Error err = osmm::ReleaseWindows(&released);
-    if (err.failure()) message = err.message();
-  }
-  if (!message.empty()) throw std::runtime_error(message);
+  FreeQuiet([&released] { return osmm::ReleaseWindows(&released); });
   return released;
 }
 

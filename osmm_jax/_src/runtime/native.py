@@ -189,8 +189,7 @@ def free_windows() -> None:
     are created again on demand.
     """
     _osmm_ffi.free_windows()
-    if "cuda" in MODULES:
-        MODULES["cuda"].free_staging()
+    _free_gpu_staging()
 
 
 def release_windows() -> int:
@@ -204,9 +203,15 @@ def release_windows() -> int:
     communicators and the watchdog's channels in place (the program goes on).
     """
     released = int(_osmm_ffi.release_windows())
+    _free_gpu_staging()
+    return released
+
+
+def _free_gpu_staging() -> None:
+    """The GPU handlers' pinned host staging buffers, if the CUDA module is loaded (created
+    again on demand)."""
     if "cuda" in MODULES:
         MODULES["cuda"].free_staging()
-    return released
 
 
 # -- MPI progress during reduce epochs (xla_ffi/protocols/issuer.h) --------------------------------
