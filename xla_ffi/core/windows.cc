@@ -1,6 +1,10 @@
 #include "core/windows.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -108,6 +112,27 @@ ffi::Error AllocateHeaderLocked(WindowEntry* entry, MPI_Comm comm, MPI_Info info
   return ffi::Error::Success();
 }
 
+// Zeroes `bytes` bytes at `base`, a window's memory from MPI_Win_allocate, without making
+// its whole pages resident where that memory is shared (MPICH's within a node: a file in
+// /dev/shm): those are handed back to the kernel (MADV_REMOVE), which reads them as zeros
+// until something writes them. Only the slots a product uses then take memory, not the
+// accumulator or the slots of ranks it never hears from. Memory MADV_REMOVE does not apply
+// to (private: a heap) is written with zeros.
+void ZeroWindowMemory(std::byte* base, size_t bytes) {
+  const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(base);
+  const uintptr_t end = begin + bytes;
+  const uintptr_t first = (begin + page - 1) / page * page;  // whole pages [first, last)
+  const uintptr_t last = end / page * page;
+  if (page > 0 && first < last &&
+      madvise(reinterpret_cast<void*>(first), last - first, MADV_REMOVE) == 0) {
+    std::memset(base, 0, first - begin);  // the parts of pages shared with other memory
+    std::memset(reinterpret_cast<void*>(last), 0, end - last);
+    return;
+  }
+  std::memset(base, 0, bytes);
+}
+
 // Allocates a zeroed window of `bytes` bytes for entry (collective). Caller holds entry->mu
 // and cache.mu.
 ffi::Error AllocateEntryLocked(Cache& cache, WindowEntry* entry, MPI_Comm comm, int64_t bytes) {
@@ -176,7 +201,7 @@ ffi::Error AllocateEntryLocked(Cache& cache, WindowEntry* entry, MPI_Comm comm, 
   }
   rc = MPI_Win_set_errhandler(win, MPI_ERRORS_RETURN);
   if (entry->memory == nullptr) {
-    std::memset(base, 0, static_cast<size_t>(bytes + WindowHeader::kBytes));
+    ZeroWindowMemory(base, static_cast<size_t>(bytes + WindowHeader::kBytes));
   }
   if (rc == MPI_SUCCESS && passive) {
     // The zeroed memory is this rank's before any other rank may write into it.
