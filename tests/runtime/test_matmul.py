@@ -8,7 +8,7 @@ import osmm_jax as om
 from osmm_jax._src.planning import memory
 from osmm_jax._src.planning.layout import Layout
 from osmm_jax._src.planning.plan import Plan
-from osmm_jax._src.runtime import fetch, slots
+from osmm_jax._src.runtime import fetch, one_sided, slots
 
 
 @pytest.fixture(autouse=True)
@@ -24,11 +24,20 @@ def _grid(n=8):
 
 @pytest.mark.parametrize("rank", range(4))
 def test_a_forward_peak_is_the_blocks_the_product_s_buffers_and_the_slots(rank):
+    """The grid's rank fetches one A and one B block, each in a round of its own, and its two
+    GEMMs read them and its own blocks whole: nothing is joined, so the product adds the
+    fetched pieces and one partial of the two GEMMs (joined, the A and B panels: four
+    blocks), and one slot is resident."""
     plan = _grid()
     peak = om.memory_bytes(plan, rank, sync="notify")
     assert peak.blocks == 3 * 16 * 4  # A, B and C blocks of 4x4 float32
-    assert peak.transient == memory.one_sided_transient(plan, rank, packed=True) * 4 == 256
+    cells = {(m.rows, m.cols) for m in plan.multiplies_on(rank)}
+    assert len(cells) == 1 and len(plan.multiplies_on(rank)) == 2
+    assert peak.transient == memory.one_sided_transient(plan, rank, False, unjoined=cells) * 4
+    assert peak.transient == 3 * 16 * 4
+    assert memory.one_sided_transient(plan, rank, packed=False) * 4 == 4 * 16 * 4  # joined
     assert peak.windows == slots.resident_window_bytes(plan, rank, 4, 4, slots.Sync("notify"))
+    assert peak.windows == 16 * 4
     assert peak.total == peak.blocks + peak.transient + peak.windows
 
 
@@ -36,22 +45,41 @@ def test_a_forward_peak_is_the_blocks_the_product_s_buffers_and_the_slots(rank):
 def test_a_gradient_peak_holds_both_backward_products_or_the_forward_with_their_packing(
     input_itemsize,
 ):
-    """float32 pieces that are whole blocks are sent from the blocks (nothing packed); 16-bit
-    ones are packed, cast to float32, and XLA may pack them while the forward product runs."""
+    """float32 pieces that are whole blocks are sent from the blocks (nothing packed), but a
+    backward product's transposed operand (B.T for dA, A.T for dB) is a copy XLA forms to
+    send from; 16-bit ones are packed, cast to float32. XLA may form either while the forward
+    product runs."""
     plan = _grid()
     d_a, d_b = plan.backward()
     same = input_itemsize == 4
     for rank in range(4):
         peak = om.memory_bytes(plan, rank, input_itemsize, 4, direction="backward", sync="notify")
         assert peak.blocks == (2 * (16 + 16) + 16) * input_itemsize  # A, B, dA, dB, C's cotangent
+        copies = [
+            16 if same and any(t.matrix == m for t in p.for_rank(rank).served) else 0
+            for p, m in ((d_a, "B"), (d_b, "A"))
+        ]
+        assert sum(copies) == (32 if same else 0)  # every rank serves its blocks here
         both = sum(
-            memory.one_sided_transient(p, rank, fetch.packs_pieces(p, rank, same))
-            for p in (d_a, d_b)
+            memory.one_sided_transient(
+                p, rank, fetch.packs_pieces(p, rank, same), ahead=c, unjoined=_unjoined(p, rank)
+            )
+            for p, c in zip((d_a, d_b), copies)
         )
         packed = sum(t.elements for p in (d_a, d_b) for t in p.for_rank(rank).served)
-        forward = memory.one_sided_transient(plan, rank, packed=not same)
-        early = forward + (0 if same else packed)
+        forward = memory.one_sided_transient(plan, rank, not same, unjoined=_unjoined(plan, rank))
+        early = forward + (0 if same else packed) + sum(copies)
         assert peak.transient == max(both, early) * 4
+
+
+def _unjoined(plan, rank):
+    """The cells of ``plan`` whose GEMMs ``rank`` runs apart, every operand read whole."""
+    lone = fetch.lone_pieces(plan, rank, "notify")
+    cells = {}
+    for m in plan.multiplies_on(rank):
+        whole = one_sided.reads_whole(plan, rank, m, lone)
+        cells[(m.rows, m.cols)] = cells.get((m.rows, m.cols), True) and whole
+    return frozenset(c for c, whole in cells.items() if whole)
 
 
 def test_pieces_are_packed_unless_they_are_whole_rows_in_the_accumulation_dtype():
@@ -96,10 +124,13 @@ def test_the_allreduce_method_holds_no_windows_and_its_products_in_turn():
 
 
 def test_16_bit_inputs_count_their_blocks_in_two_bytes_and_the_buffers_in_four():
+    """16-bit pieces are packed as float32 to be served (float32 ones leave from the blocks):
+    the packed copy of the two served blocks counts beside the two fetched ones."""
     plan = _grid()
     peak = om.memory_bytes(plan, 0, 2, 4, sync="notify")
     assert peak.blocks == 3 * 16 * 2
-    assert peak.transient == om.memory_bytes(plan, 0, 4, 4, sync="notify").transient
+    assert peak.transient == (2 + 2) * 16 * 4
+    assert om.memory_bytes(plan, 0, 4, 4, sync="notify").transient == 3 * 16 * 4
 
 
 @pytest.mark.parametrize(

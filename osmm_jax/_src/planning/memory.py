@@ -187,6 +187,7 @@ def one_sided_transient(
     taken=(),
     messages: bool = False,
     ahead: int = 0,
+    unjoined=frozenset(),
 ) -> int:
     """Elements (accumulation dtype) a one_sided product of ``plan`` adds on ``rank`` beside
     its blocks, at its busiest moment, the larger of:
@@ -213,13 +214,20 @@ def one_sided_transient(
     ``ahead``: elements a fetch run ahead holds on its waiter thread beside the fetch
     (xla_ffi/protocols/deferred.h: its result, and with RMA the buffer its pieces leave from).
 
+    ``unjoined``: the cells ``(rows, cols)`` whose GEMMs read their operands whole and are not
+    joined (``one_sided.reads_whole``): they copy nothing, and their GEMMs' partials are
+    summed, one beside the fetched pieces (XLA writes the other where a fetched piece was, or
+    into the result).
+
     The product's own C block is the result XLA writes, counted with the blocks."""
     mine = plan.for_rank(rank)
     serves = sum(t.elements for t in mine.served if t not in taken)
     served = (serves if packed else 0) + (serves if messages else 0)
     fetched = sum(t.elements for t in mine.gets if t not in taken)
     partials = sum({(t.rows, t.cols, t.inner): t.elements for t in mine.deliveries}.values())
-    compute = max(fetched, _joined_operands(mine.multiplies)) + partials * (2 if messages else 1)
+    joined = _joined_operands(m for m in mine.multiplies if (m.rows, m.cols) not in unjoined)
+    summed = _summed_partials(m for m in mine.multiplies if (m.rows, m.cols) in unjoined)
+    compute = max(fetched + summed, joined) + partials * (2 if messages else 1)
     return max(served + fetched + ahead, compute, whole_c)
 
 
@@ -235,6 +243,15 @@ def _joined_operands(multiplies) -> int:
                 inner = m.inner[1] - m.inner[0]
                 total += inner * (m.rows[1] - m.rows[0] + m.cols[1] - m.cols[0])
     return total
+
+
+def _summed_partials(multiplies) -> int:
+    """Elements of a partial of every C cell summed over several inner ranges (by separate
+    GEMMs: one partial beside the result)."""
+    cells: dict[tuple, int] = {}
+    for m in multiplies:
+        cells[(m.rows, m.cols)] = cells.get((m.rows, m.cols), 0) + 1
+    return sum((r1 - r0) * (c1 - c0) for ((r0, r1), (c0, c1)), n in cells.items() if n > 1)
 
 
 def allreduce_transient(plan: Plan) -> int:

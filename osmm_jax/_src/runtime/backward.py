@@ -110,15 +110,17 @@ def taken_bytes(plan: Plan, sync: Sync, input_itemsize: int, accum_itemsize: int
 
 def d_a_and_cotangent(plan: Plan, rank: int, d_c, b_t, chunk_bytes: int, sync: Sync):
     """``(dA block, fetched)``: this rank's block of ``dA = dC @ B.T`` (``d_c``: its block of
-    the cotangent, ``b_t``: of ``B.T``) and its flat fetched buffer, which holds the pieces of
-    ``dC`` that :func:`d_b_from_cotangent` takes (empty where it takes none on this rank)."""
+    the cotangent, ``b_t``: of ``B.T``) and its fetched buffers (one per round,
+    :func:`~.slots.fetch_rounds`), which hold the pieces of ``dC`` that :func:`d_b_from_cotangent`
+    takes (empty where it takes none on this rank)."""
     plan_da, _ = backward_plans(plan)
     ahead = fetch.runs_ahead(plan_da, rank, sync, _in_accumulation_dtype(d_c))
     fetched = fetch.fetch_buffer(plan_da, rank, d_c, b_t, sync)
     pieces = fetch.pieces_in(plan_da, rank, fetched)
-    d_a = one_sided.forward(plan_da, rank, d_c, b_t, chunk_bytes, sync, pieces, ahead)
+    lone = fetch.lone_pieces(plan_da, rank, sync.mode)
+    d_a = one_sided.forward(plan_da, rank, d_c, b_t, chunk_bytes, sync, pieces, ahead, lone)
     if not _takes_on(plan, rank):  # hold it no longer than dA's product needs it
-        fetched = jnp.zeros((0,), fetched.dtype)
+        fetched = tuple(jnp.zeros((0,), buffer.dtype) for buffer in fetched)
     return d_a, fetched
 
 
@@ -137,7 +139,19 @@ def d_b_from_cotangent(plan: Plan, rank: int, a_t, d_c, fetched, chunk_bytes: in
                 pieces.setdefault(("B", rows, cols), piece)
     # GEMMs grouped as dB's own whole fetch would group them: the bits of two fetches.
     ahead = fetch.runs_ahead(plan_db, rank, sync, _in_accumulation_dtype(a_t))
-    return one_sided.forward(plan_db, rank, a_t, d_c, chunk_bytes, sync, pieces, ahead)
+    lone = lone_pieces_of_d_b(plan, rank, sync.mode)
+    return one_sided.forward(plan_db, rank, a_t, d_c, chunk_bytes, sync, pieces, ahead, lone)
+
+
+def lone_pieces_of_d_b(plan: Plan, rank: int, mode: str) -> frozenset:
+    """The pieces of ``dC`` that dB's product of ``plan`` reads on ``rank`` as a whole buffer
+    (:func:`~.fetch.lone_pieces`), the cotangent's fetch shared: those alone in its own
+    fetch's buffers, and those it takes from dA's that are alone there."""
+    plan_da, plan_db = backward_plans(plan)
+    lone = set(fetch.lone_pieces(plan_db, rank, mode, taken_on(plan, rank)))
+    if _takes_on(plan, rank):
+        lone |= {("B", r, c) for m, r, c in fetch.lone_pieces(plan_da, rank, mode) if m == "A"}
+    return frozenset(lone)
 
 
 def _in_accumulation_dtype(x) -> bool:

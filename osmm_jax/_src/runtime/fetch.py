@@ -38,8 +38,15 @@ owner joined into one):
   abandonment notice, every rank fails one product for it and all start again together at
   their next one (xla_ffi/notified/notify.h, README "Failure behaviour").
 
-The fetched buffer holds every piece row-major, one after another, by owner in ascending rank
-order and, from one owner, in the order of :func:`_piece_key`, in both modes.
+The pieces come back in one flat buffer per *round* (:func:`~.slots.fetch_rounds`): one round
+of every piece, except in the notified mode when the plan fetches pieces of both A and B (a
+2-D grid), which runs a round for A's pieces, then one for B's. The rounds cost one more notification
+but keep two things out of the product's peak: every round touches only the slots of its own
+owners (the 2x2 grid's rank gets A from one owner and B from another: one slot resident
+instead of two), and each matrix's pieces arrive in a buffer of their own, which a GEMM reads
+whole, where cutting a piece out of a shared buffer is a copy (:mod:`.one_sided`). A round's
+buffer holds its pieces row-major, one after another, by owner in ascending rank order and,
+from one owner, in the order of :func:`_piece_key`.
 """
 
 from __future__ import annotations
@@ -55,35 +62,57 @@ from osmm_jax._src.runtime.slots import Sync
 _REGIONS = {"A": native.REGION_A, "B": native.REGION_B}  # which region of the window a get reads
 
 
+BOTH = ("A", "B")
+
+
 def fetch_pieces(plan: Plan, rank: int, a, b, sync: Sync) -> dict:
     """Every A and B piece ``rank`` gets from other ranks, ``{(matrix, rows, cols): array}``
     (global intervals), in the input dtype; ``a`` and ``b`` are this rank's blocks."""
     return pieces_in(plan, rank, fetch_buffer(plan, rank, a, b, sync))
 
 
-def fetch_buffer(plan: Plan, rank: int, a, b, sync: Sync, taken=None):
-    """The fetched buffer of ``rank`` (every piece it gets, laid out as the module docstring
-    says), flat, in the input dtype; :func:`pieces_in` cuts it into the pieces.
+def fetch_buffer(plan: Plan, rank: int, a, b, sync: Sync, taken=None) -> tuple:
+    """The fetched buffers of ``rank``, one per round (:func:`~.slots.fetch_rounds`: every
+    piece it gets of the round's matrices, laid out as the module docstring says), flat, in the
+    input dtype; :func:`pieces_in` cuts them into the pieces.
 
     ``taken``: None, or the pieces (gets of ``plan``) that another product's fetch brings
     their getters, which this one leaves out on both sides (:mod:`.backward`); a set on every
     rank, maybe empty on some, since the call id says whether it is given."""
-    where, total = _layout(plan, rank, taken)
-    if sync.mode == "notify":
-        return _pushed_by_owners(plan, rank, a, b, total, sync, taken)
-    return _got_from_owners(plan, rank, a, b, where, total, taken)
+    buffers = []
+    for matrices in slots.fetch_rounds(plan, sync.mode):
+        where, total = _layout(plan, rank, taken, matrices)
+        if sync.mode == "notify":
+            buffers.append(_pushed_by_owners(plan, rank, a, b, total, sync, taken, matrices))
+        else:
+            buffers.append(_got_from_owners(plan, rank, a, b, where, total, taken))
+    return tuple(buffers)
 
 
-def pieces_in(plan: Plan, rank: int, fetched, taken=None) -> dict:
-    """The pieces of ``rank``'s fetched buffer ``fetched`` (:func:`fetch_buffer` with the
-    same ``taken``), ``{(matrix, rows, cols): array}``."""
-    shapes, _ = _layout(plan, rank, taken)
-    return {
-        (matrix, rows, cols): fetched[offset : offset + _area(rows, cols)].reshape(
-            rows[1] - rows[0], cols[1] - cols[0]
-        )
-        for (_, matrix, rows, cols), offset in shapes.items()
-    }
+def pieces_in(plan: Plan, rank: int, fetched: tuple, taken=None) -> dict:
+    """The pieces of ``rank``'s fetched buffers ``fetched`` (:func:`fetch_buffer` with the
+    same ``taken``), ``{(matrix, rows, cols): array}``. A piece alone in its buffer is the
+    buffer itself, reshaped (no copy)."""
+    split = (BOTH,) if len(fetched) == 1 else (("A",), ("B",))
+    pieces = {}
+    for buffer, matrices in zip(fetched, split):
+        shapes, _ = _layout(plan, rank, taken, matrices)
+        for (_, matrix, rows, cols), offset in shapes.items():
+            piece = buffer[offset : offset + _area(rows, cols)]
+            pieces[(matrix, rows, cols)] = piece.reshape(rows[1] - rows[0], cols[1] - cols[0])
+    return pieces
+
+
+def lone_pieces(plan: Plan, rank: int, mode: str, taken=None) -> frozenset:
+    """The pieces ``(matrix, rows, cols)`` that ``rank`` gets alone in their round's buffer
+    (:func:`pieces_in` returns the buffer itself for them: a GEMM reads them without a copy)."""
+    lone = set()
+    for matrices in slots.fetch_rounds(plan, mode):
+        shapes, _ = _layout(plan, rank, taken, matrices)
+        if len(shapes) == 1:
+            ((_, *key),) = shapes
+            lone.add(tuple(key))
+    return frozenset(lone)
 
 
 def _piece_key(t):
@@ -91,15 +120,16 @@ def _piece_key(t):
     return (t.matrix, t.rows, t.cols)
 
 
-def moved(plan: Plan, rank: int, taken=None) -> tuple[tuple, tuple]:
-    """``(gets, served)``: the pieces ``rank`` gets and those it serves in ``plan``'s fetch,
-    less those in ``taken`` (see :func:`fetch_buffer`)."""
+def moved(plan: Plan, rank: int, taken=None, matrices=BOTH) -> tuple[tuple, tuple]:
+    """``(gets, served)``: the pieces of ``matrices`` that ``rank`` gets and those it serves
+    in ``plan``'s fetch, less those in ``taken`` (see :func:`fetch_buffer`)."""
     mine = plan.for_rank(rank)
-    if not taken:
+    if not taken and matrices == BOTH:
         return mine.gets, mine.served
+    taken = taken or ()
     return (
-        tuple(t for t in mine.gets if t not in taken),
-        tuple(t for t in mine.served if t not in taken),
+        tuple(t for t in mine.gets if t not in taken and t.matrix in matrices),
+        tuple(t for t in mine.served if t not in taken and t.matrix in matrices),
     )
 
 
@@ -108,11 +138,12 @@ def _call_id(plan: Plan, *ids, taken=None):
     return primitives.call_id(plan.fingerprint, "fetch", *ids, *(() if taken is None else ["part"]))
 
 
-def _layout(plan: Plan, rank: int, taken=None) -> tuple[dict, int]:
-    """Where each get of ``rank`` lands in its fetched buffer: ``{(owner, matrix, rows, cols):
-    element offset}``, and the buffer's length in elements."""
+def _layout(plan: Plan, rank: int, taken=None, matrices=BOTH) -> tuple[dict, int]:
+    """Where each get of ``matrices`` by ``rank`` lands in its round's fetched buffer:
+    ``{(owner, matrix, rows, cols): element offset}``, and the buffer's length in elements."""
     where, offset = {}, 0
-    for t in sorted(moved(plan, rank, taken)[0], key=lambda t: (t.target, _piece_key(t))):
+    gets = moved(plan, rank, taken, matrices)[0]
+    for t in sorted(gets, key=lambda t: (t.target, _piece_key(t))):
         where[(t.target, t.matrix, t.rows, t.cols)] = offset
         offset += t.elements
     return where, offset
@@ -150,19 +181,19 @@ def _got_from_owners(plan: Plan, rank: int, a, b, where: dict, total: int, taken
     )
 
 
-def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync, taken):
-    """Notified mode: this rank sends every rank that gets from it its pieces, and receives its
-    own from their owners (see the module docstring)."""
+def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync, taken, matrices):
+    """Notified mode, one round (``matrices``): this rank sends every rank that gets from it
+    its pieces, and receives its own from their owners (see the module docstring)."""
     acc = dtypes.accumulation_dtype(a.dtype)
     itemsize = np.dtype(acc).itemsize
-    gets, served = moved(plan, rank, taken)
+    gets, served = moved(plan, rank, taken, matrices)
     getters = sorted({t.origin for t in served})
-    where, _ = _layout(plan, rank, taken)
+    where, _ = _layout(plan, rank, taken, matrices)
     starts = {}  # where each owner's pieces start in this rank's buffer (laid out by owner)
     for (owner, *_), offset in where.items():
         starts.setdefault(owner, offset)
     owners = sorted(starts)
-    direct = not packs_pieces(plan, rank, a.dtype == acc, taken)
+    direct = not packs_pieces(plan, rank, a.dtype == acc, taken, matrices)
     chunks, transfers = _sources(plan, rank, a, b, acc, served, getters, direct)
     bases = [starts.get(owner, 0) * itemsize for owner in owners]
     sizes = {}
@@ -172,7 +203,7 @@ def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync, taken
     notify = slots.fetch_attribute(plan, itemsize, sync, owners, getters, bases, extents)
     # The input dtype decides whether this rank packs its pieces (its signature): every rank
     # must meet a new signature at the same call, so the call id says which dtype it is.
-    call_id = _call_id(plan, str(a.dtype), str(acc), sync.mode, notify[:3], taken=taken)
+    call_id = _call_id(plan, str(a.dtype), str(acc), sync.mode, notify[:3], *matrices, taken=taken)
     local = jnp.zeros((total,), acc)
     if runs_ahead(plan, rank, sync, a.dtype == acc, taken):
         # Ahead: the finish is a waiter's, and only what reads the pieces waits for it. The
@@ -246,15 +277,19 @@ def runs_ahead(plan: Plan, rank: int, sync: Sync, in_accumulation_dtype: bool, t
     return one_buffer or packs_pieces(plan, rank, in_accumulation_dtype, taken)
 
 
-def packs_pieces(plan: Plan, rank: int, in_accumulation_dtype: bool, taken=None) -> bool:
-    """Whether ``rank`` packs the pieces it serves in the notified fetch of ``plan`` into one
-    buffer (a copy it holds while they travel) rather than sending them from its blocks: when
+def packs_pieces(
+    plan: Plan, rank: int, in_accumulation_dtype: bool, taken=None, matrices=BOTH
+) -> bool:
+    """Whether ``rank`` packs the pieces of ``matrices`` it serves in the notified fetch of
+    ``plan`` into one buffer (a copy it holds while they travel) rather than sending them from
+    its blocks: when
     the inputs are not in the accumulation dtype (16-bit, cast to float32), a piece is not
     whole rows of its block, or the pieces of a block leave some of its rows unsent (a device
     stages a whole block in host memory to send from it: no more than the pieces, then).
     Whether it packs is part of the fetch's signature, which the call id must determine, so
-    it depends on nothing a rank chooses alone. ``taken``: as for :func:`fetch_buffer`."""
-    served = moved(plan, rank, taken)[1]
+    it depends on nothing a rank chooses alone. ``taken``: as for :func:`fetch_buffer`;
+    ``matrices``: one round's (:func:`~.slots.fetch_rounds`), or both."""
+    served = moved(plan, rank, taken, matrices)[1]
     if not served:
         return False
     if not in_accumulation_dtype or not all(_whole_rows(plan, rank, t) for t in served):

@@ -256,7 +256,16 @@ def memory_bytes(
         same = input_itemsize == accum_itemsize
         shared = direction == "backward" and backward.shares_cotangent(plan, resolved)
         taken = (None, None, backward.taken_on(plan, rank) if shared else None)
-        runs = [_one_sided_run(p, rank, resolved, same, t) for p, t in zip(plans, taken)]
+        lone = (
+            None,
+            None,
+            backward.lone_pieces_of_d_b(plan, rank, resolved.mode) if shared else None,
+        )
+        transposed = (None, "B", "A")  # dA's B operand is B.T, dB's A operand A.T
+        runs = [
+            _one_sided_run(p, rank, resolved, same, t, lone_p, tr)
+            for p, t, lone_p, tr in zip(plans, taken, lone, transposed)
+        ]
         transients = [transient for transient, _ in runs]
         packed = [served for _, served in runs]
     transient = transients[0]
@@ -276,25 +285,46 @@ def memory_bytes(
     return PeakMemory(held * input_itemsize, transient * accum_itemsize, windows)
 
 
-def _one_sided_run(plan: Plan, rank: int, sync: one_sided.Sync, same_dtype: bool, taken=None):
+def _one_sided_run(
+    plan: Plan,
+    rank: int,
+    sync: one_sided.Sync,
+    same_dtype: bool,
+    taken=None,
+    lone=None,
+    transposed=None,
+):
     """``(transient, packed)``: the elements (accumulation dtype) a one_sided product of
     ``plan`` adds on ``rank`` (planning/memory.py), and those of the pieces it packs to serve
     (``same_dtype``: the inputs are in the accumulation dtype), as ``sync`` runs it;
-    ``taken``: the pieces it leaves out of its fetch (dB's, :mod:`.backward`), or None."""
+    ``taken``: the pieces it leaves out of its fetch (dB's, :mod:`.backward`), or None;
+    ``lone``: the fetched pieces it reads as a whole buffer, None for its own fetch's;
+    ``transposed``: the operand (``"A"`` or ``"B"``) that is the transpose of an input (a
+    backward product's): served from its block, the block is a transposed copy XLA forms
+    from the input, counted as packed."""
     executed = one_sided.executed_plan(plan, sync)
     messages = slots.uses_messages(executed, sync)
     whole_c = 0
     if executed is plan.gather_stage:  # the whole C, and its own block's staged image
         whole_c = plan.c.shape[0] * plan.c.shape[1]
         whole_c += block_area(executed.c, rank) if messages else 0
-    packs = sync.mode == "notify" and fetch.packs_pieces(executed, rank, same_dtype, taken)
     gets, serves = fetch.moved(executed, rank, taken)
-    served = sum(t.elements for t in serves) if packs else 0
+    served = 0  # the pieces packed to serve, every round's (XLA may pack them all at once)
+    for matrices in slots.fetch_rounds(executed, sync.mode):
+        if sync.mode == "notify" and fetch.packs_pieces(
+            executed, rank, same_dtype, taken, matrices
+        ):
+            served += sum(t.elements for t in serves if t.matrix in matrices)
+    packs = served > 0
     copies = 0
+    if sync.mode == "notify" and transposed and not packs:
+        if any(t.matrix == transposed for t in serves):
+            copies = block_area(executed.a if transposed == "A" else executed.b, rank)
+            served += copies
     if fetch.runs_ahead(executed, rank, sync, same_dtype) and not executed.has_deliveries:
         # The GEMMs on own and fetched pieces are apart, so no one GEMM writes the C block
         # whole (one_sided._whole_block): it is summed from theirs.
-        copies = block_area(executed.c, rank)
+        copies += block_area(executed.c, rank)
     if fetch.runs_ahead(executed, rank, sync, same_dtype, taken):
         # The waiter's result, and with RMA its copy of what the pieces leave from.
         copies += sum(t.elements for t in gets)
@@ -302,7 +332,16 @@ def _one_sided_run(plan: Plan, rank: int, sync: one_sided.Sync, same_dtype: bool
             layouts = {"A": executed.a, "B": executed.b}
             blocks = sum(block_area(layouts[m], rank) for m in {t.matrix for t in serves})
             copies += served if packs else blocks
-    transient = one_sided_transient(executed, rank, packs, whole_c, taken or (), messages, copies)
+    if lone is None:
+        lone = fetch.lone_pieces(executed, rank, sync.mode, taken) if executed.has_gets else ()
+    cells: dict[tuple, bool] = {}  # whether every GEMM of the cell reads its operands whole
+    for m in executed.multiplies_on(rank):
+        whole = one_sided.reads_whole(executed, rank, m, lone)
+        cells[(m.rows, m.cols)] = cells.get((m.rows, m.cols), True) and whole
+    unjoined = frozenset(cell for cell, whole in cells.items() if whole)
+    transient = one_sided_transient(
+        executed, rank, packs, whole_c, taken or (), messages, copies, unjoined
+    )
     return transient, served
 
 

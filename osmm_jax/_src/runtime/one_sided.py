@@ -63,6 +63,7 @@ def forward(
     sync: Sync = FENCE,
     fetched=None,
     ahead: bool = False,
+    lone: frozenset = frozenset(),
 ):
     """This rank's C block by one-sided transfers (see the module docstring).
 
@@ -71,7 +72,8 @@ def forward(
     :mod:`osmm_jax._src.runtime.backward`); None to fetch them here. Only for a plan run as
     itself (not staged). ``ahead``: with ``fetched``, whether this plan's own fetch of them
     would run ahead (:func:`~.fetch.runs_ahead`): the GEMMs on own pieces are then kept apart,
-    grouped as they are when this product fetches them itself (the same bits)."""
+    grouped as they are when this product fetches them itself (the same bits). ``lone``: with
+    ``fetched``, the pieces in it that are a whole buffer (:func:`~.fetch.lone_pieces`)."""
     executed = executed_plan(plan, sync)  # a staged plan's gather stage, or its direct plan
     if executed is not plan:
         assert fetched is None, "pieces fetched for a staged plan"  # caller's bug
@@ -79,7 +81,7 @@ def forward(
         if executed is plan.gather_stage:
             return gather.gather_blocks(plan, rank, block, sync)
         return block
-    operands = _operands(plan, rank, a, b, sync, fetched, ahead)
+    operands = _operands(plan, rank, a, b, sync, fetched, ahead, lone)
     local = jnp.zeros(plan.c.local_shape(rank), operands.acc)
     cells = _cells(plan, rank)
     own = [(cell, cell.rows) for cell in cells if cell.local and not cell.deliveries]
@@ -250,21 +252,38 @@ class _Operands(NamedTuple):
     multiplies: dict  # this rank's LocalMultiply by (rows, inner, cols)
     acc: np.dtype  # the accumulation dtype
     apart: int | None = None  # this rank when its fetch runs ahead (_gemm_groups), else None
+    lone: frozenset = frozenset()  # fetched pieces that are a whole buffer (fetch.lone_pieces)
 
 
-def _operands(plan: Plan, rank: int, a, b, sync: Sync, fetched=None, ahead=False) -> _Operands:
+def _operands(
+    plan: Plan, rank: int, a, b, sync: Sync, fetched=None, ahead=False, lone=frozenset()
+) -> _Operands:
     """This rank's operands, after getting the remote pieces (if the plan has any and
-    ``fetched`` does not hold them already; ``ahead``: as for :func:`forward`)."""
+    ``fetched`` does not hold them already; ``ahead``, ``lone``: as for :func:`forward`)."""
     acc = dtypes.accumulation_dtype(a.dtype)
     remote = {}
     if plan.has_gets:
         if fetched is None:
             ahead = fetch.runs_ahead(plan, rank, sync, a.dtype == acc)
             fetched = fetch.fetch_pieces(plan, rank, a, b, sync)
+            lone = fetch.lone_pieces(plan, rank, sync.mode)
         remote = _cut_to_multiplies(plan, rank, fetched)
     multiplies = {(m.rows, m.inner, m.cols): m for m in plan.multiplies_on(rank)}
     apart = rank if plan.has_gets and ahead else None
-    return _Operands(plan, rank, a, b, remote, multiplies, acc, apart)
+    return _Operands(plan, rank, a, b, remote, multiplies, acc, apart, lone)
+
+
+def reads_whole(plan: Plan, rank: int, m, lone: frozenset) -> bool:
+    """Whether multiply ``m`` over its whole rows reads both operands without a copy: each is
+    this rank's whole block of its matrix, or a fetched piece that is a whole buffer
+    (``lone``, :func:`~.fetch.lone_pieces`)."""
+    if m.a_source == rank:
+        a_whole = (m.rows, m.inner) == tuple(plan.a.blocks[rank])
+    else:
+        a_whole = ("A", m.rows, m.inner) in lone
+    if m.b_source == rank:
+        return a_whole and (m.inner, m.cols) == tuple(plan.b.blocks[rank])
+    return a_whole and ("B", m.inner, m.cols) in lone
 
 
 def _partials(operands: _Operands, pieces, after=None) -> list:
@@ -297,6 +316,12 @@ def _joined_over_inner(operands: _Operands, npieces: int, requests, owners, afte
     on their own cores; the same GEMM with nothing to gather: 24 ms). Every element is still
     one dot product over the same inner ranges (a GEMM of another shape may round differently
     in the last bits).
+
+    Not where every GEMM of the piece reads its operands whole (:func:`reads_whole`: a 2-D
+    grid's C block, from this rank's blocks and pieces fetched in buffers of their own).
+    Joining would copy both operands, as large as the rank's blocks and the fetched pieces
+    together (144 MiB beside 108 MiB of blocks on a 2x2 grid of 6144² float32), where the
+    separate GEMMs copy nothing and add one C-sized sum (benchmarks/results/memory.md).
     """
     plan, rank, a, b, remote = operands[:5]
     groups = _gemm_groups(requests, operands.apart)
@@ -309,6 +334,12 @@ def _joined_over_inner(operands: _Operands, npieces: int, requests, owners, afte
         if len(members) < 2 or any(i in merged for i in members):
             continue
         if len({_own(requests[i][0], operands.apart) for i in members}) > 1:
+            continue
+        if all(
+            requests[i][1] == requests[i][0].rows
+            and reads_whole(plan, rank, requests[i][0], operands.lone)
+            for i in members
+        ):
             continue
         members = sorted(members, key=lambda i: requests[i][0].inner)
         inners = [requests[i][0].inner for i in members]

@@ -163,6 +163,17 @@ def fetch_attribute(
     )
 
 
+def fetch_rounds(plan: Plan, mode: str) -> tuple[tuple[str, ...], ...]:
+    """The matrices of each round of ``plan``'s fetch (:mod:`osmm_jax._src.runtime.fetch`) in
+    synchronisation ``mode``, the same on every rank (from the agreed facts): ``(("A",),
+    ("B",))`` in the notified mode where some rank serves pieces of A and some of B, else
+    ``(("A", "B"),)``. A round touches the slots of its own owners only."""
+    exposes_a, exposes_b = plan.expose_elements
+    if mode == "notify" and exposes_a and exposes_b:
+        return (("A",), ("B",))
+    return (("A", "B"),)
+
+
 def _fetch_slots(plan: Plan, itemsize: int, budget: float) -> tuple[int, int]:
     """``(S, slot bytes)`` of ``plan``'s notified fetch, the same on every rank: a slot holds
     the most A and B elements one rank gets from one owner; ``S`` is the most owners any rank
@@ -305,9 +316,11 @@ def resident_window_bytes(plan: Plan, rank: int, itemsize: int, accum: int, sync
             attribute = notify_attribute(executed, rank, accum, sync)
             uses.append(min(attribute[0], attribute[3]) * attribute[1])
         if executed.has_gets:
+            # A round of the fetch (fetch.rounds) touches the slots of its own owners.
             count, nbytes = _fetch_slots(executed, accum, sync.slot_budget)
-            owners = len(mine.elements_by_owner())
-            uses.append(min(owners, count) * nbytes)
+            for matrices in fetch_rounds(executed, sync.mode):
+                owners = len({t.target for t in mine.gets if t.matrix in matrices})
+                uses.append(min(owners, count) * nbytes)
         if executed is plan.gather_stage:
             notify = gather_slots(plan, rank, accum, sync).notify
             uses.append(min(notify[0], notify[3]) * notify[1])

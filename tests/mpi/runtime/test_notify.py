@@ -293,9 +293,9 @@ def test_notified_fetch_pushes_the_pieces_without_a_fence_or_a_get(dtype, monkey
 @pytest.mark.ranks(min=2, reason="pieces owned by other ranks")
 @pytest.mark.parametrize("c_kind", ["cols", "grid"])
 def test_a_fetch_before_a_notified_reduce_hears_from_every_rank(c_kind):
-    """With partials to deliver after it, the notified fetch has every rank notify every other
-    (empty deliveries where it has no pieces for it), so that no rank leaves it before all have
-    entered it; no fence and no get either way."""
+    """With partials to deliver after it, the notified fetch has every rank notify the ranks
+    that get pieces from it (here every other rank), in each of its rounds (a grid's A
+    pieces, then its B pieces), then the reduce its targets; no fence and no get either way."""
     case = _fetch_case(c_kind)
     plan = _plan(case)
     assert plan.has_gets and plan.has_deliveries
@@ -307,10 +307,38 @@ def test_a_fetch_before_a_notified_reduce_hears_from_every_rank(c_kind):
     assert after["fences"] == before["fences"] and after["gets"] == before["gets"]
     reduce_targets = {t.target for t in plan.deliveries_from(RANK)}
     notified = after["notifications"] - before["notifications"]
-    assert notified == (SIZE - 1) + len(reduce_targets)
+    rounds = slots.fetch_rounds(plan, "notify")
+    if c_kind == "cols" or SIZE == 2:  # pieces of B only (a 1x2 grid's C: as by columns)
+        assert rounds == (("A", "B"),)
+    elif SIZE == 4:  # a 2x2 grid: A's pieces, then B's
+        assert rounds == (("A",), ("B",))
+    served = plan.for_rank(RANK).served
+    getters = [{t.origin for t in served if t.matrix in matrices} for matrices in rounds]
+    assert set().union(*getters) == set(range(SIZE)) - {RANK}
+    assert notified == sum(map(len, getters)) + len(reduce_targets)
     assert (
         after["sent_bytes"] - before["sent_bytes"] == om.rma_bytes(plan, 4, 4, sync="notify")[RANK]
     )
+
+
+@pytest.mark.ranks(4, reason="a 2x2 grid")
+def test_a_grid_product_holds_only_its_fetched_pieces_beside_its_blocks():
+    """A 2x2 grid's rank gets one A block and one B block, in two rounds, each in a buffer of
+    its own, and multiplies them with its own blocks without joining them into panels: XLA's
+    temporaries are the two fetched blocks and at most one partial (joined, the panels took
+    four blocks), as memory_bytes predicts, and the product is right."""
+    n = 256
+    layout = om.Layout.grid((n, n), (2, 2))
+    plan = om.plan(layout, layout, layout)
+    a, b, a_loc, b_loc = _blocks((layout, layout))
+    product = jax.jit(lambda x, y: om.matmul(x, y, plan, sync="notify"))
+    block_bytes = (n // 2) ** 2 * 4
+    c = np.asarray(product(a_loc, b_loc))
+    temp = product.lower(a_loc, b_loc).compile().memory_analysis().temp_size_in_bytes
+    np.testing.assert_allclose(c, layout.shard(a @ b, RANK), rtol=1e-4, atol=1e-4)
+    predicted = om.memory_bytes(plan, RANK, sync="notify").transient
+    assert predicted == 3 * block_bytes
+    assert 2 * block_bytes <= temp <= predicted + 4096
 
 
 @pytest.mark.ranks(min=3, reason="several owners per getter")
