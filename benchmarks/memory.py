@@ -217,9 +217,8 @@ def main(argv=None) -> None:
     if RANK == 0:
         print(f"\n{SIZE} ranks, {args.n}^3 float32 (median of {args.repeats} calls)\n")
         print_table(records)
-    common.save(
-        {"title": "memory per rank", "ranks": SIZE, "n": args.n, "records": records}, args.json
-    )
+    record = {"title": "memory per rank", "ranks": SIZE, "n": args.n, "records": records}
+    common.save({**record, "label": args.label} if args.label else record, args.json)
 
 
 if __name__ == "__main__":
