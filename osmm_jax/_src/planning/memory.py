@@ -215,9 +215,8 @@ def one_sided_transient(
     (xla_ffi/protocols/deferred.h: its result, and with RMA the buffer its pieces leave from).
 
     ``unjoined``: the cells ``(rows, cols)`` whose GEMMs read their operands whole and are not
-    joined (``one_sided.reads_whole``): they copy nothing, and their GEMMs' partials are
-    summed, one beside the fetched pieces (XLA writes the other where a fetched piece was, or
-    into the result).
+    joined (``one_sided.reads_whole``): they copy nothing, and XLA writes their partials into
+    the result and where a fetched piece was (the GEMMs on fetched pieces run first).
 
     The product's own C block is the result XLA writes, counted with the blocks."""
     mine = plan.for_rank(rank)
@@ -226,8 +225,7 @@ def one_sided_transient(
     fetched = sum(t.elements for t in mine.gets if t not in taken)
     partials = sum({(t.rows, t.cols, t.inner): t.elements for t in mine.deliveries}.values())
     joined = _joined_operands(m for m in mine.multiplies if (m.rows, m.cols) not in unjoined)
-    summed = _summed_partials(m for m in mine.multiplies if (m.rows, m.cols) in unjoined)
-    compute = max(fetched + summed, joined) + partials * (2 if messages else 1)
+    compute = max(fetched, joined) + partials * (2 if messages else 1)
     return max(served + fetched + ahead, compute, whole_c)
 
 
@@ -243,15 +241,6 @@ def _joined_operands(multiplies) -> int:
                 inner = m.inner[1] - m.inner[0]
                 total += inner * (m.rows[1] - m.rows[0] + m.cols[1] - m.cols[0])
     return total
-
-
-def _summed_partials(multiplies) -> int:
-    """Elements of a partial of every C cell summed over several inner ranges (by separate
-    GEMMs: one partial beside the result)."""
-    cells: dict[tuple, int] = {}
-    for m in multiplies:
-        cells[(m.rows, m.cols)] = cells.get((m.rows, m.cols), 0) + 1
-    return sum((r1 - r0) * (c1 - c0) for ((r0, r1), (c0, c1)), n in cells.items() if n > 1)
 
 
 def allreduce_transient(plan: Plan) -> int:

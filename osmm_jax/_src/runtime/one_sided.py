@@ -295,12 +295,58 @@ def _partials(operands: _Operands, pieces, after=None) -> list:
     requests, owners = _requests(operands, pieces)
     sums = _joined_over_inner(operands, len(pieces), requests, owners, after)
     rest = [i for i, owner in enumerate(owners) if sums[owner] is None]
+    later = _own_after_fetched(operands, requests, owners, rest)
     apart = operands.apart is not None
-    parts = products(plan, rank, a, b, [requests[i] for i in rest], remote, after, apart)
-    for i, part in zip(rest, parts):
+    first = [i for i in rest if i not in later]
+    parts = dict(
+        zip(first, products(plan, rank, a, b, [requests[i] for i in first], remote, after, apart))
+    )
+    if later:  # after a GEMM on fetched pieces of a piece they belong to
+        waited = {owners[i] for i in later}
+        ticket = _ticket_of(parts[next(i for i in first if owners[i] in waited)], after)
+        later_parts = products(plan, rank, a, b, [requests[i] for i in later], remote, ticket)
+        parts.update(zip(later, later_parts))
+    for i in rest:  # summed in request order, whichever GEMM ran first
         index = owners[i]
-        sums[index] = part if sums[index] is None else sums[index] + part
+        sums[index] = parts[i] if sums[index] is None else sums[index] + parts[i]
     return sums
+
+
+def _own_after_fetched(operands: _Operands, requests, owners, rest) -> list:
+    """The requests among ``rest`` that read only this rank's own blocks, in pieces summed from
+    separate GEMMs on whole operands (:func:`reads_whole`) that also read fetched pieces; none
+    when the fetch runs ahead (there the own GEMMs are meant to run while it completes).
+
+    XLA would run them first (they need nothing fetched): a 2x2 grid's rank that multiplies
+    its own two blocks and the two fetched pieces then holds the first partial while the GEMM
+    on the pieces writes the second, a C block more (36 MiB at 6144³ on 4 ranks). Run after
+    it, the second partial takes the place of a fetched piece, which is dead by then."""
+    if operands.apart is not None:
+        return []
+    plan, rank = operands.plan, operands.rank
+    by_piece: dict[int, list[int]] = {}
+    for i in rest:
+        by_piece.setdefault(owners[i], []).append(i)
+    later = []
+    for members in by_piece.values():
+        whole = all(
+            requests[i][1] == requests[i][0].rows
+            and reads_whole(plan, rank, requests[i][0], operands.lone)
+            for i in members
+        )
+        own = [i for i in members if _own(requests[i][0], rank)]
+        if whole and own and len(own) < len(members):
+            later += own
+    return later
+
+
+def _ticket_of(part, after):
+    """A never-negative int32 scalar that depends on ``part`` (and on ``after``, a ticket or
+    None), which XLA cannot fold: GEMMs given it (:func:`_dot`) run after ``part`` is formed."""
+    if part.size == 0:
+        return after
+    ticket = jnp.isnan(part.reshape(-1)[0]).astype(jnp.int32)
+    return ticket if after is None else jnp.maximum(ticket, after.astype(jnp.int32))
 
 
 def _joined_over_inner(operands: _Operands, npieces: int, requests, owners, after=None) -> list:
