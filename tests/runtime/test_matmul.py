@@ -8,7 +8,7 @@ import osmm_jax as om
 from osmm_jax._src.planning import memory
 from osmm_jax._src.planning.layout import Layout
 from osmm_jax._src.planning.plan import Plan
-from osmm_jax._src.runtime import fetch, one_sided, slots
+from osmm_jax._src.runtime import fetch, slots
 
 
 @pytest.fixture(autouse=True)
@@ -76,7 +76,7 @@ def _unjoined(plan, rank):
     lone = fetch.lone_pieces(plan, rank, "notify")
     cells = {}
     for m in plan.multiplies_on(rank):
-        whole = one_sided.reads_whole(plan, rank, m, lone)
+        whole = fetch.reads_whole(plan, rank, m, lone)
         cells[(m.rows, m.cols)] = cells.get((m.rows, m.cols), True) and whole
     return frozenset(c for c, whole in cells.items() if whole)
 

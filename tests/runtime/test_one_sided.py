@@ -13,7 +13,7 @@ import pytest
 
 from osmm_jax._src.planning.layout import Layout
 from osmm_jax._src.planning.plan import Plan, backward_plans
-from osmm_jax._src.runtime import one_sided
+from osmm_jax._src.runtime import fetch, one_sided
 
 
 def _local_requests(plan: Plan, rank: int):
@@ -221,7 +221,7 @@ def test_fetched_pieces_are_cut_to_the_rectangles_the_multiplies_use():
             ]
             for t in gets
         }
-        remote = one_sided._cut_to_multiplies(plan, rank, pieces)
+        remote = fetch.cut_to_multiplies(plan, rank, pieces)
         expected = _remote_pieces(plan, rank, a, b)
         assert remote.keys() == expected.keys()
         for key, piece in remote.items():

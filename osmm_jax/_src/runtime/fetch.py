@@ -40,13 +40,14 @@ owner joined into one):
 
 The pieces come back in one flat buffer per *round* (:func:`~.slots.fetch_rounds`): one round
 of every piece, except in the notified mode when the plan fetches pieces of both A and B (a
-2-D grid), which runs a round for A's pieces, then one for B's. The rounds cost one more notification
-but keep two things out of the product's peak: every round touches only the slots of its own
-owners (the 2x2 grid's rank gets A from one owner and B from another: one slot resident
-instead of two), and each matrix's pieces arrive in a buffer of their own, which a GEMM reads
-whole, where cutting a piece out of a shared buffer is a copy (:mod:`.one_sided`). A round's
-buffer holds its pieces row-major, one after another, by owner in ascending rank order and,
-from one owner, in the order of :func:`_piece_key`.
+2-D grid), which runs a round for A's pieces, then one for B's. The rounds cost one more
+notification but keep two things out of the product's peak: every round touches only the
+slots of its own owners (the 2x2 grid's rank gets A from one owner and B from another: one
+slot resident instead of two), and each matrix's pieces arrive in a buffer of their own,
+which a GEMM reads whole (:func:`reads_whole`), where cutting a piece out of a shared buffer
+is a copy (:mod:`.one_sided`). A round's buffer holds its pieces row-major, one after
+another, by owner in ascending rank order and, from one owner, in the order of
+:func:`_piece_key`.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ import numpy as np
 
 from osmm_jax._src import dtypes
 from osmm_jax._src.planning.plan import Plan
+from osmm_jax._src.planning.records import rectangle_within
 from osmm_jax._src.runtime import native, primitives, slots
 from osmm_jax._src.runtime.slots import Sync
 
@@ -327,3 +329,39 @@ def _cut(plan: Plan, rank: int, block, t):
     """The piece ``t.rows x t.cols`` (global) of ``rank``'s block of ``t.matrix``."""
     (r0, _), (c0, _) = _own_block(plan, rank, t.matrix)
     return block[t.rows[0] - r0 : t.rows[1] - r0, t.cols[0] - c0 : t.cols[1] - c0]
+
+
+def reads_whole(plan: Plan, rank: int, m, lone: frozenset) -> bool:
+    """Whether multiply ``m`` over its whole rows reads both operands without a copy: each is
+    this rank's whole block of its matrix, or a fetched piece that is a whole buffer
+    (``lone``, :func:`lone_pieces`)."""
+    if m.a_source == rank:
+        a_whole = (m.rows, m.inner) == tuple(plan.a.blocks[rank])
+    else:
+        a_whole = ("A", m.rows, m.inner) in lone
+    if m.b_source == rank:
+        return a_whole and (m.inner, m.cols) == tuple(plan.b.blocks[rank])
+    return a_whole and ("B", m.inner, m.cols) in lone
+
+
+def cut_to_multiplies(plan: Plan, rank: int, pieces: dict) -> dict:
+    """``pieces`` (as fetched: the planner joins adjacent pieces from one owner into one get)
+    keyed by the rectangles this rank's multiplies use: ``("A", rows, inner)`` and
+    ``("B", inner, cols)``, each a slice of the fetched piece that holds it."""
+    remote = {}
+    for m in plan.multiplies_on(rank):
+        if m.a_source != rank:
+            remote[("A", m.rows, m.inner)] = _within(pieces, "A", m.rows, m.inner)
+        if m.b_source != rank:
+            remote[("B", m.inner, m.cols)] = _within(pieces, "B", m.inner, m.cols)
+    return remote
+
+
+def _within(pieces: dict, matrix: str, rows, cols):
+    """The ``rows x cols`` rectangle of ``matrix`` cut from the fetched piece that holds it."""
+    if (matrix, rows, cols) in pieces:
+        return pieces[(matrix, rows, cols)]
+    for (held, r, c), piece in pieces.items():
+        if held == matrix and rectangle_within(rows, cols, r, c):
+            return piece[rows[0] - r[0] : rows[1] - r[0], cols[0] - c[0] : cols[1] - c[0]]
+    raise AssertionError(f"no fetched piece of {matrix} holds {rows} x {cols}")  # planner bug

@@ -47,7 +47,6 @@ import numpy as np
 
 from osmm_jax._src import dtypes
 from osmm_jax._src.planning.plan import Plan
-from osmm_jax._src.planning.records import rectangle_within
 from osmm_jax._src.runtime import fetch, gather, native, primitives, slots
 from osmm_jax._src.runtime.slots import FENCE, Sync, executed_plan
 
@@ -267,23 +266,10 @@ def _operands(
             ahead = fetch.runs_ahead(plan, rank, sync, a.dtype == acc)
             fetched = fetch.fetch_pieces(plan, rank, a, b, sync)
             lone = fetch.lone_pieces(plan, rank, sync.mode)
-        remote = _cut_to_multiplies(plan, rank, fetched)
+        remote = fetch.cut_to_multiplies(plan, rank, fetched)
     multiplies = {(m.rows, m.inner, m.cols): m for m in plan.multiplies_on(rank)}
     apart = rank if plan.has_gets and ahead else None
     return _Operands(plan, rank, a, b, remote, multiplies, acc, apart, lone)
-
-
-def reads_whole(plan: Plan, rank: int, m, lone: frozenset) -> bool:
-    """Whether multiply ``m`` over its whole rows reads both operands without a copy: each is
-    this rank's whole block of its matrix, or a fetched piece that is a whole buffer
-    (``lone``, :func:`~.fetch.lone_pieces`)."""
-    if m.a_source == rank:
-        a_whole = (m.rows, m.inner) == tuple(plan.a.blocks[rank])
-    else:
-        a_whole = ("A", m.rows, m.inner) in lone
-    if m.b_source == rank:
-        return a_whole and (m.inner, m.cols) == tuple(plan.b.blocks[rank])
-    return a_whole and ("B", m.inner, m.cols) in lone
 
 
 def _partials(operands: _Operands, pieces, after=None) -> list:
@@ -314,13 +300,12 @@ def _partials(operands: _Operands, pieces, after=None) -> list:
 
 def _own_after_fetched(operands: _Operands, requests, owners, rest) -> list:
     """The requests among ``rest`` that read only this rank's own blocks, in pieces summed from
-    separate GEMMs on whole operands (:func:`reads_whole`) that also read fetched pieces; none
-    when the fetch runs ahead (there the own GEMMs are meant to run while it completes).
-
-    XLA would run them first (they need nothing fetched): a 2x2 grid's rank that multiplies
-    its own two blocks and the two fetched pieces then holds the first partial while the GEMM
-    on the pieces writes the second, a C block more (36 MiB at 6144³ on 4 ranks). Run after
-    it, the second partial takes the place of a fetched piece, which is dead by then."""
+    GEMMs on whole operands (:func:`~.fetch.reads_whole`) that also read fetched pieces; none
+    when the fetch runs ahead (the own GEMMs are then meant to run while it completes). XLA
+    would run them first, needing nothing fetched: a 2x2 grid's rank that multiplies its own
+    two blocks and the two fetched pieces then held that partial while the GEMM on the pieces
+    wrote its own, a C block more (36 MiB at 6144³ on 4 ranks). Run after it, the second
+    partial takes the place of a fetched piece, dead by then."""
     if operands.apart is not None:
         return []
     plan, rank = operands.plan, operands.rank
@@ -331,7 +316,7 @@ def _own_after_fetched(operands: _Operands, requests, owners, rest) -> list:
     for members in by_piece.values():
         whole = all(
             requests[i][1] == requests[i][0].rows
-            and reads_whole(plan, rank, requests[i][0], operands.lone)
+            and fetch.reads_whole(plan, rank, requests[i][0], operands.lone)
             for i in members
         )
         own = [i for i in members if _own(requests[i][0], rank)]
@@ -363,7 +348,7 @@ def _joined_over_inner(operands: _Operands, npieces: int, requests, owners, afte
     one dot product over the same inner ranges (a GEMM of another shape may round differently
     in the last bits).
 
-    Not where every GEMM of the piece reads its operands whole (:func:`reads_whole`: a 2-D
+    Not where every GEMM of the piece reads its operands whole (:func:`~.fetch.reads_whole`: a 2-D
     grid's C block, from this rank's blocks and pieces fetched in buffers of their own).
     Joining would copy both operands, as large as the rank's blocks and the fetched pieces
     together (144 MiB beside 108 MiB of blocks on a 2x2 grid of 6144² float32), where the
@@ -383,7 +368,7 @@ def _joined_over_inner(operands: _Operands, npieces: int, requests, owners, afte
             continue
         if all(
             requests[i][1] == requests[i][0].rows
-            and reads_whole(plan, rank, requests[i][0], operands.lone)
+            and fetch.reads_whole(plan, rank, requests[i][0], operands.lone)
             for i in members
         ):
             continue
@@ -613,26 +598,3 @@ def _chunk_records(plan: Plan, chunks: list[list]) -> tuple[list[list[int]], lis
         transfers.append(records)
         sizes.append(offset)
     return transfers, sizes
-
-
-def _cut_to_multiplies(plan: Plan, rank: int, pieces: dict) -> dict:
-    """``pieces`` (as fetched: the planner joins adjacent pieces from one owner into one get)
-    keyed by the rectangles this rank's multiplies use: ``("A", rows, inner)`` and
-    ``("B", inner, cols)``, each a slice of the fetched piece that holds it."""
-    remote = {}
-    for m in plan.multiplies_on(rank):
-        if m.a_source != rank:
-            remote[("A", m.rows, m.inner)] = _within(pieces, "A", m.rows, m.inner)
-        if m.b_source != rank:
-            remote[("B", m.inner, m.cols)] = _within(pieces, "B", m.inner, m.cols)
-    return remote
-
-
-def _within(pieces: dict, matrix: str, rows, cols):
-    """The ``rows x cols`` rectangle of ``matrix`` cut from the fetched piece that holds it."""
-    if (matrix, rows, cols) in pieces:
-        return pieces[(matrix, rows, cols)]
-    for (held, r, c), piece in pieces.items():
-        if held == matrix and rectangle_within(rows, cols, r, c):
-            return piece[rows[0] - r[0] : rows[1] - r[0], cols[0] - c[0] : cols[1] - c[0]]
-    raise AssertionError(f"no fetched piece of {matrix} holds {rows} x {cols}")  # planner bug
