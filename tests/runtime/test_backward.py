@@ -102,7 +102,7 @@ def test_a_fetch_that_leaves_pieces_out_lays_out_the_rest_from_zero():
     left, _ = fetch.moved(d_b, 0, taken)
     assert sorted(left, key=lambda t: t.target) == gets[1:]
     total = sum(t.elements for t in left)
-    pieces = fetch.pieces_in(d_b, 0, (np.arange(float(total)),), taken)
+    pieces = fetch.pieces_in(d_b, 0, (np.arange(float(total)),), "notify", taken)
     assert sorted(pieces) == sorted((t.matrix, t.rows, t.cols) for t in left)
     start = 0
     for t in gets[1:]:

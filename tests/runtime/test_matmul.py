@@ -73,12 +73,7 @@ def test_a_gradient_peak_holds_both_backward_products_or_the_forward_with_their_
 
 def _unjoined(plan, rank):
     """The cells of ``plan`` whose GEMMs ``rank`` runs apart, every operand read whole."""
-    lone = fetch.lone_pieces(plan, rank, "notify")
-    cells = {}
-    for m in plan.multiplies_on(rank):
-        whole = fetch.reads_whole(plan, rank, m, lone)
-        cells[(m.rows, m.cols)] = cells.get((m.rows, m.cols), True) and whole
-    return frozenset(c for c, whole in cells.items() if whole)
+    return fetch.whole_cells(plan, rank, fetch.lone_pieces(plan, rank, "notify"))
 
 
 def test_pieces_are_packed_unless_they_are_whole_rows_in_the_accumulation_dtype():

@@ -116,7 +116,7 @@ def d_a_and_cotangent(plan: Plan, rank: int, d_c, b_t, chunk_bytes: int, sync: S
     plan_da, _ = backward_plans(plan)
     ahead = fetch.runs_ahead(plan_da, rank, sync, _in_accumulation_dtype(d_c))
     fetched = fetch.fetch_buffer(plan_da, rank, d_c, b_t, sync)
-    pieces = fetch.pieces_in(plan_da, rank, fetched)
+    pieces = fetch.pieces_in(plan_da, rank, fetched, sync.mode)
     lone = fetch.lone_pieces(plan_da, rank, sync.mode)
     d_a = one_sided.forward(plan_da, rank, d_c, b_t, chunk_bytes, sync, pieces, ahead, lone)
     if not _takes_on(plan, rank):  # hold it no longer than dA's product needs it
@@ -132,9 +132,11 @@ def d_b_from_cotangent(plan: Plan, rank: int, a_t, d_c, fetched, chunk_bytes: in
     taken, pieces = taken_on(plan, rank), {}
     if not fetches_nothing(plan, sync):
         own = fetch.fetch_buffer(plan_db, rank, a_t, d_c, sync, taken)
-        pieces = fetch.pieces_in(plan_db, rank, own, taken)
+        pieces = fetch.pieces_in(plan_db, rank, own, sync.mode, taken)
     if _takes_on(plan, rank):  # dA's pieces of its A operand, dC, are pieces of dB's B operand
-        for (matrix, rows, cols), piece in fetch.pieces_in(plan_da, rank, fetched).items():
+        for (matrix, rows, cols), piece in fetch.pieces_in(
+            plan_da, rank, fetched, sync.mode
+        ).items():
             if matrix == "A":
                 pieces.setdefault(("B", rows, cols), piece)
     # GEMMs grouped as dB's own whole fetch would group them: the bits of two fetches.

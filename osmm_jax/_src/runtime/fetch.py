@@ -70,7 +70,7 @@ BOTH = ("A", "B")
 def fetch_pieces(plan: Plan, rank: int, a, b, sync: Sync) -> dict:
     """Every A and B piece ``rank`` gets from other ranks, ``{(matrix, rows, cols): array}``
     (global intervals), in the input dtype; ``a`` and ``b`` are this rank's blocks."""
-    return pieces_in(plan, rank, fetch_buffer(plan, rank, a, b, sync))
+    return pieces_in(plan, rank, fetch_buffer(plan, rank, a, b, sync), sync.mode)
 
 
 def fetch_buffer(plan: Plan, rank: int, a, b, sync: Sync, taken=None) -> tuple:
@@ -91,13 +91,12 @@ def fetch_buffer(plan: Plan, rank: int, a, b, sync: Sync, taken=None) -> tuple:
     return tuple(buffers)
 
 
-def pieces_in(plan: Plan, rank: int, fetched: tuple, taken=None) -> dict:
-    """The pieces of ``rank``'s fetched buffers ``fetched`` (:func:`fetch_buffer` with the
-    same ``taken``), ``{(matrix, rows, cols): array}``. A piece alone in its buffer is the
-    buffer itself, reshaped (no copy)."""
-    split = (BOTH,) if len(fetched) == 1 else (("A",), ("B",))
+def pieces_in(plan: Plan, rank: int, fetched: tuple, mode: str, taken=None) -> dict:
+    """The pieces of ``rank``'s fetched buffers ``fetched`` (:func:`fetch_buffer` in
+    synchronisation ``mode``, with the same ``taken``), ``{(matrix, rows, cols): array}``. A
+    piece alone in its buffer is the buffer itself, reshaped (no copy)."""
     pieces = {}
-    for buffer, matrices in zip(fetched, split):
+    for buffer, matrices in zip(fetched, slots.fetch_rounds(plan, mode), strict=True):
         shapes, _ = _layout(plan, rank, taken, matrices)
         for (_, matrix, rows, cols), offset in shapes.items():
             piece = buffer[offset : offset + _area(rows, cols)]
@@ -342,6 +341,17 @@ def reads_whole(plan: Plan, rank: int, m, lone: frozenset) -> bool:
     if m.b_source == rank:
         return a_whole and (m.inner, m.cols) == tuple(plan.b.blocks[rank])
     return a_whole and ("B", m.inner, m.cols) in lone
+
+
+def whole_cells(plan: Plan, rank: int, lone: frozenset) -> frozenset:
+    """The C cells ``(rows, cols)`` of ``rank`` every one of whose multiplies reads its
+    operands whole (:func:`reads_whole`): one_sided runs their GEMMs apart, without joining
+    their operands, and the memory prediction counts no joined copies for them."""
+    cells: dict[tuple, bool] = {}
+    for m in plan.multiplies_on(rank):
+        whole = reads_whole(plan, rank, m, lone)
+        cells[(m.rows, m.cols)] = cells.get((m.rows, m.cols), True) and whole
+    return frozenset(cell for cell, whole in cells.items() if whole)
 
 
 def cut_to_multiplies(plan: Plan, rank: int, pieces: dict) -> dict:

@@ -334,11 +334,7 @@ def _one_sided_run(
             copies += served if packs else blocks
     if lone is None:
         lone = fetch.lone_pieces(executed, rank, sync.mode, taken) if executed.has_gets else ()
-    cells: dict[tuple, bool] = {}  # whether every GEMM of the cell reads its operands whole
-    for m in executed.multiplies_on(rank):
-        whole = fetch.reads_whole(executed, rank, m, lone)
-        cells[(m.rows, m.cols)] = cells.get((m.rows, m.cols), True) and whole
-    unjoined = frozenset(cell for cell, whole in cells.items() if whole)
+    unjoined = fetch.whole_cells(executed, rank, frozenset(lone))
     transient = one_sided_transient(
         executed, rank, packs, whole_c, taken or (), messages, copies, unjoined
     )

@@ -308,21 +308,25 @@ def _own_after_fetched(operands: _Operands, requests, owners, rest) -> list:
     partial takes the place of a fetched piece, dead by then."""
     if operands.apart is not None:
         return []
-    plan, rank = operands.plan, operands.rank
+    rank = operands.rank
     by_piece: dict[int, list[int]] = {}
     for i in rest:
         by_piece.setdefault(owners[i], []).append(i)
     later = []
     for members in by_piece.values():
-        whole = all(
-            requests[i][1] == requests[i][0].rows
-            and fetch.reads_whole(plan, rank, requests[i][0], operands.lone)
-            for i in members
-        )
         own = [i for i in members if _own(requests[i][0], rank)]
-        if whole and own and len(own) < len(members):
+        if _read_whole(operands, requests, members) and own and len(own) < len(members):
             later += own
     return later
+
+
+def _read_whole(operands: _Operands, requests, members) -> bool:
+    """Whether each of ``members`` spans its rows and reads whole (:func:`~.fetch.reads_whole`)."""
+    return all(
+        requests[i][1] == requests[i][0].rows
+        and fetch.reads_whole(operands.plan, operands.rank, requests[i][0], operands.lone)
+        for i in members
+    )
 
 
 def _ticket_of(part, after):
@@ -366,11 +370,7 @@ def _joined_over_inner(operands: _Operands, npieces: int, requests, owners, afte
             continue
         if len({_own(requests[i][0], operands.apart) for i in members}) > 1:
             continue
-        if all(
-            requests[i][1] == requests[i][0].rows
-            and fetch.reads_whole(plan, rank, requests[i][0], operands.lone)
-            for i in members
-        ):
+        if _read_whole(operands, requests, members):
             continue
         members = sorted(members, key=lambda i: requests[i][0].inner)
         inners = [requests[i][0].inner for i in members]
