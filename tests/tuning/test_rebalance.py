@@ -8,7 +8,7 @@ import random
 import pytest
 
 from osmm_jax._src.planning.plan import Plan
-from osmm_jax._src.tuning.rebalance import Rebalancer
+from osmm_jax._src.tuning.rebalance import Rebalancer, _shrink_targets
 
 
 class Cluster:
@@ -72,16 +72,47 @@ def test_a_slowed_rank_is_caught_within_a_window_and_loses_a_fifth(start):
     assert "rank 3" in rb.last_event
 
 
-def test_a_sudden_slowdown_is_caught_on_its_third_step():
+def test_a_sudden_slowdown_is_caught_on_its_fourth_step():
     rb, cluster = _make()
-    for _ in range(4):  # warm-up, then 3 steps of baseline
+    # Warm-up, then 3 steps of baseline and the 6 before a vote whose votes count beside it.
+    for _ in range(10):
         assert not cluster.step(rb)
     cluster.speeds[2] = 0.5
-    assert not cluster.step(rb)  # stands out once
-    assert not cluster.step(rb)  # twice
-    assert cluster.step(rb)  # three times of the last three (of five): a straggler
+    for _ in range(3):
+        assert not cluster.step(rb)  # stands out once, twice, three times
+    assert cluster.step(rb)  # four times of the last four (of seven): a straggler
     assert rb.stragglers == (2,)
     assert rb.sizes == (1088, 1088, 832, 1088)
+    assert "2.00x its usual" in rb.last_event and "slow in 4 of the last 7 steps" in rb.last_event
+
+
+def test_a_slowdown_does_not_raise_its_own_bar():
+    """A 1.5x slowdown on a noisy machine: its slow steps stay out of the baseline they are
+    judged against, so they neither widen the spread nor become the rank's usual time, and it
+    is caught by the sudden rule, long before the persistent rule's next look."""
+    rb, cluster = _make(jitter=0.1, window=20)
+    cluster.random.seed(3)
+    for _ in range(12):
+        assert not cluster.step(rb)
+    cluster.speeds[1] = 1 / 1.5
+    steps = next(s for s in range(1, 21) if cluster.step(rb))
+    assert steps <= 8 and rb.stragglers == (1,)
+    assert "slow in" in rb.last_event  # the sudden rule, not a window's median
+
+
+def test_sizes_change_no_more_often_than_the_rules_allow():
+    """After a change the window restarts: a warm-up step, then ``window`` steps (the
+    persistent rule) or ``3 * confirm + 1`` (the sudden rule's baseline and votes)."""
+    for window, confirm in ((10, 4), (4, 2), (20, 1)):
+        rb, cluster = _make(window=window, confirm=confirm, jitter=0.05)
+        changed = []
+        for step in range(400):
+            if step % 7 == 0:
+                cluster.speeds = [cluster.random.choice([0.3, 1.0, 3.0]) for _ in range(4)]
+            if cluster.step(rb):
+                changed.append(step)
+        gaps = [b - a for a, b in zip(changed, changed[1:])]
+        assert len(changed) > 10 and min(gaps) >= 1 + min(window, 3 * confirm + 1), gaps
 
 
 def test_confirm_1_acts_on_a_single_slow_step():
@@ -109,8 +140,10 @@ def test_a_persistent_imbalance_moves_rows_to_the_fast_rank():
     rb, cluster = _make(
         total=3072, speeds=(1.0, 1.0, 1.0), cluster_speeds=(1.0, 1.0, 2.0), window=5
     )
-    changed_at = [s for s in range(6) if cluster.step(rb)]
-    assert changed_at == [5]  # warm-up, then a full window
+    changed_at = [s for s in range(11) if cluster.step(rb)]
+    # Warm-up, then two full windows: 1.33x a balanced step is over 1 + tolerance, not over
+    # the 1 + 3 * tolerance that one window needs.
+    assert changed_at == [10]
     assert rb.stragglers == (0, 1)
     assert rb.sizes == (832, 832, 1408)
     for _ in range(30):
@@ -145,6 +178,27 @@ def test_a_whole_machine_slowdown_moves_nothing():
     assert rb.sizes == (1024,) * 4
 
 
+def test_rows_taken_from_a_straggler_go_first_to_the_ranks_below_a_balanced_step():
+    # 4 ranks at 1000 rows/s; rank 0 slow (1.3 s for 1000 rows), rank 3 already at the
+    # balanced time, rank 1 well below it: it takes every row rank 0 gives away.
+    sizes = (1000, 500, 1000, 1000)
+    seconds = {0: 1.3, 1: 0.5, 2: 1.0, 3: 1.0}
+    speed = {r: sizes[r] / seconds[r] for r in range(4)}
+    targets, shrinking = _shrink_targets(sizes, seconds, speed, {0: None}, 0.2)
+    assert shrinking == (0,)
+    assert targets[0] == pytest.approx(800) and targets[1] == pytest.approx(700)
+    assert targets[2:] == [1000.0, 1000.0]
+    # Several ranks below it: in proportion to the rows each lacks.
+    sizes, seconds = (1000, 800, 900, 1000), {0: 2.0, 1: 0.8, 2: 0.9, 3: 1.0}
+    speed = {r: sizes[r] / seconds[r] for r in range(4)}  # 500, then 1000 rows/s
+    targets, _ = _shrink_targets(sizes, seconds, speed, {0: None}, 0.2)
+    balanced = 3700 / 3500  # seconds
+    lacking = [balanced * 1000 - rows for rows in sizes[1:]]  # 257, 157 and 57 rows
+    for r in (1, 2, 3):
+        assert targets[r] - sizes[r] == pytest.approx(200 * lacking[r - 1] / sum(lacking))
+    assert targets[0] == pytest.approx(800) and sum(targets) == pytest.approx(3700)
+
+
 def test_a_recovered_rank_wins_rows_back_and_sizes_settle():
     rb, cluster = _make(window=4)
     for _ in range(4):
@@ -156,7 +210,9 @@ def test_a_recovered_rank_wins_rows_back_and_sizes_settle():
     cluster.speeds[1] = 1.0
     for _ in range(10):
         cluster.step(rb)
-    assert rb.sizes == (1024,) * 4
+    # The rows go back to the recovered rank, none to one already at a balanced step's time,
+    # until the slowest rank is within the tolerance (0.15) of a balanced step.
+    assert rb.sizes == (1024, 896, 1024, 1152)
     before = rb.rebalances
     for _ in range(40):
         assert not cluster.step(rb)

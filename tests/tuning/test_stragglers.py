@@ -3,10 +3,12 @@ noise that must move nothing."""
 
 from __future__ import annotations
 
+import inspect
 import random
 
 import pytest
 
+from osmm_jax._src.tuning.rebalance import Rebalancer
 from osmm_jax._src.tuning.stragglers import StragglerRules, relative_times, robust_spread
 
 
@@ -35,7 +37,7 @@ def _rules(**kwargs):
 
 def test_a_slowdown_counts_in_two_of_three_steps_even_with_a_fast_step_between():
     rules = _rules(confirm=2)
-    for _ in range(4):
+    for _ in range(5):  # 3 steps of baseline, then the 2 whose votes count beside a new one's
         assert rules.flag((1.0, 1.0, 1.0), EVEN, ALL) == {}
     assert rules.flag((1.0, 1.0, 2.0), EVEN, ALL) == {}  # one vote
     assert rules.flag((1.0, 1.0, 1.0), EVEN, ALL) == {}  # a fast step: still one of three
@@ -70,16 +72,25 @@ def test_a_noisy_window_needs_a_clearer_slowdown():
     assert list(quiet.flag((1.0, 1.0, 1.6), EVEN, ALL)) == [2]
 
 
+def _default_rules():
+    """The rules with the Rebalancer's default settings."""
+    defaults = inspect.signature(Rebalancer).parameters
+    return StragglerRules(
+        **{name: defaults[name].default for name in ("window", "sigma", "tolerance", "confirm")},
+        sudden=defaults["sudden"].default,
+    )
+
+
 def test_heavy_tailed_noise_flags_nobody_and_a_2x_slowdown_is_caught_within_10_steps():
     """Times with the noise of ranks that outnumber cores: within +-20 %, and one step in ten
-    2-10x longer on a random rank. Over 100 seeded runs, at most 3 flag a rank before the
-    slowdown (three spikes on one rank within five steps look like a slowdown), and the 2x
-    slowdown is caught within 10 steps in at least 95 (within 4, by the sudden rule, in 90;
-    the rest at the end of the window, by the persistent one)."""
+    2-10x longer on a random rank. Over 100 seeded runs with the default settings, at most 3
+    flag a rank before the slowdown (four spikes on one rank within seven steps look like a
+    slowdown; none did when this was written), and the 2x slowdown is caught within 10 steps
+    in at least 95 (within 5, by the sudden rule, in 90; all 100 and 94 when written)."""
     caught, false = [], []
     for seed in range(100):
         rng = random.Random(seed)
-        rules = _rules()
+        rules = _default_rules()
         for step in range(40):
             times = [rng.uniform(0.8, 1.2) for _ in range(3)]
             if rng.random() < 1 / 10:
@@ -94,7 +105,7 @@ def test_heavy_tailed_noise_flags_nobody_and_a_2x_slowdown_is_caught_within_10_s
                     false.append((seed, step, flagged))
                 break
     assert len(false) <= 3, false
-    assert sum(1 for delay in caught if delay <= 4) >= 90, caught
+    assert sum(1 for delay in caught if delay <= 5) >= 90, caught
     assert sum(1 for delay in caught if delay <= 10) >= 95, caught
 
 

@@ -11,9 +11,10 @@ A rank whose time stands out (suddenly, against its own usual time and the
 other ranks', in ``confirm`` of the last ``2 * confirm - 1`` steps, or
 persistently, by its median over the ``window``; :mod:`.stragglers`) loses
 ``shrink`` of its rows (less when less balances it, at least one ``quantum``)
-to the others in proportion to their speeds, only when that lowers the slowest
-rank's predicted time by ``MIN_GAIN`` or more. Sizes change at most once every ``1 + min(window, 3 + confirm)`` steps, and at most
-``max_variants`` size tuples keep their plans, so recompiles stay bounded.
+to the ranks below a balanced step's time, only when that lowers the slowest
+rank's predicted time by ``MIN_GAIN`` or more. Sizes change at most once every
+``1 + min(window, 3 * confirm + 1)`` steps, and at most ``max_variants`` size tuples keep their
+plans, so recompiles stay bounded.
 
 What to time: this rank's own work, before the step's first communicating
 operation (a step that ends in a collective lasts as long on every rank as
@@ -152,9 +153,12 @@ def _shrink_targets(sizes, seconds, speed, flagged, shrink: float):
 
     ``speed``: rows/s of every rank that has rows (``sizes[r] / seconds[r]``), in rank order.
     Each rank of ``flagged`` loses ``shrink`` of its rows, or less when less brings its time
-    (``seconds``) down to the balanced time (total rows over total speed); the rows removed go
-    to the other ranks in proportion to their speeds. ``([], ())`` when no rank would shrink or
-    no other rank can take rows.
+    (``seconds``) down to the balanced time (total rows over total speed). The rows removed
+    go to the other ranks below the balanced time, in proportion to the rows each could take
+    before reaching it: a rank already at the balanced time takes nothing. (They can take them
+    all: the rows the ranks below the balanced time lack add up to the rows the ranks above it
+    hold in excess, and no straggler gives away more than its excess.) ``([], ())`` when no
+    rank would shrink or no other rank can take rows.
     """
     balanced = math.fsum(sizes) / math.fsum(speed.values())  # seconds, rows proportional to speed
     cuts = {r: min(shrink, 1 - balanced / max(seconds[r], _TINY)) for r in flagged}
@@ -168,8 +172,10 @@ def _shrink_targets(sizes, seconds, speed, flagged, shrink: float):
     for r in shrinking:
         removed += cuts[r] * targets[r]
         targets[r] *= 1 - cuts[r]
+    below = {r: max(balanced * speed[r] - sizes[r], 0.0) for r in receivers}  # rows
+    room = math.fsum(below.values())
     for r in receivers:
-        targets[r] += removed * speed[r] / receiving_speed
+        targets[r] += removed * (below[r] / room if room > 0 else speed[r] / receiving_speed)
     return targets, shrinking
 
 
@@ -273,10 +279,10 @@ class Rebalancer:
             measure; finite, >= 0, not all 0). A rank with speed 0 never gets rows.
         comm: an mpi4py intracommunicator (default COMM_WORLD); the times travel
             on osmm_jax's private duplicate of it.
-        window: steps of history per size tuple (>= 2).
-        sigma: robust standard deviations (scaled median absolute deviation) of the window's
-            relative step times: a sudden straggler's relative time must exceed ``1 + sigma``
-            of them, a persistent one's median ``sigma`` standard errors (>= 0).
+        window: steps of history per size tuple a rule judges (>= 2).
+        sigma: robust standard deviations (scaled median absolute deviation) of the
+            baseline's relative step times: a sudden straggler's relative time must exceed
+            ``1 + sigma`` of them, a persistent one's median ``sigma`` standard errors (>= 0).
         shrink: fraction of a straggler's rows taken away (0 < shrink < 1).
         quantum: sizes are multiples of it (>= 1), so few distinct shapes occur.
         max_variants: size tuples whose layouts and plans stay cached (>= 1).
@@ -284,12 +290,16 @@ class Rebalancer:
             quantum; lowered when the rows cannot cover it). Default one quantum,
             so a straggler keeps being measured and can win rows back.
         tolerance: a persistent straggler's median must also be this fraction slower than
-            the mean of all ranks' times (>= 0).
+            a balanced step's time in two windows running, three times it in one (>= 0;
+            default 0.15: ranks that share cores drift 10-15% apart for whole runs where
+            nobody slowed down, benchmarks/results/straggler.md).
         confirm: a sudden straggler stands out in ``confirm`` of the last
-            ``2 * confirm - 1`` steps (>= 1); 1 acts on a single slow step.
+            ``2 * confirm - 1`` steps (>= 1); 1 acts on a single slow step. Default 4 of 7:
+            ranks that share cores have stretches of 3 slow steps.
         sudden: a step stands out when the rank's time over its usual time is at least
-            this many times the other ranks' same ratio (> 1; default 1.5: a rank that
-            slowed down 2x stands out, scheduling noise on ranks that share cores does not).
+            this many times the other ranks' same ratio (> 1; default 1.4: a rank that
+            slowed down 2x stands out even when its extra work also slows the ranks it shares
+            cores with, scheduling noise does not).
         nranks, exchange: run without MPI: ``exchange(seconds)`` returns the list
             of all ``nranks`` ranks' times (default ``nranks = len(speeds)``);
             ``comm`` must be None then.
@@ -308,14 +318,14 @@ class Rebalancer:
         *,
         comm=None,
         window: int = 10,
-        sigma: float = 2.5,
+        sigma: float = 3.0,
         shrink: float = 0.2,
         quantum: int = 64,
         max_variants: int = 8,
         min_rows: int | None = None,
-        tolerance: float = 0.1,
-        confirm: int = 3,
-        sudden: float = 1.5,
+        tolerance: float = 0.15,
+        confirm: int = 4,
+        sudden: float = 1.4,
         nranks: int | None = None,
         exchange: Callable[[float], Sequence[float]] | None = None,
         memory_budget=None,

@@ -4,11 +4,15 @@ straggler rules (docs/design.md, "Rebalancing while training").
 Step times on a shared machine are heavy-tailed: a rank descheduled for a moment takes several
 times its usual time once, and ranks that outnumber cores take turns. A slowdown worth moving
 rows for is different in two ways: it lasts, and it is the rank's own, not the machine's. So
-each rank's time is compared with *its own* baseline (its median over the window), divided by the same ratio of the other ranks (a machine-wide slowdown cancels out), and
-a rank counts as a straggler when that relative time stands out in most of the last few steps
-(a majority, not a run: one fast step amid slow ones does not reset the count). Where the
-limit lies comes from the window itself: a robust spread (median absolute deviation) of the
-relative times, so that a noisy machine needs a clearer slowdown and a quiet one a smaller.
+each rank's time is compared with *its own* baseline (its median over the window's steps
+before the last few), divided by the same ratio of the other ranks (a machine-wide slowdown
+cancels out), and a rank counts as a straggler when that relative time stands out in most of
+the last few steps (a majority, not a run: one fast step amid slow ones does not reset the
+count). Where the limit lies comes from the baseline's steps: a robust spread (median absolute
+deviation) of their relative times, so that a noisy machine needs a clearer slowdown and a
+quiet one a smaller. The steps being voted on are kept out of the baseline, so a slowdown
+never raises its own bar (its slow steps would widen the spread and, after a few, become the
+rank's usual time).
 
 Pure Python, deterministic: every rank runs it on the same exchanged times.
 """
@@ -65,8 +69,9 @@ class StragglerRules:
     them, checked, for the ranks to agree on.
 
     Args:
-        window: steps of history kept (>= 2).
-        sigma: robust standard deviations of the window's relative times: a step stands out
+        window: steps a rule judges (>= 2): the persistent rule the last ``window``, the
+            sudden rule up to ``window`` before the steps it votes on.
+        sigma: robust standard deviations of the baseline's relative times: a step stands out
             above ``1 + sigma`` of them (and above ``sudden``), a median above ``sigma``
             standard errors of itself (and above ``1 + tolerance``).
         tolerance: a persistent straggler's median is at least this fraction above a
@@ -85,12 +90,15 @@ class StragglerRules:
         if not self._sudden > 1:
             raise ValueError(f"sudden must be greater than 1, got {sudden!r}")
         self.settings = (self._window, self._sigma, self._tolerance, self._confirm, self._sudden)
+        self._span = 2 * self._confirm - 1  # the steps whose votes count
         self.restart()
 
     def restart(self) -> None:
         """Forget every step (the sizes changed: old times say nothing about the new ones)."""
-        self._history: deque[tuple[float, ...]] = deque(maxlen=self._window)
-        self._votes: deque[dict[int, tuple[float, str]]] = deque(maxlen=2 * self._confirm - 1)
+        # The window, and the votes' steps after it: the sudden rule's baseline is the window
+        # before the steps it votes on, the persistent rule's the last ``window`` steps.
+        self._history: deque[tuple[float, ...]] = deque(maxlen=self._window + self._span - 1)
+        self._votes: deque[dict[int, tuple[float, str]]] = deque(maxlen=self._span)
         self._steps = 0
         self._suspects: set[int] = set()  # over 1 + tolerance at the last window's end
 
@@ -120,13 +128,20 @@ class StragglerRules:
 
     def medians(self, active) -> dict[int, float]:
         """Each active rank's median time over the window (seconds)."""
-        return {r: statistics.median(step[r] for step in self._history) for r in active}
+        return {r: statistics.median(step[r] for step in self._window_steps()) for r in active}
+
+    def _window_steps(self) -> list[tuple[float, ...]]:
+        """The last ``window`` steps."""
+        return list(self._history)[-self._window :]
 
     def _stand_out(self, times, active) -> dict[int, tuple[float, str]]:
-        """Ranks whose relative time this step exceeds the window's limit: rank -> (seconds,
-        why). The baseline is the window's steps before this one; medians and the median
-        absolute deviation keep the few slow ones it may hold from moving it."""
-        baseline = list(self._history)
+        """Ranks whose relative time this step exceeds the baseline's limit: rank -> (seconds,
+        why). The baseline is the steps before the ``2 * confirm - 2`` whose votes still
+        count beside this one's (at most ``window`` of them, at least
+        :data:`MIN_BASELINE_STEPS`); medians and the median absolute deviation keep the few
+        slow ones it may hold from moving it."""
+        steps = list(self._history)
+        baseline = steps[: max(len(steps) - (self._span - 1), 0)]
         if len(baseline) < MIN_BASELINE_STEPS:
             return {}
         base = {r: statistics.median(step[r] for step in baseline) for r in active}
@@ -157,9 +172,10 @@ class StragglerRules:
         take turns unevenly for a window's worth of steps, seldom for two."""
         medians = self.medians(active)
         balanced = balanced_seconds(medians, sizes, active)
-        n = len(self._history)
+        window = self._window_steps()
+        n = len(window)
         spread = robust_spread(  # pooled: every rank sees the same machine's noise
-            step[r] / max(medians[r], _TINY) for step in self._history for r in active
+            step[r] / max(medians[r], _TINY) for step in window for r in active
         )
         noise = self._sigma * math.sqrt(2) * 1.25 * spread / math.sqrt(n)
         suspects, self._suspects = self._suspects, set()
