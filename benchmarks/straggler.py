@@ -20,13 +20,25 @@ which ranks shrank) and every rank's step times. Reported, rank 0:
 
 Timings are only meaningful with nothing else running on the machine; the noise the
 Rebalancer must tell from a slowdown is the machine's own (ranks oversubscribing cores).
+
+Rules can be compared offline on the same noise: record raw step times with ``--fixed`` (every
+rank keeps its rows), then replay them through a Rebalancer with any settings, no MPI needed::
+
+    .venv/bin/python -m benchmarks.straggler --replay benchmarks/results/straggler_fixed.json \
+        --setting tolerance=0.1 --setting confirm=3
+
+A replay stops each run at its first change of sizes (after it, the recorded times are those
+of the old sizes), which is all the targets ask about: whether the first change shrinks the
+slowed rank within 10 steps, and whether a quiet run changes at all.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +76,46 @@ def one_run(args, slowed: bool) -> dict:
             )
         times.append(list(rb.times))
     return {"slowed": slowed, "changes": changes, "times": times}
+
+
+def replay_run(times: list[list[float]], rows: int, settings: dict) -> list[dict]:
+    """The first change of sizes a fresh Rebalancer (default settings, updated by
+    ``settings``) makes on the recorded ``times`` (a list per step of every rank's seconds,
+    every rank at ``rows`` rows); [] when it makes none."""
+    nranks = len(times[0])
+    step_times = iter(times)
+    rb = om.Rebalancer(
+        nranks * rows,
+        [1.0] * nranks,
+        nranks=nranks,
+        exchange=lambda _: next(step_times),
+        **settings,
+    )
+    for step in range(len(times)):
+        if rb.observe(0.0):
+            return [{"step": step, "shrunk": list(rb.stragglers), "why": rb.last_event}]
+    return []
+
+
+def replay(paths: list[str], settings: dict) -> dict[str, dict]:
+    """Replay every run of the ``--fixed`` records in ``paths`` (:func:`replay_run`) and
+    summarise them as :func:`summarise` does, one summary per way of slowing down (``--how``)."""
+    runs: dict[tuple, list[dict]] = {}
+    for path in paths:
+        for record in json.loads(Path(path).read_text()):
+            args = record["args"]
+            if not args["fixed"]:
+                raise ValueError(f"{path}: replay needs records made with --fixed")
+            for run in record["runs"]:
+                key = (args["how"], args["slow_at"], len(run["times"][0]))
+                changes = replay_run(
+                    run["times"], args["rows"], {"quantum": args["quantum"], **settings}
+                )
+                runs.setdefault(key, []).append({"slowed": run["slowed"], "changes": changes})
+    return {
+        f"{how}, slowed at {slow_at}, {nranks} ranks": summarise(group, slow_at, nranks - 1)
+        for (how, slow_at, nranks), group in runs.items()
+    }
 
 
 def summarise(runs: list[dict], slow_at: int, slowed_rank: int) -> dict:
@@ -110,7 +162,33 @@ def main(argv=None) -> None:
         "for replaying other rules offline; its changes are still recorded)",
     )
     parser.add_argument("--json", default=None, help="append the record to this JSON list")
+    parser.add_argument(
+        "--replay",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="no runs: replay the --fixed records in these files through the Rebalancer",
+    )
+    parser.add_argument(
+        "--setting",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="with --replay: a Rebalancer setting other than its default (repeatable)",
+    )
     args = parser.parse_args(argv)
+    if args.replay:
+        settings = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.setting)}
+        summaries = replay(args.replay, settings)
+        if RANK == 0:
+            for kind, summary in summaries.items():
+                print(f"replay ({kind}), settings {settings or 'default'}: {summary}")
+        common.save(
+            {"title": "straggler replay", "replayed": args.replay, "settings": settings}
+            | {"summaries": summaries},
+            args.json,
+        )
+        return
     runs = []
     for i in range(2 * args.runs):
         runs.append(one_run(args, slowed=i % 2 == 0))

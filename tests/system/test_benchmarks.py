@@ -267,3 +267,31 @@ def test_the_planner_scaling_benchmark_times_one_rank_and_writes_its_results(tmp
     assert "chosen" in records[("auto", 64)]
     table = out.with_suffix(".md").read_text()
     assert "| 128 |" in table and "one rank's part" in table
+
+
+def test_the_default_straggler_rules_on_the_recorded_noise(tmp_path):
+    """``benchmarks.straggler --replay`` on the step times recorded on the 2-core test machine
+    (benchmarks/results/straggler_fixed.json): every slowdown met within 10 steps, and nearly
+    every quiet run left alone (45 of 50 and 10 of 10 when recorded); with the settings of
+    before, fewer quiet runs are left alone on the same noise."""
+    out = tmp_path / "replay.json"
+    fixed = "benchmarks/results/straggler_fixed.json"
+    _mpirun(1, "benchmarks.straggler", "--replay", fixed, "--json", str(out))
+    settings = ("tolerance=0.1", "confirm=3", "sudden=1.5", "sigma=2.5")
+    _mpirun(
+        1,
+        "benchmarks.straggler",
+        "--replay",
+        fixed,
+        "--json",
+        str(out),
+        *(arg for s in settings for arg in ("--setting", s)),
+    )
+    now, before = (record["summaries"] for record in json.loads(out.read_text()))
+    work, sleep = now["work, slowed at 12, 3 ranks"], now["sleep, slowed at 12, 3 ranks"]
+    assert work["within_10"] == "50/50" and sleep["within_10"] == "10/10"
+    assert work["wrong_changes_in_slowed_runs"] == sleep["wrong_changes_in_slowed_runs"] == 0
+    unmoved = {k: s["changes_in_quiet_runs"].count(0) for k, s in now.items()}
+    assert unmoved == {"work, slowed at 12, 3 ranks": 45, "sleep, slowed at 12, 3 ranks": 10}
+    unmoved_before = sum(s["changes_in_quiet_runs"].count(0) for s in before.values())
+    assert unmoved_before < sum(unmoved.values())
