@@ -163,12 +163,14 @@ def draw(path: str, out: str) -> None:
     import matplotlib.pyplot as plt
 
     runs = json.loads(Path(path).read_text())
-    cases = [(r["family"], r["method"], r["direction"]) for r in runs[0]["records"]]
+    key = lambda r: (r["family"], r["method"], r["direction"])  # noqa: E731
+    cases = list(dict.fromkeys(key(r) for run in runs for r in run["records"]))
     fig, ax = plt.subplots(figsize=(11, 4))
     width = 0.8 / len(runs)
-    for i, run in enumerate(runs):
+    for i, run in enumerate(runs):  # a record may hold some of the cases only
+        where = [cases.index(key(r)) + i * width for r in run["records"]]
         ratios = [max(x["held"] / x["needed"] for x in r["ranks"]) for r in run["records"]]
-        ax.bar([c + i * width for c in range(len(cases))], ratios, width, label=run["label"])
+        ax.bar(where, ratios, width, label=run["label"])
     ax.axhline(1.3, color="black", linestyle="--", linewidth=1, label="1.3x")
     ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cases))])
     ax.set_xticklabels(["\n".join(c) for c in cases], fontsize=7)
