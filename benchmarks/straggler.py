@@ -22,14 +22,16 @@ Timings are only meaningful with nothing else running on the machine; the noise 
 Rebalancer must tell from a slowdown is the machine's own (ranks oversubscribing cores).
 
 Rules can be compared offline on the same noise: record raw step times with ``--fixed`` (every
-rank keeps its rows), then replay them through a Rebalancer with any settings, no MPI needed::
+rank keeps its rows), then replay them through a Rebalancer with any settings, one process, no
+mpiexec::
 
     .venv/bin/python -m benchmarks.straggler --replay benchmarks/results/straggler_fixed.json \
         --setting tolerance=0.1 --setting confirm=3
 
 A replay stops each run at its first change of sizes (after it, the recorded times are those
 of the old sizes), which is all the targets ask about: whether the first change shrinks the
-slowed rank within 10 steps, and whether a quiet run changes at all.
+slowed rank within 10 steps, and whether a quiet run changes at all. So its counts of changes
+are at most 1 per run, unlike a live run's.
 """
 
 from __future__ import annotations
@@ -104,17 +106,19 @@ def replay(paths: list[str], settings: dict) -> dict[str, dict]:
     for path in paths:
         for record in json.loads(Path(path).read_text()):
             args = record["args"]
-            if not args["fixed"]:
+            if not args.get("fixed"):
                 raise ValueError(f"{path}: replay needs records made with --fixed")
             for run in record["runs"]:
-                key = (args["how"], args["slow_at"], len(run["times"][0]))
+                key = (args["how"], args["factor"], args["slow_at"], len(run["times"][0]))
                 changes = replay_run(
                     run["times"], args["rows"], {"quantum": args["quantum"], **settings}
                 )
                 runs.setdefault(key, []).append({"slowed": run["slowed"], "changes": changes})
     return {
-        f"{how}, slowed at {slow_at}, {nranks} ranks": summarise(group, slow_at, nranks - 1)
-        for (how, slow_at, nranks), group in runs.items()
+        f"{how} x{factor}, slowed at {slow_at}, {nranks} ranks": summarise(
+            group, slow_at, nranks - 1
+        )
+        for (how, factor, slow_at, nranks), group in runs.items()
     }
 
 
@@ -137,6 +141,15 @@ def summarise(runs: list[dict], slow_at: int, slowed_rank: int) -> dict:
         "wrong_changes_in_slowed_runs": wrong,
         "changes_in_quiet_runs": quiet_changes,
     }
+
+
+def _setting(item: str, parser: argparse.ArgumentParser) -> tuple[str, float]:
+    """``NAME=VALUE`` of ``--setting`` as (name, number); a usage error otherwise."""
+    name, _, value = item.partition("=")
+    try:
+        return name, json.loads(value)
+    except ValueError:
+        parser.error(f"--setting wants NAME=NUMBER, e.g. tolerance=0.1; got {item!r}")
 
 
 def main(argv=None) -> None:
@@ -178,7 +191,7 @@ def main(argv=None) -> None:
     )
     args = parser.parse_args(argv)
     if args.replay:
-        settings = {k: json.loads(v) for k, v in (item.split("=", 1) for item in args.setting)}
+        settings = dict(_setting(item, parser) for item in args.setting)
         summaries = replay(args.replay, settings)
         if RANK == 0:
             for kind, summary in summaries.items():

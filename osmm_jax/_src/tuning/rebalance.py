@@ -157,7 +157,8 @@ def _shrink_targets(sizes, seconds, speed, flagged, shrink: float):
     go to the other ranks below the balanced time, in proportion to the rows each could take
     before reaching it: a rank already at the balanced time takes nothing. (They can take them
     all: the rows the ranks below the balanced time lack add up to the rows the ranks above it
-    hold in excess, and no straggler gives away more than its excess.) ``([], ())`` when no
+    hold in excess, and no straggler gives away more than its excess. Memory budgets and whole
+    quanta, applied by :func:`_quantise`, can still send some elsewhere.) ``([], ())`` when no
     rank would shrink or no other rank can take rows.
     """
     balanced = math.fsum(sizes) / math.fsum(speed.values())  # seconds, rows proportional to speed

@@ -26,7 +26,8 @@ from collections import deque
 from osmm_jax._src import checks
 
 MIN_BASELINE_STEPS = 3
-"""Quiet steps the window must hold before the sudden rule applies."""
+"""Steps the sudden rule's baseline must hold before it judges a step (so a ``window`` below
+this many steps leaves the persistent rule alone)."""
 
 MAD_SCALE = 1.4826
 """Median absolute deviation times this estimates a normal distribution's standard deviation."""
@@ -70,12 +71,13 @@ class StragglerRules:
 
     Args:
         window: steps a rule judges (>= 2): the persistent rule the last ``window``, the
-            sudden rule up to ``window`` before the steps it votes on.
+            sudden rule up to ``window`` before the steps it votes on (it judges nothing with
+            a window below :data:`MIN_BASELINE_STEPS`).
         sigma: robust standard deviations of the baseline's relative times: a step stands out
             above ``1 + sigma`` of them (and above ``sudden``), a median above ``sigma``
-            standard errors of itself (and above ``1 + tolerance``).
+            standard errors of itself (and above its limit from ``tolerance``).
         tolerance: a persistent straggler's median is at least this fraction above a
-            balanced step's time.
+            balanced step's time in two windows running, or three times it in one.
         confirm: a sudden straggler stands out in ``confirm`` of the last ``2 * confirm - 1``
             steps (1: a single step).
         sudden: the least relative time that stands out (> 1).
