@@ -305,16 +305,19 @@ def resident_window_bytes(plan: Plan, rank: int, itemsize: int, accum: int, sync
     (``itemsize``: of an input element, ``accum``: of the accumulation dtype), the largest of
     its uses (one window per communicator serves them all, one after another). Notified: the
     slots this rank's origins write (a slot per origin up to ``S``, of the reduce, the fetch or
-    a staged plan's all-gather; the accumulator is touched only to add slots in rounds and is
-    not counted). Fenced: the reduce window (the largest C block), the fetch's exposed blocks
-    and the all-gather's (the largest block of the split C)."""
+    a staged plan's all-gather), and a reduce's accumulator where an origin ranks below this
+    rank: the fixed-order sum adds those origins' slots there before this rank's own partial
+    (xla_ffi/notified/ordered_sum.h). The fetch and the all-gather place their pieces without
+    it. Fenced: the reduce window (the largest C block), the fetch's exposed blocks and the
+    all-gather's (the largest block of the split C)."""
     executed = executed_plan(plan, sync)
     mine = executed.for_rank(rank)
     uses = []
     if sync.mode == "notify":
         if executed.has_deliveries and plan.nranks > 1:
             attribute = notify_attribute(executed, rank, accum, sync)
-            uses.append(min(attribute[0], attribute[3]) * attribute[1])
+            accumulator = int(any(origin < rank for origin in mine.origins))
+            uses.append((min(attribute[0], attribute[3]) + accumulator) * attribute[1])
         if executed.has_gets:
             # A round of the fetch (fetch.rounds) touches the slots of its own owners.
             count, nbytes = _fetch_slots(executed, accum, sync.slot_budget)
