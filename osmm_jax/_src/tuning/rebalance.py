@@ -164,19 +164,19 @@ def _shrink_targets(sizes, seconds, speed, flagged, shrink: float):
     balanced = math.fsum(sizes) / math.fsum(speed.values())  # seconds, rows proportional to speed
     cuts = {r: min(shrink, 1 - balanced / max(seconds[r], _TINY)) for r in flagged}
     shrinking = tuple(r for r in sorted(cuts) if cuts[r] > 0)
-    receivers = [r for r in speed if r not in shrinking]
-    receiving_speed = math.fsum(speed[r] for r in receivers)
-    if not shrinking or receiving_speed <= 0:
+    below = {  # rows each other rank lacks to reach the balanced time
+        r: max(balanced * speed[r] - sizes[r], 0.0) for r in speed if r not in shrinking
+    }
+    room = math.fsum(below.values())
+    if not shrinking or room <= 0:
         return [], ()
     targets = [float(s) for s in sizes]
     removed = 0.0
     for r in shrinking:
         removed += cuts[r] * targets[r]
         targets[r] *= 1 - cuts[r]
-    below = {r: max(balanced * speed[r] - sizes[r], 0.0) for r in receivers}  # rows
-    room = math.fsum(below.values())
-    for r in receivers:
-        targets[r] += removed * (below[r] / room if room > 0 else speed[r] / receiving_speed)
+    for r, lacking in below.items():
+        targets[r] += removed * lacking / room
     return targets, shrinking
 
 
