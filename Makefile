@@ -256,6 +256,10 @@ OTHER_TRANSPORT_TESTS ?= tests/mpi/runtime/test_random_products.py tests/mpi/run
 	tests/mpi/nn/test_flax_tensor_parallel.py
 TEST_TIMEOUT ?= 300
 MPI_RUN_TIMEOUT ?= 1800
+# Ranks other than 0 write their pytest output to build/mpi-logs/rank<r>.log (tests/mpi/run.py);
+# when a run fails, the end of each is printed: a rank that timed out alone dumped its stacks there.
+MPI_LOG_TAILS = for f in build/mpi-logs/rank*.log; do [ -f "$$f" ] || continue; \
+	  echo "---- $$f (last 80 lines)"; tail -n 80 "$$f"; done
 DEMO_RANKS ?= 3
 
 .PHONY: demo test test-serial test-mpi
@@ -293,22 +297,22 @@ test-mpi: install $(HETERO_RANKFILE)
 	@set -e; for n in $(TEST_RANKS); do \
 	  timeout --kill-after=30 $(MPI_RUN_TIMEOUT) $(MPIEXEC) -n $$n $(PY) tests/mpi/run.py tests/mpi -q \
 	    --timeout=$(TEST_TIMEOUT) --timeout-method=thread \
-	    || { echo "MPI tests FAILED on $$n rank(s)"; exit 1; }; \
+	    || { echo "MPI tests FAILED on $$n rank(s)"; $(MPI_LOG_TAILS); exit 1; }; \
 	done
 	OSMM_SYNC=$(OTHER_SYNC) OSMM_TEST_PRODUCTS=$(OTHER_SYNC_PRODUCTS) timeout --kill-after=30 \
 	  $(MPI_RUN_TIMEOUT) $(MPIEXEC) -n $(OTHER_SYNC_RANKS) $(PY) tests/mpi/run.py $(OTHER_SYNC_TESTS) -q \
-	  --timeout=$(TEST_TIMEOUT) --timeout-method=thread
+	  --timeout=$(TEST_TIMEOUT) --timeout-method=thread || { $(MPI_LOG_TAILS); exit 1; }
 	OSMM_TRANSPORT=messages OSMM_DEFER=1 OSMM_FETCH_AHEAD=1 OSMM_TEST_PRODUCTS=$(OTHER_SYNC_PRODUCTS) \
 	  timeout --kill-after=30 \
 	  $(MPI_RUN_TIMEOUT) $(MPIEXEC) -n $(OTHER_SYNC_RANKS) $(PY) tests/mpi/run.py $(OTHER_TRANSPORT_TESTS) \
-	  -q --timeout=$(TEST_TIMEOUT) --timeout-method=thread
+	  -q --timeout=$(TEST_TIMEOUT) --timeout-method=thread || { $(MPI_LOG_TAILS); exit 1; }
 	@# Heterogeneous ranks for real: ranks 0 and 1 share core 0, rank 2 has core 1.
 ifeq ($(HETERO_BIND),)
 	@echo "heterogeneity run skipped: no HETERO_BIND for MPI=$(MPI) (ranks 0,1 on core 0, rank 2 on core 1)"
 else
 	timeout --kill-after=30 $(MPI_RUN_TIMEOUT) $(MPIEXEC) -n 3 $(HETERO_BIND) $(PY) tests/mpi/run.py \
 	  tests/mpi/tuning/test_heterogeneous.py tests/mpi/tuning/test_rebalance.py -q \
-	  --timeout=$(TEST_TIMEOUT) --timeout-method=thread
+	  --timeout=$(TEST_TIMEOUT) --timeout-method=thread || { $(MPI_LOG_TAILS); exit 1; }
 endif
 
 # make test-newest-jax: the canary. In a throw-away venv (NEWEST_JAX_OUT) the newest jax/jaxlib

@@ -1,6 +1,6 @@
 """MPI tests: every rank of a job runs them together.
 
-Run them on N ranks with ``tests/mpi/run.py``, which quiets every rank but 0 (``make test``
+Run them on N ranks with ``tests/mpi/run.py``, which prints rank 0's report and logs the others' (``make test``
 runs N = 1, 2, 3, 4, then the heterogeneity tests on 3 ranks bound to cores 0, 0, 1)::
 
     mpiexec -n N .venv/bin/python tests/mpi/run.py tests/mpi -q [pytest arguments]
