@@ -42,6 +42,15 @@ one warm-up call each):
   (its heads and MLP hidden features, stock layers) on the whole batch, nothing summed: the
   part of the TP step that no communication scheme can remove, since the embeddings,
   LayerNorms, residual sums and output projection run on every rank;
+* with ``--meetings``, ``osmm DP fused, a meeting of the ranks per dense layer``: the fused DP
+  step with every dense layer's input passed through ``overlap_step.rendezvous``, so that
+  each layer's backward waits for every rank as a per-layer sum would, without summing its
+  bytes: what the per-layer sums' synchronisation costs by itself;
+* ``no-communication floor (TP shards, sequences between the pairs)``: the TP + SP step
+  without communication: each rank's shards, its own sequences between the pairs, a column
+  layer's input repeated from them to the whole batch where the gather would be, a row
+  layer's output cut to them where the reduce-scatter would be
+  (:class:`SequenceShardLayers`);
 * ``one process, whole batch (every rank at once)``: every rank runs the stock model on the
   whole batch by itself, at the same time as the others (so ranks sharing a core share it as
   they do in the distributed steps); its row is the slowest rank's time, and each rank's own
@@ -67,7 +76,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import importlib.util
 import os
 import sys
 import textwrap
@@ -84,6 +92,14 @@ from mpi4py import MPI
 import osmm_jax as om
 from benchmarks import common
 from benchmarks.common import COMM, RANK, SIZE
+from benchmarks.lm_layers import (
+    EvenShardLayers,
+    MeetingLayers,
+    SequenceShardLayers,
+    ShardLayers,
+    lm,
+    megatron_spec,
+)
 
 RTOL, ATOL = 1e-4, 1e-5  # first-step loss against one process, as train_lm --check
 LEARNING_RATE = 3e-3
@@ -102,7 +118,9 @@ JAX_TP = "JAX NamedSharding TP, even"
 FLOOR = "no-communication floor (speed-weighted rows)"
 EVEN_FLOOR = "no-communication floor (even rows)"
 TP_FLOOR = "no-communication floor (TP shards)"
+SP_FLOOR = "no-communication floor (TP shards, sequences between the pairs)"
 ALONE = "one process, whole batch (every rank at once)"
+MEETINGS = "osmm DP fused, a meeting of the ranks per dense layer (--meetings)"
 
 # (target, the key of its time ratio in the record's ratios, ">=" or "<=", bound)
 TARGETS = [
@@ -114,70 +132,6 @@ TARGETS = [
     ("speed-weighted TP ÷ aggregate limit", "tp_over_limit", "<=", 1.15),
     ("speed-weighted TP + sequence parallel ÷ aggregate limit", "sp_over_limit", "<=", 1.15),
 ]
-
-
-def _load_train_lm():
-    """examples/train_lm.py as a module (examples/ is not a package)."""
-    path = Path(__file__).resolve().parents[1] / "examples" / "train_lm.py"
-    spec = importlib.util.spec_from_file_location("train_lm", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-lm = _load_train_lm()
-
-
-class ShardLayers(lm.Layers):
-    """Stock dense layers cut to this rank's tensor-parallel shard: what a TP step computes,
-    without its sums (the TP no-communication floor)."""
-
-    def dense(self, kind: str, n_in: int, n_out: int, rngs, sizes=None):
-        if kind == "column":
-            return lm.StockLinear(n_in, sizes[RANK], rngs=rngs)
-        if kind == "row":
-            return lm.StockLinear(sizes[RANK], n_out, rngs=rngs)
-        return lm.StockLinear(n_in, n_out, rngs=rngs)
-
-
-class EvenShardLayers(lm.Layers):
-    """Stock dense layers for JAX's own tensor parallelism, which splits a dimension only into
-    ``nranks`` equal parts: each tensor-parallel pair's inner width (``heads`` heads of the
-    attention pair, ``4 d`` features of the MLP pair) padded with zeros to a multiple of
-    ``nranks`` heads or features. The zero columns and rows change neither the loss nor any
-    other gradient (their own stay zero, and so does adam's update of them): the step is the
-    model's, and their arithmetic is the price of the even split."""
-
-    def __init__(self, nranks: int, heads: int, d: int):
-        # Every head and every hidden feature a unit of its own: a pair's ``sizes`` below.
-        super().__init__("single", head_sizes=[1] * heads, mlp_sizes=[1] * (4 * d))
-        self.nranks = nranks
-
-    def dense(self, kind: str, n_in: int, n_out: int, rngs, sizes=None):
-        layer = lm.StockLinear(n_in, n_out, rngs=rngs)  # drawn as the model's own, then padded
-        if kind == "other":
-            return layer
-        width = n_out if kind == "column" else n_in
-        pad = -width % (sizes[0] * self.nranks)  # sizes[0]: one unit's columns (rows)
-        if kind == "column":
-            layer.kernel = nnx.Param(jnp.pad(layer.kernel[...], ((0, 0), (0, pad))))
-            layer.bias = nnx.Param(jnp.pad(layer.bias[...], (0, pad)))
-        else:
-            layer.kernel = nnx.Param(jnp.pad(layer.kernel[...], ((0, pad), (0, 0))))
-        return layer
-
-
-def megatron_spec(path: str, param) -> P:
-    """Where JAX's tensor-parallel step keeps ``param`` (its key path ``path``): the column
-    layers (qkv, up) split by output features, the row layers (proj, down) by input features
-    (their bias replicated), everything else replicated; over the mesh's one axis."""
-    layer = next((n for n in ("qkv", "up", "proj", "down") if f"['{n}']" in path), None)
-    if layer in ("qkv", "up"):
-        return P(None, "data") if param.ndim == 2 else P("data")
-    if layer in ("proj", "down") and param.ndim == 2:
-        return P("data", None)
-    return P()
 
 
 def step_flops(tokens: int, d: int, n_layers: int, context: int, vocab: int) -> float:
@@ -232,6 +186,11 @@ def _parse(argv):
     parser.add_argument("--repeats", type=int, default=9, help="timed rounds (default 9)")
     parser.add_argument("--label", default="lm_step", help="the case's name in the record")
     parser.add_argument("--json", help="append the raw record to this JSON file (rank 0)")
+    parser.add_argument(
+        "--meetings",
+        action="store_true",
+        help=f"also time {MEETINGS!r}: what one sum per layer costs in synchronisation alone",
+    )
     parser.add_argument(
         "--out",
         default=str(common.RESULTS_DIR),
@@ -308,21 +267,27 @@ def main(argv=None) -> int:
         FLOOR: step_on(_rows(weighted)),
         EVEN_FLOOR: step_on(_rows(even)),
         TP_FLOOR: step_on(slice(None), ShardLayers("tp", head_sizes=heads, mlp_sizes=hidden)),
+        SP_FLOOR: step_on(
+            _rows(weighted),
+            SequenceShardLayers("tp", head_sizes=heads, mlp_sizes=hidden, batch_sizes=weighted),
+        ),
         ALONE: step_on(slice(None)),
     }
+    if args.meetings:
+        fns[MEETINGS] = step_on(_rows(weighted), MeetingLayers(), dp=True, sum_method="one_sided")
 
     # The first call of each step compiles it; its loss is checked against one process's.
     losses = {}
     for name, (fn, fn_args) in fns.items():
         with _setting("OSMM_FETCH_AHEAD", FETCH_AHEAD.get(name)):
             loss = jax.device_get(fn(*fn_args)[2].addressable_data(0))
-        summed = name in (DP, LAYERS, SP, SP_AHEAD, SP_IN_PLACE, EVEN)
+        summed = name in (DP, LAYERS, SP, SP_AHEAD, SP_IN_PLACE, EVEN, MEETINGS)
         losses[name] = float(COMM.allreduce(float(loss)) if summed else loss)
     reference = losses[ALONE]
     wrong = [
         name
-        for name in (DP, LAYERS, TP, SP, SP_AHEAD, SP_IN_PLACE, EVEN, JAX, JAX_TP)
-        if not abs(losses[name] - reference) <= RTOL * abs(reference) + ATOL
+        for name in (DP, LAYERS, TP, SP, SP_AHEAD, SP_IN_PLACE, EVEN, JAX, JAX_TP, MEETINGS)
+        if name in losses and not abs(losses[name] - reference) <= RTOL * abs(reference) + ATOL
     ]
     if wrong:
         if RANK == 0:
@@ -356,6 +321,8 @@ def main(argv=None) -> int:
         "sp_in_place_over_ahead": seconds[SP_IN_PLACE] / seconds[SP_AHEAD],
         "tp_floor_over_limit": seconds[TP_FLOOR] / limit,
         "tp_over_tp_floor": seconds[TP] / seconds[TP_FLOOR],
+        "sp_floor_over_limit": seconds[SP_FLOOR] / limit,
+        "sp_over_sp_floor": seconds[SP] / seconds[SP_FLOOR],
         "even_allreduce_over_limit": seconds[EVEN] / limit,
         "floor_over_limit": seconds[FLOOR] / limit,
         "even_floor_over_floor": seconds[EVEN_FLOOR] / seconds[FLOOR],
@@ -427,7 +394,9 @@ def _notes(record: dict) -> list[str]:
         f"{r['jax_over_dp']:.2f}x DP's time. TP with sequence parallelism takes "
         f"{r['sp_over_limit']:.2f}x the limit. TP's own no-communication floor (each rank's "
         f"shards, the rest of the model on every rank) is {r['tp_floor_over_limit']:.2f}x the "
-        f"limit, and TP takes {r['tp_over_tp_floor']:.2f}x that floor. With osmm_jax's DP "
+        f"limit, and TP takes {r['tp_over_tp_floor']:.2f}x that floor; with sequences between "
+        f"the pairs, the floor is {r['sp_floor_over_limit']:.2f}x the limit and TP + SP "
+        f"{r['sp_over_sp_floor']:.2f}x it. With osmm_jax's DP "
         "layers (one sum per layer) "
         f"instead of one fused sum, DP takes {r['layers_over_limit']:.2f}x the aggregate limit "
         f"and the even all-reduce step {r['even_allreduce_over_layers']:.2f}x its time. Without any "

@@ -36,6 +36,7 @@ def run_config(
     peers: bool = False,
     rma: bool = False,
     lm_step: bool = False,
+    meetings: bool = False,
 ) -> list[dict]:
     """One ``benchmarks.overlap_step`` job in configuration ``name`` (``benchmarks.lm_step``
     with ``lm_step``); its records."""
@@ -43,11 +44,13 @@ def run_config(
     program = [sys.executable, "-m", "benchmarks.overlap_step", "--cases", cases]
     program += ["--repeats", str(repeats), *(["--peers"] if peers else [])]
     program += ["--rma"] if rma else []
+    program += ["--meetings"] if meetings else []
     uptime, load = load_average()
     with tempfile.TemporaryDirectory() as scratch:
         if lm_step:  # its tables are printed; its files stay in the scratch folder
             program = [sys.executable, "-m", "benchmarks.lm_step", "--repeats", str(repeats)]
             program += ["--out", scratch, "--json", str(Path(scratch) / "lm_step.json")]
+            program += ["--meetings"] if meetings else []
         command, env = job_command(config, program, hosts, Path(scratch))
         if name == "shm3_112":
             at = command.index("-n") + 2
@@ -85,6 +88,9 @@ def main(argv=None) -> int:
     parser.add_argument("--peers", action="store_true", help="also time JAX's own DP step")
     parser.add_argument("--rma", action="store_true", help="also time OSMM_TRANSPORT=rma")
     parser.add_argument(
+        "--meetings", action="store_true", help="also time the floor with a meeting per layer"
+    )
+    parser.add_argument(
         "--lm-step", action="store_true", help="run benchmarks.lm_step instead (--cases ignored)"
     )
     args = parser.parse_args(argv)
@@ -99,7 +105,14 @@ def main(argv=None) -> int:
         hosts = stack.enter_context(netns.emulated_hosts(max(tcp))) if tcp else None
         for name in names:
             records += run_config(
-                name, args.cases, args.repeats, hosts, args.peers, args.rma, args.lm_step
+                name,
+                args.cases,
+                args.repeats,
+                hosts,
+                args.peers,
+                args.rma,
+                args.lm_step,
+                args.meetings,
             )
     if args.json:
         path = Path(args.json)

@@ -12,7 +12,10 @@ when it is computed and is waited for only by that layer's update), ``in place``
 mpi4jax baseline, one all-reduce per layer), ``floor`` (the same step with local products
 only, no communication), with ``--rma`` ``deferred rma`` and ``in place rma`` (the same with
 ``OSMM_TRANSPORT=rma``: the default, ``auto``, moves partials as two-sided messages where the
-ranks span several hosts) and, with ``--peers``, ``jax NamedSharding`` (JAX's own
+ranks span several hosts), with ``--meetings`` ``floor + meetings`` and ``floor + allreduce
+meetings`` (the floor with, in each layer's backward, one meeting of every rank: a sum of one
+element by a notified product in place, or by the all-reduce method; what synchronising the
+ranks costs without the bytes) and, with ``--peers``, ``jax NamedSharding`` (JAX's own
 data-parallel step of the same model on the same ranks: the batch sharded over one device per
 process, parameters replicated, the gradient all-reduce XLA inserts running over gloo; the
 batch rounded down to a multiple of the rank count, which JAX's even sharding needs).
@@ -60,14 +63,42 @@ def deferral(on: bool, transport: str = "auto"):
                 os.environ[key] = value
 
 
-def mlp_step(method: str | None, width: int, rows_total: int):
+def rendezvous(method: str):
+    """An identity whose gradient meets every rank once: the cotangent passes unchanged, after a
+    sum over the ranks of one element of it (a K-split product of 1 x P by P x 1 with
+    ``method``, in place), so that the backward pass waits, at that point, for every rank to
+    reach it. The same synchronisation as a layer's gradient sum, without its bytes."""
+    plan = om.plan(
+        om.Layout.cols((1, SIZE)), om.Layout.rows((SIZE, 1)), om.Layout.replicated((1, 1))
+    )
+
+    @jax.custom_vjp
+    def meet(x):
+        return x
+
+    def forward(x):
+        return x, None
+
+    def backward(_, cotangent):
+        one = cotangent.reshape(-1)[:1].reshape(1, 1)
+        summed = om.matmul(one, jnp.ones((1, 1), one.dtype), plan, method=method)
+        return (cotangent + 0.0 * summed,)  # x * 0.0 is not folded for floats
+
+    meet.defvjp(forward, backward)
+    return meet
+
+
+def mlp_step(method: str | None, width: int, rows_total: int, meet: str | None = None):
     """A jitted SGD step of the 4-layer MLP and its arguments; ``method=None``: local
-    products (``flax.linen.Dense``), the floor."""
+    products (``flax.linen.Dense``), the floor. ``meet``: with ``method=None``, every layer's
+    input goes through :func:`rendezvous` with that method: the floor plus one meeting of the
+    ranks per layer in the backward pass, where the layers' gradient sums would be."""
     import flax.linen as nn
 
     from osmm_jax.flax import Dense, value_and_grad
 
     rows = om.split_sizes(rows_total, SIZE)
+    meeting = rendezvous(meet) if meet else (lambda x: x)
 
     def layer():
         if method is None:
@@ -78,8 +109,8 @@ def mlp_step(method: str | None, width: int, rows_total: int):
         @nn.compact
         def __call__(self, x):
             for _ in range(3):
-                x = jnp.tanh(layer()(x))
-            return layer()(x)
+                x = jnp.tanh(layer()(meeting(x)))
+            return layer()(meeting(x))
 
     model = MLP()
     rng = np.random.default_rng(RANK)
@@ -137,7 +168,9 @@ def jax_peer_step(width: int, rows_total: int):
     return step, (params, x, y)
 
 
-def entries(width: int, rows: int, peers: bool = False, rma: bool = False) -> dict:
+def entries(
+    width: int, rows: int, peers: bool = False, rma: bool = False, meetings: bool = False
+) -> dict:
     fns = {}
     settings = [("deferred", True, "auto"), ("in place", False, "auto")]
     if rma:
@@ -149,18 +182,24 @@ def entries(width: int, rows: int, peers: bool = False, rma: bool = False) -> di
         fns[name] = (step, args)
     fns["allreduce"] = mlp_step("allreduce", width, rows)
     fns["floor"] = mlp_step(None, width, rows)
+    if meetings:
+        with deferral(False):
+            fns["floor + meetings"] = mlp_step(None, width, rows, meet="one_sided")
+        fns["floor + allreduce meetings"] = mlp_step(None, width, rows, meet="allreduce")
     if peers:
         fns["jax NamedSharding"] = jax_peer_step(width, rows)
     return fns
 
 
-def run(case: str, repeats: int, peers: bool = False, rma: bool = False) -> dict:
+def run(
+    case: str, repeats: int, peers: bool = False, rma: bool = False, meetings: bool = False
+) -> dict:
     kind, *sizes = case.split(":")
     if kind != "mlp":
         raise SystemExit(f"unknown case {case!r}")
     width = int(sizes[0]) if sizes else 256
     rows = int(sizes[1]) if len(sizes) > 1 else 512
-    fns = entries(width, rows, peers, rma)
+    fns = entries(width, rows, peers, rma, meetings)
     before = om.stats()["deferred_reduces"]
     times = common.interleaved_times(fns, repeats)
     deferred = om.stats()["deferred_reduces"] - before
@@ -183,6 +222,9 @@ def run(case: str, repeats: int, peers: bool = False, rma: bool = False) -> dict
     if rma:
         record["deferred_vs_deferred_rma"] = seconds["deferred rma"] / seconds["deferred"]
         record["in_place_vs_in_place_rma"] = seconds["in place rma"] / seconds["in place"]
+    if meetings:
+        for name in ("floor + meetings", "floor + allreduce meetings"):
+            record[f"{name} over floor (s)"] = seconds[name] - seconds["floor"]
     if peers:
         record["jax_vs_deferred"] = seconds["jax NamedSharding"] / seconds["deferred"]
         record["jax_vs_in_place"] = seconds["jax NamedSharding"] / seconds["in place"]
@@ -215,11 +257,16 @@ def main(argv=None) -> None:
         action="store_true",
         help="also time both steps with OSMM_TRANSPORT=rma (the default picks messages across hosts)",
     )
+    parser.add_argument(
+        "--meetings",
+        action="store_true",
+        help="also time the floor with one meeting of the ranks per layer (no bytes summed)",
+    )
     args = parser.parse_args(argv)
     if args.peers:
         common.init_jax_distributed()  # before any computation
     for case in args.cases.split(","):
-        record = run(case, args.repeats, args.peers, args.rma)
+        record = run(case, args.repeats, args.peers, args.rma, args.meetings)
         common.print_table(record, baseline="allreduce")
         if RANK == 0:
             print(json.dumps({k: v for k, v in record.items() if k != "entries"}))

@@ -171,7 +171,8 @@ def test_the_gpu_staging_benchmark_runs_on_any_platform():
 def test_the_lm_step_benchmark_runs_and_writes_its_results(tmp_path):
     """lm_step at a tiny size on 2 ranks (one per core: its ten steps' compilations dominate,
     and 3 oversubscribed ranks took 4 minutes): every step is timed, its first loss agreed
-    with one process's, the aggregate limit is measured, and the table and plot are written.
+    with one process's (the fused step with a meeting per layer too), the aggregate limit is
+    measured, and the table and plot are written.
     Its model is built of osmm_jax.flax layers (flax >= 0.12)."""
     pytest.importorskip("osmm_jax.flax", exc_type=ImportError)
     raw = tmp_path / "lm_step.json"
@@ -180,6 +181,7 @@ def test_the_lm_step_benchmark_runs_and_writes_its_results(tmp_path):
         "benchmarks.lm_step",
         *("--batch", "6", "--context", "8", "--d", "16", "--heads", "4", "--layers", "1"),
         *("--chars", "4000", "--repeats", "1", "--out", str(tmp_path), "--json", str(raw)),
+        "--meetings",
     )
     (record,) = json.loads(raw.read_text())
     names = [e["name"] for e in record["entries"]]
@@ -196,7 +198,9 @@ def test_the_lm_step_benchmark_runs_and_writes_its_results(tmp_path):
         "no-communication floor (speed-weighted rows)",
         "no-communication floor (even rows)",
         "no-communication floor (TP shards)",
+        "no-communication floor (TP shards, sequences between the pairs)",
         "one process, whole batch (every rank at once)",
+        "osmm DP fused, a meeting of the ranks per dense layer (--meetings)",
     ], out
     assert all(e["seconds"] > 0 and e["tokens_per_s"] > 0 for e in record["entries"])
     assert len(record["alone_seconds_per_rank"]) == 2
@@ -209,6 +213,7 @@ def test_the_lm_step_benchmark_runs_and_writes_its_results(tmp_path):
         "tp_over_limit",
         "sp_over_limit",
         "tp_floor_over_limit",
+        "sp_floor_over_limit",
         "even_allreduce_over_layers",
         "layers_over_limit",
         "even_floor_over_floor",
@@ -219,6 +224,33 @@ def test_the_lm_step_benchmark_runs_and_writes_its_results(tmp_path):
     for part in ("load average", "aggregate limit", "speed-weighted DP ÷ aggregate limit"):
         assert part in text, text
     assert (tmp_path / "lm_step.png").stat().st_size > 1000
+
+
+def test_the_overlap_step_benchmark_times_every_entry_and_the_meetings(tmp_path):
+    """overlap_step's MLP step at a tiny size on 2 ranks: deferred, in place, the all-reduce
+    method, the floor, and the floor with a meeting of the ranks per layer (both methods);
+    every entry timed, and the meetings' cost over the floor recorded."""
+    pytest.importorskip("osmm_jax.flax", exc_type=ImportError)
+    raw = tmp_path / "overlap.json"
+    _mpirun(
+        2,
+        "benchmarks.overlap_step",
+        *("--cases", "mlp:16:8", "--repeats", "1", "--meetings", "--json", str(raw)),
+    )
+    (record,) = json.loads(raw.read_text())
+    names = [e["name"] for e in record["entries"]]
+    assert names == [
+        "deferred",
+        "in place",
+        "allreduce",
+        "floor",
+        "floor + meetings",
+        "floor + allreduce meetings",
+    ]
+    assert all(e["seconds"] > 0 for e in record["entries"])
+    seconds = {e["name"]: e["seconds"] for e in record["entries"]}
+    for name in ("floor + meetings", "floor + allreduce meetings"):
+        assert record[f"{name} over floor (s)"] == pytest.approx(seconds[name] - seconds["floor"])
 
 
 def test_the_planner_scaling_benchmark_times_one_rank_and_writes_its_results(tmp_path):
