@@ -132,10 +132,15 @@ def _reports(path: Path) -> dict[tuple[str, str], dict]:
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("exchange")
-    result = _run_job(tmp_path)
-    reports = [_reports(tmp_path / f"reports-{rank}.jsonl") for rank in (0, 1)]
+def job_folder(tmp_path_factory) -> Path:
+    """Where the job runs: its tests, its ranks' reports and logs."""
+    return tmp_path_factory.mktemp("exchange")
+
+
+@pytest.fixture(scope="module")
+def job(job_folder):
+    result = _run_job(job_folder)
+    reports = [_reports(job_folder / f"reports-{rank}.jsonl") for rank in (0, 1)]
     return result, reports
 
 
@@ -206,3 +211,16 @@ def test_the_tests_that_follow_run_in_step_and_pass_and_the_job_fails(job):
     summary = result.stdout.strip().splitlines()[-1]
     for count in ("1 failed", "5 passed", "1 skipped", "2 errors"):
         assert count in summary, result.stdout
+
+
+def test_rank_1_writes_its_report_to_its_log_and_rank_0_prints_its_own(job, job_folder):
+    """tests/mpi/run.py: rank 0 prints pytest's report; rank 1's goes to
+    build/mpi-logs/rank1.log in the job's folder (where a rank that dies alone leaves its last
+    words), and no log stands for rank 0."""
+    result, _ = job
+    logs = job_folder / "build" / "mpi-logs"
+    assert "==== MPI tests on 2 rank(s) ====" in result.stdout
+    assert not (logs / "rank0.log").exists()
+    summary = (logs / "rank1.log").read_text().strip().splitlines()[-1]
+    for count in ("1 failed", "5 passed"):
+        assert count in summary, summary
