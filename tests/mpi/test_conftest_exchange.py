@@ -118,7 +118,7 @@ def _run_job(tmp_path: Path) -> subprocess.CompletedProcess:
     cases.mkdir()
     (cases / "conftest.py").write_text(RECORDER)
     (cases / "test_cases.py").write_text(CASES)
-    env = job_environment()
+    env = job_environment(drop=("OSMM_TEST_LOG_DIR",))  # its logs go under its own folder
     args = [*mpiexec(2), sys.executable, str(HERE / "run.py"), "cases", "-q"]
     args += ["-p", "no:cacheprovider", "--timeout=20", "--timeout-method=thread"]
     return subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=90)
