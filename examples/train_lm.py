@@ -150,7 +150,8 @@ class Layers:
     ``column`` / ``row`` are the halves of a tensor-parallel pair (with their
     ``sizes``); ``other`` is any other dense layer (the output projection).
     ``batch_sizes`` (``tp`` only): sequences per rank between the pairs
-    (sequence parallelism).
+    (sequence parallelism); ``keep_fetched``: the column layers keep the
+    sequences they gathered in the forward pass for the backward pass.
     """
 
     def __init__(
@@ -162,8 +163,10 @@ class Layers:
         mlp_sizes=None,
         method=None,
         batch_sizes=None,
+        keep_fetched=False,
     ):
         self.mode = mode
+        self.keep_fetched = keep_fetched
         self.row_sizes, self.method = row_sizes, method
         self.head_sizes, self.mlp_sizes = head_sizes, mlp_sizes
         self.batch_sizes = batch_sizes
@@ -172,6 +175,7 @@ class Layers:
         if self.mode == "dp":
             return Linear(n_in, n_out, row_sizes=self.row_sizes, method=self.method, rngs=rngs)
         tp = {"sizes": sizes, "method": self.method, "batch_sizes": self.batch_sizes}
+        tp["keep_fetched"] = self.keep_fetched
         if self.mode == "tp" and kind == "column":
             return ColumnParallelLinear(n_in, n_out, **tp, rngs=rngs)
         if self.mode == "tp" and kind == "row":

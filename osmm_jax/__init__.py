@@ -70,8 +70,8 @@ _PUBLIC = {
     "write_metrics": "osmm_jax._src.runtime.metrics",
     "METHODS": "osmm_jax._src.config",
     "matmul": "osmm_jax._src.runtime.matmul",
-    "rma_bytes": "osmm_jax._src.runtime.matmul",
-    "memory_bytes": "osmm_jax._src.runtime.matmul",
+    "rma_bytes": "osmm_jax._src.runtime.prediction",
+    "memory_bytes": "osmm_jax._src.runtime.prediction",
     "PeakMemory": "osmm_jax._src.planning.memory",
 }
 
@@ -144,8 +144,9 @@ if TYPE_CHECKING:
     from osmm_jax._src.planning.work import Work, three_d_layouts
     from osmm_jax._src.runtime.api import gather, memory_budgets, plan, stats
     from osmm_jax._src.runtime.checksum import ChecksumError
-    from osmm_jax._src.runtime.matmul import matmul, memory_bytes, rma_bytes
+    from osmm_jax._src.runtime.matmul import matmul
     from osmm_jax._src.runtime.metrics import start_metrics, write_metrics
+    from osmm_jax._src.runtime.prediction import memory_bytes, rma_bytes
     from osmm_jax._src.runtime.watchdog import WatchdogTimeout, timeout
     from osmm_jax._src.tuning.fallback import MethodSelector
     from osmm_jax._src.tuning.rebalance import Rebalancer

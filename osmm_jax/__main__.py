@@ -2,6 +2,6 @@
 the thread level, which native handlers loaded and why one did not, devices, transport hints,
 the OSMM_* settings). See README, "Troubleshooting"."""
 
-from osmm_jax._src.runtime.environment import report
+from osmm_jax._src.environment import report
 
 print(report())

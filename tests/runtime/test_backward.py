@@ -109,3 +109,66 @@ def test_a_fetch_that_leaves_pieces_out_lays_out_the_rest_from_zero():
         piece = pieces[(t.matrix, t.rows, t.cols)]
         assert piece.ravel()[0] == start and piece.size == t.elements
         start += t.elements
+
+
+# -- the forward product's fetch, kept (keep_fetched) --------------------------------------
+
+
+def _sequence_parallel(p=3):
+    """A sequence-parallel column layer: rows of A uneven, B and C by columns."""
+    return Plan(
+        Layout.rows((14, 9), sizes=[2, 4, 8][:p]),
+        Layout.cols((9, 12), weights=[1.0, 1.0, 2.0][:p]),
+        Layout.cols((14, 12), weights=[1.0, 1.0, 2.0][:p]),
+    )
+
+
+def test_kept_pieces_lie_transposed_within_what_the_forward_product_fetched():
+    plan = _sequence_parallel()
+    how = backward.reuse(plan, NOTIFY, True, True)
+    assert how == backward.Reuse(True, frozenset({"dA", "dB"}))
+    for rank in range(3):
+        fwd = plan.for_rank(rank).gets
+        for product, matrix in (("dA", "B"), ("dB", "A")):
+            for t in backward.kept_on(plan, rank, product):
+                assert t.matrix == matrix
+                if t.origin == rank:  # a piece this rank gets: one the forward product got
+                    assert any(
+                        f.matrix == matrix
+                        and f.target == t.target
+                        and f.rows[0] <= t.cols[0] <= t.cols[1] <= f.rows[1]
+                        and f.cols[0] <= t.rows[0] <= t.rows[1] <= f.cols[1]
+                        for f in fwd
+                    )
+    # Every piece of B.T and A.T the backward products get was fetched forward: those
+    # rounds run on no rank, and what is left of dB's fetch is dC's, taken from dA's.
+    assert backward.skipped(plan, "dA", how) >= {"B"}
+    assert backward.skipped(plan, "dB", how) == {"A", "B"}
+    assert backward.skipped(plan, "dB", backward.Reuse(True)) == {"B"}
+
+
+def test_keep_fetched_moves_fewer_bytes_and_counts_what_it_keeps():
+    plan = _sequence_parallel()
+    for sync in ("notify", "fence"):
+        kept = om.rma_bytes(plan, 4, 4, direction="backward", sync=sync, keep_fetched=True)
+        again = om.rma_bytes(plan, 4, 4, direction="backward", sync=sync)
+        assert all(k <= a for k, a in zip(kept, again)) and sum(kept) < sum(again)
+    for rank in range(3):
+        how = backward.reuse(plan, NOTIFY, True, True)
+        elements = backward.kept_elements(plan, rank, how)
+        gets = sum(t.elements for t in plan.gets_by(rank))
+        assert elements == (
+            gets
+            if any(t.origin == rank for p in ("dA", "dB") for t in backward.kept_on(plan, rank, p))
+            else 0
+        )
+        peak = om.memory_bytes(plan, rank, direction="backward", sync="notify", keep_fetched=True)
+        assert peak.total >= elements * 4
+    with pytest.raises(TypeError, match="keep_fetched must be True or False"):
+        om.rma_bytes(plan, direction="backward", keep_fetched=1)
+
+
+def test_nothing_is_kept_without_keep_fetched_or_a_forward_fetch():
+    assert backward.reuse(_sequence_parallel(), NOTIFY, True, False).keep == frozenset()
+    plan = _k_split()  # the forward product fetches nothing: a K-split delivers partials
+    assert backward.reuse(plan, NOTIFY, True, True).keep == frozenset()

@@ -74,6 +74,7 @@ class _TensorParallelDense(nn.Dense):
     comm: Any = None
     method: str | None = None
     batch_sizes: Sequence[int] | None = None
+    keep_fetched: bool = False
 
     _split = "column"
 
@@ -131,6 +132,11 @@ class ColumnParallelDense(_TensorParallelDense):
             (sequence parallelism): then each rank gives its own entries,
             ``(batch_sizes[rank], ..., in_features)``, and gets every entry of
             its features, ``(sum(batch_sizes), ..., sizes[rank])``.
+        keep_fetched: with ``batch_sizes``, keep the entries (and kernel columns)
+            this rank gathered in the forward pass for the backward pass instead
+            of gathering them again (``osmm_jax.matmul``'s ``keep_fetched``): one
+            round of communication less per step, for their memory between the
+            passes. Default False, as Megatron-LM's sequence parallelism.
 
     The input's gradient is the whole gradient (summed over every rank's
     columns), the same on every rank (with ``batch_sizes``: this rank's
@@ -154,7 +160,7 @@ class RowParallelDense(_TensorParallelDense):
     Attributes (beyond the stock ones):
         sizes: input features (kernel rows) per rank, in rank order; their sum
             is the layer's ``in_features``. Required, keyword-only.
-        comm, method: as for :class:`ColumnParallelDense`.
+        comm, method, keep_fetched: as for :class:`ColumnParallelDense`.
         batch_sizes: None, or the output's first-dimension entries per rank
             (sequence parallelism): then the input holds every entry,
             ``(sum(batch_sizes), ..., sizes[rank])``, and each rank gets its own
@@ -182,6 +188,7 @@ def _product(module: _TensorParallelDense) -> TensorParallelDot:
         method=module.method,
         name=_name(module),
         batch_sizes=module.batch_sizes,
+        keep_fetched=module.keep_fetched,
     )
 
 

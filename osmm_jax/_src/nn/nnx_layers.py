@@ -97,12 +97,19 @@ class _TensorParallelLinear(nnx.Linear):
         comm=None,
         method: str | None = None,
         batch_sizes: Sequence[int] | None = None,
+        keep_fetched: bool = False,
         **kwargs,
     ):
         name = f"osmm_jax.flax.{type(self).__name__}"
         _refuse_dot_general(name, kwargs)
         dot = TensorParallelDot(
-            self._split, sizes, comm=comm, method=method, name=name, batch_sizes=batch_sizes
+            self._split,
+            sizes,
+            comm=comm,
+            method=method,
+            name=name,
+            batch_sizes=batch_sizes,
+            keep_fetched=keep_fetched,
         )
         checked, rank, _ = dot.check(
             in_features, out_features, use_bias=kwargs.get("use_bias", True)
@@ -162,6 +169,8 @@ class ColumnParallelLinear(_TensorParallelLinear):
         batch_sizes: None, or the activations' first-dimension entries per
             rank (sequence parallelism; see :class:`ColumnParallelDense` and
             :class:`RowParallelDense` for the shapes).
+        keep_fetched: with ``batch_sizes``, keep what this rank gathered in the
+            forward pass for the backward pass (see :class:`ColumnParallelDense`).
         **kwargs: ``nnx.Linear``'s other keyword arguments (``rngs``,
             ``use_bias``, ``dtype``, ``param_dtype``, ``kernel_init``,
             ``bias_init``, ...); not ``dot_general``.
@@ -183,7 +192,8 @@ class RowParallelLinear(_TensorParallelLinear):
         in_features, out_features: the whole layer's, as for ``nnx.Linear``.
         sizes: input features (kernel rows) per rank, in rank order, summing
             to ``in_features``; uneven, possibly 0.
-        comm, method, batch_sizes, **kwargs: as for :class:`ColumnParallelLinear`.
+        comm, method, batch_sizes, keep_fetched, **kwargs: as for
+            :class:`ColumnParallelLinear`.
 
     Rank ``r`` stores ``kernel`` ``(sizes[r], out_features)`` (its rows of the
     stock kernel) and the whole ``bias``, added once after the sum. Call with

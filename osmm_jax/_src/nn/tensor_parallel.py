@@ -273,11 +273,24 @@ class TensorParallelDot:
             columns (the rows are gathered), a row-parallel one takes every
             entry of its features and gives this rank's entries of the sum
             (the partials are reduce-scattered).
+        keep_fetched: for :func:`osmm_jax.matmul` (one_sided): the pieces the forward
+            product fetched (a sequence-parallel column layer's gathered rows) are kept for
+            the backward products instead of fetched again.
     """
 
-    __slots__ = ("split", "sizes", "comm", "method", "name", "batch_sizes")
+    __slots__ = ("split", "sizes", "comm", "method", "name", "batch_sizes", "keep_fetched")
 
-    def __init__(self, split, sizes, *, comm=None, method=None, name=None, batch_sizes=None):
+    def __init__(
+        self,
+        split,
+        sizes,
+        *,
+        comm=None,
+        method=None,
+        name=None,
+        batch_sizes=None,
+        keep_fetched=False,
+    ):
         if not isinstance(sizes, (str, bytes)) and hasattr(sizes, "__iter__"):
             sizes = tuple(sizes)  # anything else is reported, by all ranks, when it is used
         if not isinstance(batch_sizes, (str, bytes)) and hasattr(batch_sizes, "__iter__"):
@@ -288,6 +301,7 @@ class TensorParallelDot:
         self.comm = comm
         self.method = method
         self.name = name or f"osmm_jax.flax ({split}-parallel)"
+        self.keep_fetched = keep_fetched
 
     def replace(self, **changes) -> TensorParallelDot:
         """A copy with some of the arguments changed."""
@@ -297,7 +311,8 @@ class TensorParallelDot:
 
     def _key(self):
         comm = None if self.comm is None else getattr(self.comm, "handle", id(self.comm))
-        return (self.split, repr(self.sizes), comm, self.method, self.name, repr(self.batch_sizes))
+        sizes, batch = repr(self.sizes), repr(self.batch_sizes)
+        return (self.split, sizes, comm, self.method, self.name, batch, repr(self.keep_fetched))
 
     def __eq__(self, other):
         return isinstance(other, TensorParallelDot) and self._key() == other._key()
@@ -430,7 +445,8 @@ class TensorParallelDot:
             out_lead = lead
             if self.batch_sizes is not None:
                 out_lead = (self.batch_sizes[private.Get_rank()], *lead[1:])
-        y = matmul(x, kernel, plan(a, b, c, comm=private), method=self.method)
+        p = plan(a, b, c, comm=private)
+        y = matmul(x, kernel, p, method=self.method, keep_fetched=self.keep_fetched)
         return jnp.reshape(y, out_lead + (y.shape[1],))
 
 

@@ -1,4 +1,4 @@
-"""The two backward products of a one_sided product, fetching C's cotangent once between them.
+"""The two backward products of a one_sided product, fetching what they share once.
 
 ``dA = dC @ B.T`` and ``dB = A.T @ dC`` (:func:`~osmm_jax._src.planning.plan.backward_plans`)
 often need the same pieces of the cotangent ``dC`` from the same ranks: a K-split product
@@ -11,16 +11,24 @@ So where both products fetch (:func:`shares_cotangent`), dA's product keeps its 
 buffer for dB's, and dB's fetch leaves out every piece of ``dC`` that lies within a piece dA's
 product fetched between the same two ranks (:func:`taken_on`): the owner and the getter each
 see that from their own part of the plans, so they leave out the same pieces without a word.
-Where that leaves dB's product nothing to fetch on any rank (:func:`fetches_nothing`, the
-K-split), it runs no fetch at all. A fetch round must be run by every rank or by none: that is
-decided from the plans' agreed facts, and the last from what every rank said of its own part
-when :func:`osmm_jax.matmul` agreed on the plan (:func:`adopt`), else from every rank's part.
+
+With ``keep_fetched`` (:func:`osmm_jax.matmul`), the forward product's fetched buffers are kept
+until the backward pass as well, and dA's product takes the pieces of ``B.T`` that lie,
+transposed, within a piece of ``B`` the forward product fetched between the same two ranks, dB's
+those of ``A.T`` (:func:`kept_on`): a sequence-parallel column layer's weight gradient then
+fetches neither its input's rows nor its kernel's columns again.
+
+A round of a fetch (one matrix's pieces, :func:`~.fetch.rounds`) runs on every rank or on
+none: it is left out where no rank has a piece of its matrices left to get (:func:`skipped`),
+decided from what every rank said of its own part when :func:`osmm_jax.matmul` agreed on the
+plan (:func:`adopt`), else from every rank's part.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
+from typing import NamedTuple
 
 import jax.numpy as jnp
 
@@ -31,7 +39,11 @@ from osmm_jax._src.planning.totals import per_rank_totals
 from osmm_jax._src.runtime import fetch, one_sided
 from osmm_jax._src.runtime.slots import Sync, executed_plan
 
-# Plan -> whether every rank said covered_on; dropped with the plan (a Rebalancer makes many).
+PRODUCTS = ("dA", "dB")
+_OPERAND = {"dA": "B", "dB": "A"}  # the forward matrix whose transpose each one multiplies
+
+# Plan -> {(product, Reuse): the matrices no rank has left to fetch}; dropped with the plan (a
+# Rebalancer makes many).
 _agreed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -49,7 +61,7 @@ def taken_on(plan: Plan, rank: int) -> frozenset:
     """The pieces of ``dC`` that dB's product of ``plan`` leaves out of its fetch on ``rank``
     (those it gets and those it serves, as Transfers of dB's plan): each lies within a piece
     of ``dC`` that dA's product gets from the same owner for the same getter. Cached: every
-    product's agreement asks (:func:`covered_on`)."""
+    product's agreement asks (:func:`reuse_facts`)."""
     plan_da, plan_db = backward_plans(plan)
     mine_da, mine_db = plan_da.for_rank(rank), plan_db.for_rank(rank)
     held: dict[tuple[int, int], list] = {}
@@ -72,86 +84,275 @@ def _takes_on(plan: Plan, rank: int) -> bool:
     return any(t.origin == rank for t in taken_on(plan, rank))
 
 
-def covered_on(plan: Plan, rank: int) -> bool:
-    """Whether dB's product of ``plan`` takes every piece ``rank`` gets from dA's fetch (reads
-    ``rank``'s part of the backward plans only)."""
-    taken = taken_on(plan, rank)
-    return all(t in taken for t in backward_plans(plan)[1].gets_by(rank))
+def _backward_plan(plan: Plan, product: str) -> Plan:
+    return backward_plans(plan)[PRODUCTS.index(product)]
 
 
-def adopt(plan: Plan, covered: list[bool]) -> None:
-    """Record every rank's :func:`covered_on` (in rank order) for ``plan``."""
-    _agreed[plan] = all(covered)
+@functools.lru_cache(maxsize=1024)
+def kept_on(plan: Plan, rank: int, product: str) -> frozenset:
+    """The pieces of ``product``'s (``"dA"`` or ``"dB"``) transposed operand (``B.T``, its
+    "B"; ``A.T``, its "A") that it takes on ``rank`` from the forward product's fetch (those it
+    gets and those it serves, as Transfers of its plan): each lies, transposed, within a piece
+    of that matrix the forward product fetched between the same owner and getter."""
+    matrix = _OPERAND[product]
+    mine_fwd, mine = plan.for_rank(rank), _backward_plan(plan, product).for_rank(rank)
+    held: dict[tuple[int, int], list] = {}
+    for t in (*mine_fwd.gets, *mine_fwd.served):
+        if t.matrix == matrix:
+            held.setdefault((t.origin, t.target), []).append((t.cols, t.rows))
+    return frozenset(
+        t
+        for t in (*mine.gets, *mine.served)
+        if t.matrix == matrix
+        and any(
+            rectangle_within(t.rows, t.cols, *outer) for outer in held.get((t.origin, t.target), ())
+        )
+    )
+
+
+class Reuse(NamedTuple):
+    """What the backward products of one product take instead of fetching (the same on every
+    rank): ``share``, dB takes dC's pieces from dA's fetch; ``keep``, the products (``"dA"``,
+    ``"dB"``) that take their transposed operand's pieces from the forward product's fetch."""
+
+    share: bool = False
+    keep: frozenset = frozenset()
+
+
+NONE = Reuse()
+
+
+def reuse(plan: Plan, sync: Sync, share: bool, keep_fetched: bool, needed=("dA", "dB")) -> Reuse:
+    """What the backward products of ``plan`` (run one_sided with ``sync``) of those
+    ``needed`` take: dB dC's pieces from dA's fetch where ``share`` (both run and have one
+    dtype) and :func:`shares_cotangent`; with ``keep_fetched``, each needed product run as
+    itself the pieces of its transposed operand from the forward product's fetch, where the
+    forward product runs as itself and fetches."""
+    keep = frozenset()
+    if keep_fetched and executed_plan(plan, sync) is plan and plan.has_gets:
+        keep = frozenset(
+            p
+            for p in needed
+            if executed_plan(_backward_plan(plan, p), sync) is _backward_plan(plan, p)
+        )
+    return Reuse(share and shares_cotangent(plan, sync), keep)
+
+
+def taken(plan: Plan, rank: int, product: str, how: Reuse):
+    """The pieces ``product``'s fetch leaves out on ``rank`` as ``how`` reuses (a set, maybe
+    empty), or None where it reuses nothing (the fetch's call id says which)."""
+    sets = []
+    if product in how.keep:
+        sets.append(kept_on(plan, rank, product))
+    if product == "dB" and how.share:
+        sets.append(taken_on(plan, rank))
+    return frozenset().union(*sets) if sets else None
+
+
+_CONFIGS = (
+    ("dA", Reuse(False, frozenset({"dA"}))),
+    ("dB", Reuse(True, frozenset())),
+    ("dB", Reuse(False, frozenset({"dB"}))),
+    ("dB", Reuse(True, frozenset({"dB"}))),
+)
+
+
+def _config(product: str, how: Reuse) -> tuple:
+    """``(product, how)`` with only what ``product``'s fetch depends on (a :data:`_CONFIGS`
+    entry, or ``NONE``)."""
+    return product, Reuse(how.share and product == "dB", how.keep & {product})
+
+
+def reuse_facts(plan: Plan, rank: int) -> tuple:
+    """What ``rank`` says of its own part of the backward plans when :func:`osmm_jax.matmul`
+    agrees on ``plan``: for each way a product may reuse (:data:`_CONFIGS`), the matrices of
+    which it gets nothing left to fetch."""
+    return tuple(covered(plan, rank, product, how) for product, how in _CONFIGS)
+
+
+def covered(plan: Plan, rank: int, product: str, how: Reuse) -> frozenset:
+    """The matrices (of "A", "B") of which ``product``'s plan leaves ``rank`` no piece to
+    get, its fetch reusing as ``how`` says."""
+    gets = _backward_plan(plan, product).gets_by(rank)
+    out = taken(plan, rank, product, how) or frozenset()
+    return frozenset(m for m in ("A", "B") if all(t in out for t in gets if t.matrix == m))
+
+
+def adopt(plan: Plan, facts: list[tuple]) -> None:
+    """Record every rank's :func:`reuse_facts` (in rank order) for ``plan``."""
+    _agreed[plan] = {
+        key: frozenset.intersection(*(rank_facts[i] for rank_facts in facts))
+        for i, key in enumerate(_CONFIGS)
+    }
+
+
+def skipped(plan: Plan, product: str, how: Reuse) -> frozenset:
+    """The matrices whose fetch round ``product``'s plan runs on no rank, reusing as ``how``
+    says: no rank has a piece of them left to get (agreed by :func:`adopt`, else read from
+    every rank's part of the plans)."""
+    key = _config(product, how)
+    if key[1] == NONE:
+        return frozenset()
+    agreed = _agreed.setdefault(plan, {})
+    if key not in agreed:
+        agreed[key] = frozenset.intersection(
+            *(covered(plan, r, product, how) for r in range(plan.nranks))
+        )
+    return agreed[key]
 
 
 def fetches_nothing(plan: Plan, sync: Sync) -> bool:
     """Whether, the fetch shared (:func:`shares_cotangent`), dB's product has nothing left to
-    fetch on any rank and runs no fetch: :func:`covered_on` holds on every rank (as agreed by
-    :func:`adopt`, else read from every rank's part of the backward plans)."""
+    fetch on any rank and runs no fetch."""
     if not shares_cotangent(plan, sync):
         return False
-    covered = _agreed.get(plan)
-    if covered is None:
-        covered = _agreed[plan] = all(covered_on(plan, r) for r in range(plan.nranks))
-    return covered
+    return skipped(plan, "dB", Reuse(True)) == frozenset({"A", "B"})
 
 
-def taken_bytes(plan: Plan, sync: Sync, input_itemsize: int, accum_itemsize: int) -> tuple:
-    """The bytes per rank that dB's product of ``plan`` no longer issues to fetch (those
-    :func:`taken_on` leaves out): notified, what each owner would have pushed (accumulation
-    dtype); fenced, what each getter would have got (input dtype). 0s unless shared."""
-    if not shares_cotangent(plan, sync):
-        return (0,) * plan.nranks
-    gets = {t for rank in range(plan.nranks) for t in taken_on(plan, rank) if t.origin == rank}
+def taken_bytes(plan: Plan, sync: Sync, input_itemsize: int, accum_itemsize: int, how=None):
+    """The bytes per rank that the backward products of ``plan`` no longer issue to fetch
+    reusing as ``how`` says (default: dB sharing dA's fetch where it can): notified, what each
+    owner would have pushed (accumulation dtype); fenced, what each getter would have got
+    (input dtype)."""
+    how = Reuse(shares_cotangent(plan, sync)) if how is None else how
+    gets = [
+        t
+        for product in PRODUCTS
+        for rank in range(plan.nranks)
+        for t in (taken(plan, rank, product, how) or ())
+        if t.origin == rank
+    ]
     if sync.mode == "notify":
         return per_rank_totals(gets, plan.nranks, "target", lambda t: t.elements * accum_itemsize)
     return per_rank_totals(gets, plan.nranks, "origin", lambda t: t.elements * input_itemsize)
 
 
-def d_a_and_cotangent(plan: Plan, rank: int, d_c, b_t, chunk_bytes: int, sync: Sync):
+def _keeps_on(plan: Plan, rank: int, how: Reuse) -> bool:
+    """Whether a backward product takes, on ``rank``, a piece the forward product got here."""
+    return any(t.origin == rank for p in how.keep for t in kept_on(plan, rank, p))
+
+
+def kept_elements(plan: Plan, rank: int, how: Reuse) -> int:
+    """The elements of the forward product's fetched buffers ``rank`` keeps for the backward
+    products (:func:`forward_keeping`): all it fetched where one of them takes from it."""
+    if not _keeps_on(plan, rank, how):
+        return 0
+    return sum(t.elements for t in plan.gets_by(rank))
+
+
+def forward_keeping(plan: Plan, rank: int, a, b, chunk_bytes: int, sync: Sync, how: Reuse):
+    """``(C block, fetched)``: this rank's block of ``plan``'s product and its fetched buffers
+    (one per round), kept for the backward products :func:`kept_on` says take from them (empty
+    where none takes anything on this rank)."""
+    fetched = _fetched_for(plan, plan, rank, a, b, sync, None, frozenset())
+    lone = fetch.lone_pieces(plan, rank, sync.mode)
+    c = _product(plan, plan, rank, a, b, chunk_bytes, sync, fetched, None, frozenset(), {}, lone)
+    if not _keeps_on(plan, rank, how):
+        fetched = _emptied(fetched)
+    return c, fetched
+
+
+def d_a_product(plan: Plan, rank: int, d_c, b_t, kept, chunk_bytes: int, sync: Sync, how):
     """``(dA block, fetched)``: this rank's block of ``dA = dC @ B.T`` (``d_c``: its block of
-    the cotangent, ``b_t``: of ``B.T``) and its fetched buffers (one per round,
-    :func:`~.slots.fetch_rounds`), which hold the pieces of ``dC`` that :func:`d_b_from_cotangent`
-    takes (empty where it takes none on this rank)."""
-    plan_da, _ = backward_plans(plan)
-    ahead = fetch.runs_ahead(plan_da, rank, sync, _in_accumulation_dtype(d_c))
-    fetched = fetch.fetch_buffer(plan_da, rank, d_c, b_t, sync)
-    pieces = fetch.pieces_in(plan_da, rank, fetched, sync.mode)
-    lone = fetch.lone_pieces(plan_da, rank, sync.mode)
-    d_a = one_sided.forward(plan_da, rank, d_c, b_t, chunk_bytes, sync, pieces, ahead, lone)
-    if not _takes_on(plan, rank):  # hold it no longer than dA's product needs it
-        fetched = tuple(jnp.zeros((0,), buffer.dtype) for buffer in fetched)
+    the cotangent, ``b_t``: of ``B.T``), taking what ``how`` says from the forward product's
+    fetched buffers ``kept``, and its own fetched buffers (one per round), which hold the
+    pieces of ``dC`` that dB's product takes where ``how.share`` (empty where it takes none on
+    this rank)."""
+    plan_da = _backward_plan(plan, "dA")
+    took, skip = taken(plan, rank, "dA", how), skipped(plan, "dA", how)
+    fetched = _fetched_for(plan, plan_da, rank, d_c, b_t, sync, took, skip, _part("dA", how))
+    extra = _transposed(plan, rank, "dA", kept, sync.mode) if "dA" in how.keep else {}
+    lone = lone_pieces(plan, rank, "dA", how, sync.mode)
+    d_a = _product(
+        plan, plan_da, rank, d_c, b_t, chunk_bytes, sync, fetched, took, skip, extra, lone
+    )
+    if not (how.share and _takes_on(plan, rank)):  # hold it no longer than dA needs it
+        fetched = _emptied(fetched)
     return d_a, fetched
 
 
-def d_b_from_cotangent(plan: Plan, rank: int, a_t, d_c, fetched, chunk_bytes: int, sync: Sync):
+def d_b_product(plan: Plan, rank: int, a_t, d_c, kept, from_d_a, chunk_bytes, sync, how):
     """This rank's block of ``dB = A.T @ dC`` (``a_t``: its block of ``A.T``, ``d_c``: of the
-    cotangent), taking the pieces of ``dC`` it can from ``fetched``, the buffer
-    :func:`d_a_and_cotangent` returned (in the dtype of ``d_c``), and fetching the rest."""
+    cotangent), taking what ``how`` says from the forward product's fetched buffers ``kept``
+    and dA's ``from_d_a`` (:func:`d_a_product`'s), and fetching the rest."""
     plan_da, plan_db = backward_plans(plan)
-    taken, pieces = taken_on(plan, rank), {}
-    if not fetches_nothing(plan, sync):
-        own = fetch.fetch_buffer(plan_db, rank, a_t, d_c, sync, taken)
-        pieces = fetch.pieces_in(plan_db, rank, own, sync.mode, taken)
-    if _takes_on(plan, rank):  # dA's pieces of its A operand, dC, are pieces of dB's B operand
+    took, skip = taken(plan, rank, "dB", how), skipped(plan, "dB", how)
+    fetched = _fetched_for(plan, plan_db, rank, a_t, d_c, sync, took, skip, _part("dB", how))
+    extra = _transposed(plan, rank, "dB", kept, sync.mode) if "dB" in how.keep else {}
+    if how.share and _takes_on(plan, rank):  # dA's pieces of its A operand, dC: dB's B
         for (matrix, rows, cols), piece in fetch.pieces_in(
-            plan_da, rank, fetched, sync.mode
+            plan_da,
+            rank,
+            from_d_a,
+            sync.mode,
+            taken(plan, rank, "dA", how),
+            skipped(plan, "dA", how),
         ).items():
             if matrix == "A":
-                pieces.setdefault(("B", rows, cols), piece)
-    # GEMMs grouped as dB's own whole fetch would group them: the bits of two fetches.
-    ahead = fetch.runs_ahead(plan_db, rank, sync, _in_accumulation_dtype(a_t))
-    lone = lone_pieces_of_d_b(plan, rank, sync.mode)
-    return one_sided.forward(plan_db, rank, a_t, d_c, chunk_bytes, sync, pieces, ahead, lone)
+                extra.setdefault(("B", rows, cols), piece)
+    lone = lone_pieces(plan, rank, "dB", how, sync.mode)
+    return _product(
+        plan, plan_db, rank, a_t, d_c, chunk_bytes, sync, fetched, took, skip, extra, lone
+    )
 
 
-def lone_pieces_of_d_b(plan: Plan, rank: int, mode: str) -> frozenset:
-    """The pieces of ``dC`` that dB's product of ``plan`` reads on ``rank`` as a whole buffer
-    (:func:`~.fetch.lone_pieces`), the cotangent's fetch shared: those alone in its own
-    fetch's buffers, and those it takes from dA's that are alone there."""
-    plan_da, plan_db = backward_plans(plan)
-    lone = set(fetch.lone_pieces(plan_db, rank, mode, taken_on(plan, rank)))
-    if _takes_on(plan, rank):
+def _fetched_for(plan, executed, rank, x, y, sync, took, skip, part="part") -> tuple:
+    """``executed``'s own fetched buffers on ``rank`` (none where it fetches nothing);
+    ``part``: which reuse leaves ``took`` out, for the call id."""
+    if not executed.has_gets:
+        return ()
+    return fetch.fetch_buffer(executed, rank, x, y, sync, took, skip, part)
+
+
+def _part(product: str, how: Reuse) -> str:
+    """What ``product``'s fetch leaves out, for its call id: a rank that leaves nothing out
+    under two ways of reusing sends the same records under both, which another rank may not."""
+    _, used = _config(product, how)
+    return "part" + (" kept" if used.keep else "") + (" shared" if used.share else "")
+
+
+def _product(plan, executed, rank, x, y, chunk_bytes, sync, fetched, took, skip, extra, lone):
+    """``executed``'s block on ``rank`` from its own ``fetched`` buffers and the pieces
+    ``extra`` another product fetched (``lone``: those that are a whole buffer), its GEMMs
+    grouped as its own whole fetch would group them (ahead or not: the same bits)."""
+    if not executed.has_gets:
+        return one_sided.forward(executed, rank, x, y, chunk_bytes, sync)
+    pieces = {**fetch.pieces_in(executed, rank, fetched, sync.mode, took, skip)}
+    for key, piece in extra.items():
+        pieces.setdefault(key, piece)
+    ahead = fetch.runs_ahead(executed, rank, sync, _in_accumulation_dtype(x))
+    return one_sided.forward(executed, rank, x, y, chunk_bytes, sync, pieces, ahead, lone)
+
+
+def _transposed(plan: Plan, rank: int, product: str, kept: tuple, mode: str) -> dict:
+    """The forward product's fetched pieces of ``product``'s transposed operand's matrix, as
+    pieces of that operand (transposed, keyed by its rows and columns)."""
+    matrix = _OPERAND[product]
+    if not any(t.origin == rank for t in kept_on(plan, rank, product)):
+        return {}
+    return {
+        (m, cols, rows): piece.T
+        for (m, rows, cols), piece in fetch.pieces_in(plan, rank, kept, mode).items()
+        if m == matrix
+    }
+
+
+def _emptied(fetched: tuple) -> tuple:
+    return tuple(jnp.zeros((0,), buffer.dtype) for buffer in fetched)
+
+
+def lone_pieces(plan: Plan, rank: int, product: str, how: Reuse, mode: str) -> frozenset:
+    """The pieces ``product``'s plan reads on ``rank`` as a whole buffer
+    (:func:`~.fetch.lone_pieces`), which decide how its GEMMs are grouped: those alone in its
+    own fetch's buffers and, where dB shares dA's fetch, those it takes from dA's that are
+    alone there. Pieces kept from the forward product do not change them: the GEMMs are
+    grouped as without ``keep_fetched``, so the bits are the same."""
+    how = Reuse(how.share)
+    executed = _backward_plan(plan, product)
+    took, skip = taken(plan, rank, product, how), skipped(plan, product, how)
+    lone = set(fetch.lone_pieces(executed, rank, mode, took, skip))
+    if product == "dB" and how.share and _takes_on(plan, rank):
+        plan_da = _backward_plan(plan, "dA")
         lone |= {("B", r, c) for m, r, c in fetch.lone_pieces(plan_da, rank, mode) if m == "A"}
     return frozenset(lone)
 

@@ -73,30 +73,38 @@ def fetch_pieces(plan: Plan, rank: int, a, b, sync: Sync) -> dict:
     return pieces_in(plan, rank, fetch_buffer(plan, rank, a, b, sync), sync.mode)
 
 
-def fetch_buffer(plan: Plan, rank: int, a, b, sync: Sync, taken=None) -> tuple:
-    """The fetched buffers of ``rank``, one per round (:func:`~.slots.fetch_rounds`: every
-    piece it gets of the round's matrices, laid out as the module docstring says), flat, in the
-    input dtype; :func:`pieces_in` cuts them into the pieces.
+def fetch_buffer(
+    plan: Plan, rank: int, a, b, sync: Sync, taken=None, skipped=frozenset(), part="part"
+) -> tuple:
+    """The fetched buffers of ``rank``, one per round (:func:`rounds`: every piece it gets of
+    the round's matrices, laid out as the module docstring says), flat, in the input dtype;
+    :func:`pieces_in` cuts them into the pieces.
 
     ``taken``: None, or the pieces (gets of ``plan``) that another product's fetch brings
     their getters, which this one leaves out on both sides (:mod:`.backward`); a set on every
-    rank, maybe empty on some, since the call id says whether it is given."""
+    rank, maybe empty on some, since the call id says whether it is given; ``part`` names, in
+    the call id, which other fetch takes them (a product may leave out different sets).
+    ``skipped``: the matrices whose round runs on no rank (every rank's gets of them are
+    taken)."""
+    part = None if taken is None else part
     buffers = []
-    for matrices in slots.fetch_rounds(plan, sync.mode):
+    for matrices in rounds(plan, sync.mode, skipped):
         where, total = _layout(plan, rank, taken, matrices)
         if sync.mode == "notify":
-            buffers.append(_pushed_by_owners(plan, rank, a, b, total, sync, taken, matrices))
+            buffers.append(_pushed_by_owners(plan, rank, a, b, total, sync, taken, matrices, part))
         else:
-            buffers.append(_got_from_owners(plan, rank, a, b, where, total, taken))
+            buffers.append(_got_from_owners(plan, rank, a, b, where, total, taken, part))
     return tuple(buffers)
 
 
-def pieces_in(plan: Plan, rank: int, fetched: tuple, mode: str, taken=None) -> dict:
+def pieces_in(
+    plan: Plan, rank: int, fetched: tuple, mode: str, taken=None, skipped=frozenset()
+) -> dict:
     """The pieces of ``rank``'s fetched buffers ``fetched`` (:func:`fetch_buffer` in
-    synchronisation ``mode``, with the same ``taken``), ``{(matrix, rows, cols): array}``. A
-    piece alone in its buffer is the buffer itself, reshaped (no copy)."""
+    synchronisation ``mode``, with the same ``taken`` and ``skipped``), ``{(matrix, rows,
+    cols): array}``. A piece alone in its buffer is the buffer itself, reshaped (no copy)."""
     pieces = {}
-    for buffer, matrices in zip(fetched, slots.fetch_rounds(plan, mode), strict=True):
+    for buffer, matrices in zip(fetched, rounds(plan, mode, skipped), strict=True):
         shapes, _ = _layout(plan, rank, taken, matrices)
         for (_, matrix, rows, cols), offset in shapes.items():
             piece = buffer[offset : offset + _area(rows, cols)]
@@ -104,16 +112,27 @@ def pieces_in(plan: Plan, rank: int, fetched: tuple, mode: str, taken=None) -> d
     return pieces
 
 
-def lone_pieces(plan: Plan, rank: int, mode: str, taken=None) -> frozenset:
+def lone_pieces(plan: Plan, rank: int, mode: str, taken=None, skipped=frozenset()) -> frozenset:
     """The pieces ``(matrix, rows, cols)`` that ``rank`` gets alone in their round's buffer
     (:func:`pieces_in` returns the buffer itself for them: a GEMM reads them without a copy)."""
     lone = set()
-    for matrices in slots.fetch_rounds(plan, mode):
+    for matrices in rounds(plan, mode, skipped):
         shapes, _ = _layout(plan, rank, taken, matrices)
         if len(shapes) == 1:
             ((_, *key),) = shapes
             lone.add(tuple(key))
     return frozenset(lone)
+
+
+def rounds(plan: Plan, mode: str, skipped=frozenset()) -> tuple[tuple[str, ...], ...]:
+    """The matrices of each round ``plan``'s fetch runs (:func:`~.slots.fetch_rounds`), less
+    the rounds all of whose matrices are in ``skipped`` (none of their pieces moves on any
+    rank: another product's fetch brought them all, :mod:`.backward`)."""
+    return tuple(
+        matrices
+        for matrices in slots.fetch_rounds(plan, mode)
+        if not all(m in skipped for m in matrices)
+    )
 
 
 def _piece_key(t):
@@ -134,9 +153,9 @@ def moved(plan: Plan, rank: int, taken=None, matrices=BOTH) -> tuple[tuple, tupl
     )
 
 
-def _call_id(plan: Plan, *ids, taken=None):
-    """The fetch's call id: one that leaves pieces out says so (another signature)."""
-    return primitives.call_id(plan.fingerprint, "fetch", *ids, *(() if taken is None else ["part"]))
+def _call_id(plan: Plan, *ids, part=None):
+    """The fetch's call id: one that leaves pieces out says which (another signature)."""
+    return primitives.call_id(plan.fingerprint, "fetch", *ids, *(() if part is None else [part]))
 
 
 def _layout(plan: Plan, rank: int, taken=None, matrices=BOTH) -> tuple[dict, int]:
@@ -154,7 +173,7 @@ def _area(rows, cols) -> int:
     return (rows[1] - rows[0]) * (cols[1] - cols[0])
 
 
-def _got_from_owners(plan: Plan, rank: int, a, b, where: dict, total: int, taken):
+def _got_from_owners(plan: Plan, rank: int, a, b, where: dict, total: int, taken, part):
     """Fence mode: MPI_Get of every piece from its owner's exposed block (``osmm_fetch``) to
     its place ``where`` (:func:`_layout`)."""
     itemsize = np.dtype(a.dtype).itemsize
@@ -172,7 +191,7 @@ def _got_from_owners(plan: Plan, rank: int, a, b, where: dict, total: int, taken
         a,
         b,
         comm=plan.comm_key,
-        call_id=_call_id(plan, str(a.dtype), taken=taken),
+        call_id=_call_id(plan, str(a.dtype), part=part),
         window_bytes=b_offset + b_elems * itemsize,
         b_offset=b_offset,
         expose_a=expose_a,
@@ -182,7 +201,7 @@ def _got_from_owners(plan: Plan, rank: int, a, b, where: dict, total: int, taken
     )
 
 
-def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync, taken, matrices):
+def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync, taken, matrices, part):
     """Notified mode, one round (``matrices``): this rank sends every rank that gets from it
     its pieces, and receives its own from their owners (see the module docstring)."""
     acc = dtypes.accumulation_dtype(a.dtype)
@@ -204,7 +223,7 @@ def _pushed_by_owners(plan: Plan, rank: int, a, b, total: int, sync: Sync, taken
     notify = slots.fetch_attribute(plan, itemsize, sync, owners, getters, bases, extents)
     # The input dtype decides whether this rank packs its pieces (its signature): every rank
     # must meet a new signature at the same call, so the call id says which dtype it is.
-    call_id = _call_id(plan, str(a.dtype), str(acc), sync.mode, notify[:3], *matrices, taken=taken)
+    call_id = _call_id(plan, str(a.dtype), str(acc), sync.mode, notify[:3], *matrices, part=part)
     local = jnp.zeros((total,), acc)
     if runs_ahead(plan, rank, sync, a.dtype == acc, taken):
         # Ahead: the finish is a waiter's, and only what reads the pieces waits for it. The

@@ -36,21 +36,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from osmm_jax._src import checks, config, dtypes
+from osmm_jax._src import config, dtypes
 from osmm_jax._src.compat import HAVE_MPI4JAX
-from osmm_jax._src.planning.memory import PeakMemory, allreduce_transient, one_sided_transient
 from osmm_jax._src.planning.plan import Plan, backward_plans
 from osmm_jax._src.planning.records import combine_facts
-from osmm_jax._src.planning.totals import block_area
 from osmm_jax._src.runtime import (
     allreduce,
     backward,
     checksum,
     communicators,
-    fetch,
     metrics,
     one_sided,
-    slots,
     watchdog,
 )
 
@@ -65,6 +61,7 @@ class _Options(NamedTuple):
     chunk_bytes: int  # one_sided: overlap sends with GEMMs in chunks of this size; 0 = off
     sync: one_sided.Sync  # one_sided: how the partials are synchronised
     defer_weight_grads: bool | None = False  # one_sided: dB deferred? None: by comm (DEFER)
+    keep_fetched: bool = False  # one_sided: the forward's fetched pieces kept for the backward
 
 
 def matmul(
@@ -76,6 +73,7 @@ def matmul(
     verify: bool | None = None,
     chunk_bytes: int | None = None,
     sync: str | None = None,
+    keep_fetched: bool = False,
 ):
     """This rank's block of ``C = A @ B`` in ``plan``'s C layout.
 
@@ -108,6 +106,12 @@ def matmul(
             ``"notify"``, but ``"fence"`` under Open MPI (whose accumulates
             wait for the target) and ``OSMM_CUDA_AWARE=1``; the slots' memory
             is capped by ``OSMM_SLOT_BUDGET``.
+        keep_fetched: ``one_sided`` only, under differentiation: keep the pieces of A and B
+            this rank fetched for the product until the backward pass, where the products
+            of B's and A's gradients take the pieces of ``A.T`` and ``B.T`` they need from
+            them instead of fetching them again (a sequence-parallel column layer's input
+            rows, gathered once a step instead of twice). Fewer rounds of communication,
+            the same bits, for the memory of the fetched pieces between the passes.
 
     Returns:
         A JAX array of shape ``plan.c.local_shape(rank)`` and the input dtype.
@@ -130,7 +134,7 @@ def matmul(
     # A bad option (an argument, or an OSMM_* variable set on some ranks only) is agreed on
     # like a bad block, so that every rank raises it instead of the others waiting.
     try:
-        options, error = _resolve_options(method, verify, chunk_bytes, sync), None
+        options, error = _resolve_options(method, verify, chunk_bytes, sync, keep_fetched), None
     except (TypeError, ValueError) as exc:
         options, error = None, exc
     if error is None:
@@ -159,12 +163,12 @@ def _executed_plans(plan: Plan, options: _Options) -> tuple[Plan, ...]:
 def _facts_to_share(plan: Plan, options: _Options, rank: int) -> tuple:
     """This rank's :class:`~osmm_jax._src.planning.records.PlanFacts` of every executed plan (cached in
     the plans after the first product: later calls only look them up), and whether its part
-    of the backward products lets them fetch C's cotangent once (:func:`backward.covered_on`).
+    of the backward products lets them take instead of fetching (:func:`backward.reuse_facts`).
 
     Sent on every call, not only until the plans have adopted the combined facts: another rank
     may hold a new, equal plan object that has not."""
     facts = tuple(p.for_rank(rank).facts for p in _executed_plans(plan, options))
-    return (*facts, backward.covered_on(plan, rank))
+    return (*facts, backward.reuse_facts(plan, rank))
 
 
 def _adopt_facts(plan: Plan, options: _Options, shared: list[tuple]) -> None:
@@ -177,168 +181,6 @@ def _adopt_facts(plan: Plan, options: _Options, shared: list[tuple]) -> None:
     if not plan._agreed:
         plan.adopt_facts(executed[0].facts)
     backward.adopt(plan, [rank_share[-1] for rank_share in shared])
-
-
-def rma_bytes(
-    plan: Plan,
-    input_itemsize: int = 4,
-    accum_itemsize: int = 4,
-    *,
-    direction: str = "forward",
-    sync: str | None = None,
-) -> tuple[int, ...]:
-    """Bytes each rank's RMA operations move per product of ``plan``, as :func:`matmul` runs
-    it with ``sync`` (``None``: its default here, see :func:`matmul`): what this rank's
-    ``osmm_jax.stats()["rma_bytes"]`` grows by, per rank. ``input_itemsize``: bytes of an A
-    or B element; ``accum_itemsize``: of the accumulation dtype (4 for float32, bfloat16 and
-    float16, 8 for float64). The fence mode's figure is :meth:`Plan.bytes_issued`; the
-    notified mode pushes what the fence mode gets, so its ranks issue what leaves them.
-
-    ``direction="backward"``: the bytes of both backward products of a gradient with respect
-    to A and B (the forward product's are ``"forward"``'s), where dB's product leaves out of
-    its fetch the pieces of C's cotangent that dA's product fetched (all of them for a K-split
-    product such as a row-parallel layer, :mod:`osmm_jax._src.runtime.backward`)."""
-    resolved = _resolve_sync(sync)
-    _check_direction(direction)
-    if direction == "forward":
-        return slots.bytes_issued(plan, resolved, input_itemsize, accum_itemsize)
-    sizes = (resolved, input_itemsize, accum_itemsize)
-    plan_da, plan_db = backward_plans(plan)
-    totals = [slots.bytes_issued(p, *sizes) for p in (plan_da, plan_db)]
-    totals.append([-n for n in backward.taken_bytes(plan, *sizes)])
-    return tuple(sum(per_rank) for per_rank in zip(*totals))
-
-
-def _check_direction(direction) -> None:
-    if direction not in ("forward", "backward"):
-        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
-
-
-def memory_bytes(
-    plan: Plan,
-    rank: int,
-    input_itemsize: int = 4,
-    accum_itemsize: int = 4,
-    *,
-    method: str | None = None,
-    direction: str = "forward",
-    sync: str | None = None,
-) -> PeakMemory:
-    """What ``rank`` is predicted to hold at the busiest moment of a product of ``plan``
-    (``direction="forward"``) or of its gradient (``"backward"``: the jitted gradient with
-    respect to A and B, which runs the product and both backward products), as :func:`matmul`
-    runs it with ``method`` and ``sync`` (None: the defaults in force): a
-    :class:`~osmm_jax._src.planning.memory.PeakMemory` of bytes, ``.total`` the peak.
-
-    Counted: the rank's blocks (A, B and C; backward: A, B, their gradients and C's
-    cotangent) in ``input_itemsize``-byte elements; the products' buffers in
-    ``accum_itemsize``-byte ones (fetched and served pieces, partials for other ranks,
-    operands joined for one GEMM, the all-reduce method's whole matrices; backward: the two
-    backward products' at once, or the forward product's (one_sided: with the pieces the
-    backward ones pack), whichever is more); and the slots of osmm_jax's windows that the
-    products make resident. Not counted: the MPI library's own buffers and XLA's scheduling
-    beyond that (benchmarks/results/memory.md compares this with measured peaks). Where dB's
-    product takes C's cotangent from dA's fetch (:func:`rma_bytes`), its pieces count once.
-    Local; builds ``rank``'s part of each plan."""
-    method = config.resolve_method(method)
-    resolved = _resolve_sync(sync)
-    _check_direction(direction)
-    rank = checks.integer(rank, "rank")
-    if rank >= plan.nranks:
-        raise ValueError(f"rank must be below the plan's {plan.nranks} ranks, got {rank}")
-    for name, size in (("input_itemsize", input_itemsize), ("accum_itemsize", accum_itemsize)):
-        checks.integer(size, name, minimum=1)
-    plans = (plan,) if direction == "forward" else (plan, *backward_plans(plan))
-    if method == "allreduce":
-        transients = [allreduce_transient(p) for p in plans]
-        packed = [0] * len(plans)
-    else:
-        same = input_itemsize == accum_itemsize
-        shared = direction == "backward" and backward.shares_cotangent(plan, resolved)
-        taken = (None, None, backward.taken_on(plan, rank) if shared else None)
-        lone = (
-            None,
-            None,
-            backward.lone_pieces_of_d_b(plan, rank, resolved.mode) if shared else None,
-        )
-        transposed = (None, "B", "A")  # dA's B operand is B.T, dB's A operand A.T
-        runs = [
-            _one_sided_run(p, rank, resolved, same, t, lone_p, tr)
-            for p, t, lone_p, tr in zip(plans, taken, lone, transposed)
-        ]
-        transients = [transient for transient, _ in runs]
-        packed = [served for _, served in runs]
-    transient = transients[0]
-    if direction == "backward":
-        # The backward products run side by side (neither needs the other); a one_sided
-        # product packs the pieces it serves from its inputs alone, which XLA may do while the
-        # forward product still runs.
-        transient = max(transients[0] + packed[1] + packed[2], transients[1] + transients[2])
-    windows = 0
-    if method == "one_sided":
-        windows = max(
-            slots.resident_window_bytes(p, rank, input_itemsize, accum_itemsize, resolved)
-            for p in plans
-        )
-    blocks = [block_area(layout, rank) for layout in (plan.a, plan.b, plan.c)]
-    held = sum(blocks) if direction == "forward" else 2 * (blocks[0] + blocks[1]) + blocks[2]
-    return PeakMemory(held * input_itemsize, transient * accum_itemsize, windows)
-
-
-def _one_sided_run(
-    plan: Plan,
-    rank: int,
-    sync: one_sided.Sync,
-    same_dtype: bool,
-    taken=None,
-    lone=None,
-    transposed=None,
-):
-    """``(transient, packed)``: the elements (accumulation dtype) a one_sided product of
-    ``plan`` adds on ``rank`` (planning/memory.py), and those of the pieces it packs to serve
-    (``same_dtype``: the inputs are in the accumulation dtype), as ``sync`` runs it;
-    ``taken``: the pieces it leaves out of its fetch (dB's, :mod:`.backward`), or None;
-    ``lone``: the fetched pieces it reads as a whole buffer, None for its own fetch's;
-    ``transposed``: the operand (``"A"`` or ``"B"``) that is the transpose of an input (a
-    backward product's): served from its block, the block is a transposed copy XLA forms
-    from the input, counted as packed."""
-    executed = one_sided.executed_plan(plan, sync)
-    messages = slots.uses_messages(executed, sync)
-    whole_c = 0
-    if executed is plan.gather_stage:  # the whole C, and its own block's staged image
-        whole_c = plan.c.shape[0] * plan.c.shape[1]
-        whole_c += block_area(executed.c, rank) if messages else 0
-    gets, serves = fetch.moved(executed, rank, taken)
-    served = 0  # the pieces packed to serve, every round's (XLA may pack them all at once)
-    for matrices in slots.fetch_rounds(executed, sync.mode):
-        if sync.mode == "notify" and fetch.packs_pieces(
-            executed, rank, same_dtype, taken, matrices
-        ):
-            served += sum(t.elements for t in serves if t.matrix in matrices)
-    packs = served > 0
-    copies = 0
-    if sync.mode == "notify" and transposed and not packs:
-        if any(t.matrix == transposed for t in serves):
-            copies = block_area(executed.a if transposed == "A" else executed.b, rank)
-            served += copies
-    if fetch.runs_ahead(executed, rank, sync, same_dtype) and not executed.has_deliveries:
-        # The GEMMs on own and fetched pieces are apart, so no one GEMM writes the C block
-        # whole (one_sided._whole_block): it is summed from theirs.
-        copies += block_area(executed.c, rank)
-    if fetch.runs_ahead(executed, rank, sync, same_dtype, taken):
-        # The waiter's result, and with RMA its copy of what the pieces leave from.
-        copies += sum(t.elements for t in gets)
-        if not messages:
-            layouts = {"A": executed.a, "B": executed.b}
-            blocks = sum(block_area(layouts[m], rank) for m in {t.matrix for t in serves})
-            copies += served if packs else blocks
-    if lone is None:
-        lone = fetch.lone_pieces(executed, rank, sync.mode, taken) if executed.has_gets else ()
-    unjoined = fetch.whole_cells(executed, rank, frozenset(lone))
-    transient = one_sided_transient(
-        executed, rank, packs, whole_c, taken or (), messages, copies, unjoined
-    )
-    return transient, served
 
 
 # -- input checks -----------------------------------------------------------------------
@@ -357,7 +199,7 @@ def _resolve_sync(sync) -> one_sided.Sync:
     )
 
 
-def _resolve_options(method, verify, chunk_bytes, sync) -> _Options:
+def _resolve_options(method, verify, chunk_bytes, sync, keep_fetched=False) -> _Options:
     """The options of one product: the arguments, or the ``OSMM_*`` defaults (config.py).
     ``OSMM_ALLREDUCE`` is only checked here, with the other variables, so that a bad value is
     agreed on before any MPI traffic; primitives.allreduce_sum reads it where it is used."""
@@ -371,7 +213,14 @@ def _resolve_options(method, verify, chunk_bytes, sync) -> _Options:
         config.defer_finishes()
         if resolved.mode == "notify" and jax.default_backend() == "cpu"
         else False,
+        _check_keep_fetched(keep_fetched),
     )
+
+
+def _check_keep_fetched(keep_fetched) -> bool:
+    if not isinstance(keep_fetched, bool):
+        raise TypeError(f"keep_fetched must be True or False, got {keep_fetched!r}")
+    return keep_fetched
 
 
 def _as_array(x, name):
@@ -511,13 +360,25 @@ def _matmul(plan: Plan, options: _Options, a, b):
 
 def _matmul_fwd(plan: Plan, options: _Options, a, b):
     """The product, keeping what the backward products will need: B for dA only when A is
-    differentiated, A for dB only when B is.
+    differentiated, A for dB only when B is, and with ``keep_fetched`` the fetched pieces those
+    products take (:mod:`osmm_jax._src.runtime.backward`).
 
     ``a`` and ``b`` are :class:`jax.custom_derivatives.CustomVJPPrimal` (``symbolic_zeros``):
     ``perturbed`` is False for an input no derivative is taken with respect to, such as a
     model's input batch or a frozen weight."""
-    c = _forward(plan, options, _first_order_only(a.value), _first_order_only(b.value))
-    return c, (b.value if a.perturbed else None, a.value if b.perturbed else None)
+    x, y = _first_order_only(a.value), _first_order_only(b.value)
+    how = _reuse(plan, options, a.perturbed, b.perturbed, a.value.dtype == b.value.dtype)
+    if how.keep:
+
+        def keeping(_, rank, x, y):
+            return backward.forward_keeping(
+                plan, rank, x, y, options.chunk_bytes, options.sync, how
+            )
+
+        c, kept = _forward(plan, options, x, y, execute=keeping)
+    else:
+        c, kept = _forward(plan, options, x, y), ()
+    return c, (b.value if a.perturbed else None, a.value if b.perturbed else None, kept)
 
 
 def _matmul_bwd(plan: Plan, options: _Options, residuals, d_c):
@@ -527,12 +388,14 @@ def _matmul_bwd(plan: Plan, options: _Options, residuals, d_c):
     XLA may not drop an unused one, and an input that is not differentiated (the first layer's
     batch) would otherwise cost a whole distributed product per step. Whether an input is
     differentiated is a property of the traced program, the same on every rank."""
-    b_for_da, a_for_db = residuals
+    b_for_da, a_for_db, kept = residuals
     if isinstance(d_c, jax.custom_derivatives.SymbolicZero):
         return None, None
     plan_da, plan_db = backward_plans(plan)
-    if _shares_cotangent(plan, options, b_for_da, a_for_db):
-        return _sharing_cotangent(plan, options, b_for_da, a_for_db, d_c)
+    same = b_for_da is not None and a_for_db is not None and b_for_da.dtype == a_for_db.dtype
+    how = _reuse(plan, options, b_for_da is not None, a_for_db is not None, same)
+    if how != backward.NONE:
+        return _reusing(plan, options, b_for_da, a_for_db, d_c, kept, how)
     d_a = d_b = None
     if b_for_da is not None:
         d_a = _matmul(plan_da, options, d_c.astype(b_for_da.dtype), b_for_da.T)
@@ -541,38 +404,52 @@ def _matmul_bwd(plan: Plan, options: _Options, residuals, d_c):
     return d_a, d_b
 
 
-def _shares_cotangent(plan: Plan, options: _Options, b_for_da, a_for_db) -> bool:
-    """Whether both backward products run, one_sided, and fetch C's cotangent once
-    (:func:`backward.shares_cotangent`; the cotangent then has one dtype for both)."""
-    if b_for_da is None or a_for_db is None or options.method != "one_sided":
-        return False
-    return b_for_da.dtype == a_for_db.dtype and backward.shares_cotangent(plan, options.sync)
+def _reuse(plan: Plan, options: _Options, d_a: bool, d_b: bool, same_dtype: bool):
+    """What the backward products (``d_a``, ``d_b``: which run) take instead of fetching
+    (:func:`backward.reuse`): one_sided only; dB from dA's fetch where both run with one
+    dtype; with ``keep_fetched``, either from the forward product's fetch."""
+    if options.method != "one_sided":
+        return backward.NONE
+    needed = tuple(p for p, runs in zip(backward.PRODUCTS, (d_a, d_b)) if runs)
+    share = d_a and d_b and same_dtype
+    return backward.reuse(plan, options.sync, share, options.keep_fetched, needed)
 
 
-def _sharing_cotangent(plan: Plan, options: _Options, b_for_da, a_for_db, d_c):
-    """dA and dB, dB's product taking what it can of ``d_c`` from dA's fetched buffer
-    (:mod:`osmm_jax._src.runtime.backward`). Under vmap, one example's dA then its dB, so that
-    a single fetched buffer is held at a time. Like the products' own custom_vjp, it refuses
-    a derivative of itself (every rank traces the same tangents, so every rank refuses)."""
+def _reusing(plan: Plan, options: _Options, b_for_da, a_for_db, d_c, kept, how):
+    """dA and dB (those whose input is differentiated), taking what ``how`` says from the
+    forward product's fetched buffers ``kept`` and dB from dA's. Under vmap, one example's dA
+    then its dB, so that a single fetched buffer is held at a time. Like the products' own
+    custom_vjp, it refuses a derivative of itself (every rank traces the same tangents, so
+    every rank refuses)."""
     plan_da, plan_db = backward_plans(plan)
-    chunk_bytes = options.chunk_bytes
-    d_b_options = _deferring(options, plan_db)
+    chunk_bytes, d_b_options = options.chunk_bytes, _deferring(options, plan_db)
+    n_kept = len(kept)
 
-    def d_a_product(_, rank, x, y):
-        return backward.d_a_and_cotangent(plan, rank, x, y, chunk_bytes, options.sync)
+    def d_a_product(_, rank, x, y, *kept):
+        return backward.d_a_product(plan, rank, x, y, kept, chunk_bytes, options.sync, how)
 
-    def d_b_product(_, rank, x, y, fetched):
+    def d_b_product(_, rank, x, y, *buffers):
+        kept, from_d_a = buffers[:n_kept], buffers[n_kept:]
         sync = d_b_options.sync
-        return backward.d_b_from_cotangent(plan, rank, x, y, fetched, chunk_bytes, sync)
+        return backward.d_b_product(plan, rank, x, y, kept, from_d_a, chunk_bytes, sync, how)
 
     @_looping_over_batch
-    def both(cotangent, b_t, a_t):
-        d_a, fetched = _forward(plan_da, options, cotangent, b_t, execute=d_a_product)
-        d_b = _forward(plan_db, d_b_options, a_t, cotangent, fetched, execute=d_b_product)
-        return d_a, d_b
+    def products(cotangent, b_t, a_t, *kept):
+        d_a, from_d_a = None, ()
+        if b_t is not None:
+            d_a, from_d_a = _forward(plan_da, options, cotangent, b_t, *kept, execute=d_a_product)
+        if a_t is None:
+            return d_a
+        d_b = _forward(plan_db, d_b_options, a_t, cotangent, *kept, *from_d_a, execute=d_b_product)
+        return d_b if d_a is None else (d_a, d_b)
 
-    inputs = (d_c.astype(b_for_da.dtype), b_for_da.T, a_for_db.T)
-    return both(*(_first_order_only(x) for x in inputs))
+    dtype = (b_for_da if b_for_da is not None else a_for_db).dtype
+    b_t = None if b_for_da is None else _first_order_only(b_for_da.T)
+    a_t = None if a_for_db is None else _first_order_only(a_for_db.T)
+    out = products(_first_order_only(d_c.astype(dtype)), b_t, a_t, *kept)
+    if b_for_da is None or a_for_db is None:
+        return (out, None) if a_for_db is None else (None, out)
+    return out
 
 
 def _deferring(options: _Options, plan: Plan) -> _Options:

@@ -33,6 +33,8 @@ import pytest
 from flax import nnx
 from mpi4py import MPI
 
+import osmm_jax
+
 # The library's own gate (a Flax too old for its layers) is the skip reason.
 om_flax = pytest.importorskip("osmm_jax.flax", exc_type=ImportError)
 
@@ -77,6 +79,7 @@ class _Block(nn.Module):
     stock: bool = False
     comm: object = None
     batch_sizes: tuple | None = None
+    keep_fetched: bool = False
 
     @nn.compact
     def __call__(self, x):
@@ -87,6 +90,7 @@ class _Block(nn.Module):
             "method": self.method,
             "comm": self.comm,
             "batch_sizes": self.batch_sizes,
+            "keep_fetched": self.keep_fetched,
         }
         h = om_flax.ColumnParallelDense(HID, name="up", **kw)(x)
         return om_flax.RowParallelDense(OUT, name="down", **kw)(jnp.tanh(h))
@@ -180,9 +184,9 @@ def test_linen_init_gives_the_stock_parameters_cut_and_gather_params_joins_them(
 
 
 class _NnxBlock(nnx.Module):
-    def __init__(self, sizes, method, rngs, batch_sizes=None, comm=None):
+    def __init__(self, sizes, method, rngs, batch_sizes=None, comm=None, keep_fetched=False):
         kw = {"sizes": sizes, "method": method, "batch_sizes": batch_sizes, "rngs": rngs}
-        kw["comm"] = comm
+        kw["comm"], kw["keep_fetched"] = comm, keep_fetched
         self.up = om_flax.ColumnParallelLinear(IN, HID, **kw)
         self.down = om_flax.RowParallelLinear(HID, OUT, **kw)
 
@@ -588,12 +592,12 @@ def test_linen_sequence_parallel_block_gives_this_ranks_batch_entries(method):
     jax.tree.map(_close, d_params["params"], _shards(ref_params["params"], sizes))
 
 
-def _nnx_pair(sizes, method=None, batch_sizes=None, seed=7):
+def _nnx_pair(sizes, method=None, batch_sizes=None, seed=7, keep_fetched=False):
     """Ours (this rank's shards) and the stock block, with nonzero biases."""
     stock = _NnxStock(nnx.Rngs(seed))
     stock.up.bias[...] = jnp.linspace(-1.0, 1.0, HID)
     stock.down.bias[...] = jnp.linspace(0.5, 1.0, OUT)
-    ours = _NnxBlock(sizes, method, nnx.Rngs(seed), batch_sizes)
+    ours = _NnxBlock(sizes, method, nnx.Rngs(seed), batch_sizes, keep_fetched=keep_fetched)
     for name, split in (("up", "column"), ("down", "row")):
         shard = om_flax.shard_params(nnx.state(getattr(stock, name)), sizes, RANK, split=split)
         nnx.update(getattr(ours, name), shard)
@@ -630,6 +634,52 @@ def test_nnx_sequence_parallel_block_gives_this_ranks_batch_entries(method):
     np.testing.assert_allclose(MPI.COMM_WORLD.allreduce(float(value)), float(ref_loss), **TOL)
     expected = _shards(nnx.to_pure_dict(ref_model), sizes)
     jax.tree.map(_close, nnx.to_pure_dict(d_model), expected)
+
+
+def _sp_step_bits(keep):
+    """A linen and an nnx sequence-parallel block's output, input gradient and parameter
+    gradients (second jitted run), with the column layers keeping what they gathered or not,
+    and the RMA bytes this rank issued in that run."""
+    batch, sizes = BATCH, SIZES
+    x, g = _seq_data(batch, 24)
+    rows = _mine(batch)
+    linen = _Block(tuple(sizes), "one_sided", batch_sizes=tuple(batch), keep_fetched=keep)
+    params = {"params": _shards(_stock_params(5)["params"], sizes)}
+    ours, _ = _nnx_pair(sizes, "one_sided", batch, keep_fetched=keep)
+
+    def loss(p, x):
+        return jnp.sum(linen.apply(p, x) * g[rows])
+
+    def nnx_loss(m, x):
+        return jnp.sum(m(x) * g[rows])
+
+    @jax.jit
+    def linen_step(p, x):
+        return om_flax.grad(loss)(p, x), jax.grad(loss, argnums=1)(p, x)
+
+    @nnx.jit
+    def nnx_step(model, x):
+        return om_flax.grad(nnx_loss)(model, x), nnx.grad(nnx_loss, argnums=1)(model, x)
+
+    outs = []
+    for step, state in ((linen_step, params), (nnx_step, ours)):
+        jax.block_until_ready(step(state, x[rows]))
+        before = osmm_jax.stats()["rma_bytes"]
+        outs.append(jax.block_until_ready(step(state, x[rows])))
+        outs.append(osmm_jax.stats()["rma_bytes"] - before)
+    return outs
+
+
+@pytest.mark.ranks(min=2, reason="one rank gathers nothing")
+def test_sequence_parallel_layers_keeping_what_they_gathered_give_the_same_bits():
+    """keep_fetched: the column layer's backward products take the rows (and kernel columns)
+    its forward product gathered instead of gathering them again: fewer bytes, same bits."""
+    kept = _sp_step_bits(True)
+    again = _sp_step_bits(False)
+    for got, expected in ((kept[0], again[0]), (kept[2], again[2])):
+        jax.tree.map(np.testing.assert_array_equal, got, expected)
+    moved = MPI.COMM_WORLD.allreduce(np.array([kept[1], kept[3], again[1], again[3]]))
+    assert moved[0] < moved[2] and moved[1] < moved[3], moved
 
 
 class _NormBlock(nn.Module):

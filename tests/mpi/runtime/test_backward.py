@@ -1,4 +1,4 @@
-"""The backward products fetching C's cotangent once (osmm_jax._src.runtime.backward).
+"""The backward products fetching what they share once (osmm_jax._src.runtime.backward).
 
 Where dB's product needs only pieces of dC that dA's product fetches (a K-split product, or a
 work split over K), dB takes them from dA's fetched buffer: the same bits as two fetches, in
@@ -138,3 +138,114 @@ def test_a_derivative_of_the_shared_gradient_is_refused_on_every_rank():
 
     with pytest.raises(NotImplementedError, match="first-order"):
         jax.grad(grads_dot, argnums=2)(*blocks)
+
+
+# -- the forward product's fetch, kept (keep_fetched) --------------------------------------
+# The backward products take pieces from it: the same bits as fetching them again, in both
+# synchronisations, with one input differentiated or both, under vmap; fewer bytes, exactly as
+# rma_bytes(direction="backward", keep_fetched=True) predicts.
+
+
+def _sequence_parallel():
+    """A sequence-parallel column layer: A's rows (sequences) split unevenly, the kernel B and
+    C by columns. The forward product fetches rows of A and columns of B; dA's product takes
+    B.T's pieces from it, dB's A.T's."""
+    rows = [1, 2, 4, 0][:SIZE]
+    rows[-1] += M - sum(rows)
+    return om.plan(
+        om.Layout.rows((M, K), sizes=rows),
+        om.Layout.cols((K, N), weights=[1.0, 1.0, 2.0, 3.0][:SIZE]),
+        om.Layout.cols((M, N), weights=[1.0, 1.0, 2.0, 3.0][:SIZE]),
+    )
+
+
+def _rows_into_grid():
+    return om.plan(*make_layouts(("rows", "cols", "grid"), shifts=(0, 1, 2)))
+
+
+KEPT_PLANS = {
+    "sequence_parallel": _sequence_parallel,
+    "grid": _grid,
+    "rows_cols_grid": _rows_into_grid,
+}
+WRT = {"both": (0, 1), "a": (0,), "b": (1,)}
+
+
+def _kept_gradients(plan, sync, keep, argnums):
+    """The gradients of ``sum(C * G)`` with respect to ``argnums`` (second jitted run), and
+    the RMA bytes this rank issued in that run."""
+    a, b, g = global_inputs(seed=41)
+    blocks = plan.a.shard(a, RANK), plan.b.shard(b, RANK), plan.c.shard(g, RANK)
+
+    def loss(x, y, gc):
+        return jnp.sum(om.matmul(x, y, plan, sync=sync, keep_fetched=keep) * gc)
+
+    step = jax.jit(jax.grad(loss, argnums=argnums))
+    jax.block_until_ready(step(*blocks))
+    before = om.stats()["rma_bytes"]
+    grads = jax.block_until_ready(step(*blocks))
+    moved = om.stats()["rma_bytes"] - before
+    expected = {0: plan.a.shard(g @ b.T, RANK), 1: plan.b.shard(a.T @ g, RANK)}
+    for i, grad in zip(argnums, grads):
+        np.testing.assert_allclose(grad, expected[i], rtol=1e-12)
+    return [np.asarray(x) for x in grads], moved
+
+
+@pytest.mark.parametrize("wrt", list(WRT))
+@pytest.mark.parametrize("sync", ["notify", "fence"])
+@pytest.mark.parametrize("name", list(KEPT_PLANS))
+def test_pieces_kept_from_the_forward_give_the_bits_of_a_second_fetch(name, sync, wrt):
+    plan = KEPT_PLANS[name]()
+    resolved = slots.Sync(sync, config.slot_budget())
+    how = backward.reuse(plan, resolved, True, True)
+    assert how.keep == {"dA", "dB"}
+    kept, moved = _kept_gradients(plan, sync, True, WRT[wrt])
+    fetched, moved_again = _kept_gradients(plan, sync, False, WRT[wrt])
+    for got, expected in zip(kept, fetched):
+        np.testing.assert_array_equal(got, expected)
+    if wrt != "both":
+        return  # rma_bytes counts the gradient with respect to both
+    forward = om.rma_bytes(plan, 8, 8, sync=sync)[RANK]
+    predicted = om.rma_bytes(plan, 8, 8, direction="backward", sync=sync, keep_fetched=True)
+    assert moved == forward + predicted[RANK]
+    saved = sum(om.rma_bytes(plan, 8, 8, direction="backward", sync=sync)) - sum(predicted)
+    assert saved > 0
+    assert moved <= moved_again
+
+
+def test_a_sequence_parallel_weight_gradient_fetches_nothing_again():
+    """Every piece of A.T and B.T the backward products need was fetched by the forward
+    product: their rounds of those matrices run on no rank."""
+    plan = _sequence_parallel()
+    how = backward.reuse(plan, slots.Sync("notify", config.slot_budget()), True, True)
+    assert backward.skipped(plan, "dA", how) >= {"B"}
+    assert backward.skipped(plan, "dB", how) >= {"A"}
+
+
+def test_per_example_gradients_keep_the_fetch_under_vmap():
+    plan = _sequence_parallel()
+    batch = [global_inputs(seed=50 + i) for i in range(3)]
+    stack = lambda layout, i: jnp.stack([layout.shard(x[i], RANK) for x in batch])  # noqa: E731
+
+    def loss(x, y, g):
+        return jnp.sum(om.matmul(x, y, plan, sync="notify", keep_fetched=True) * g)
+
+    step = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1))))
+    args = stack(plan.a, 0), stack(plan.b, 1), stack(plan.c, 2)
+    jax.block_until_ready(step(*args))
+    before = om.stats()["rma_bytes"]
+    d_a, d_b = jax.block_until_ready(step(*args))
+    moved = om.stats()["rma_bytes"] - before
+    forward = om.rma_bytes(plan, 8, 8, sync="notify")[RANK]
+    back = om.rma_bytes(plan, 8, 8, direction="backward", sync="notify", keep_fetched=True)
+    assert moved == 3 * (forward + back[RANK])
+    for i, (a, b, g) in enumerate(batch):
+        np.testing.assert_allclose(d_a[i], plan.a.shard(g @ b.T, RANK), rtol=1e-12)
+        np.testing.assert_allclose(d_b[i], plan.b.shard(a.T @ g, RANK), rtol=1e-12)
+
+
+def test_keep_fetched_must_be_a_bool():
+    plan = _sequence_parallel()
+    a, b, _ = global_inputs(seed=3)
+    with pytest.raises(TypeError, match="keep_fetched must be True or False"):
+        om.matmul(plan.a.shard(a, RANK), plan.b.shard(b, RANK), plan, keep_fetched="yes")

@@ -1,4 +1,4 @@
-"""osmm_jax.memory_bytes (osmm_jax._src.runtime.matmul), without MPI traffic."""
+"""osmm_jax.memory_bytes (osmm_jax._src.runtime.prediction), without MPI traffic."""
 
 from __future__ import annotations
 

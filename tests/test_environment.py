@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import osmm_jax
-from osmm_jax._src.runtime import environment
+from osmm_jax._src import environment
 
 
 def test_the_report_names_every_part_of_the_stack():

@@ -1,0 +1,185 @@
+"""What a product of a plan will move and hold on each rank, before it runs:
+:func:`rma_bytes` (bytes issued by its RMA operations) and :func:`memory_bytes` (its peak),
+as :func:`osmm_jax.matmul` runs it with the settings in force. Local: each reads only the
+given rank's part of the plans (and the sizes agreed on when every rank built them).
+"""
+
+from __future__ import annotations
+
+from osmm_jax._src import checks, config
+from osmm_jax._src.planning.memory import PeakMemory, allreduce_transient, one_sided_transient
+from osmm_jax._src.planning.plan import Plan, backward_plans
+from osmm_jax._src.planning.totals import block_area
+from osmm_jax._src.runtime import backward, fetch, one_sided, slots
+from osmm_jax._src.runtime.matmul import _check_keep_fetched, _resolve_sync
+
+
+def rma_bytes(
+    plan: Plan,
+    input_itemsize: int = 4,
+    accum_itemsize: int = 4,
+    *,
+    direction: str = "forward",
+    sync: str | None = None,
+    keep_fetched: bool = False,
+) -> tuple[int, ...]:
+    """Bytes each rank's RMA operations move per product of ``plan``, as :func:`matmul` runs
+    it with ``sync`` (``None``: its default here, see :func:`matmul`): what this rank's
+    ``osmm_jax.stats()["rma_bytes"]`` grows by, per rank. ``input_itemsize``: bytes of an A
+    or B element; ``accum_itemsize``: of the accumulation dtype (4 for float32, bfloat16 and
+    float16, 8 for float64). The fence mode's figure is :meth:`Plan.bytes_issued`; the
+    notified mode pushes what the fence mode gets, so its ranks issue what leaves them.
+
+    ``direction="backward"``: the bytes of both backward products of a gradient with respect
+    to A and B (the forward product's are ``"forward"``'s), where dB's product leaves out of
+    its fetch the pieces of C's cotangent that dA's product fetched (all of them for a K-split
+    product such as a row-parallel layer, :mod:`osmm_jax._src.runtime.backward`) and, with
+    ``keep_fetched`` (as given to :func:`matmul`), both leave out what they take from the
+    forward product's fetch."""
+    resolved = _resolve_sync(sync)
+    _check_direction(direction)
+    if direction == "forward":
+        return slots.bytes_issued(plan, resolved, input_itemsize, accum_itemsize)
+    sizes = (resolved, input_itemsize, accum_itemsize)
+    plan_da, plan_db = backward_plans(plan)
+    totals = [slots.bytes_issued(p, *sizes) for p in (plan_da, plan_db)]
+    how = backward.reuse(plan, resolved, True, _check_keep_fetched(keep_fetched))
+    totals.append([-n for n in backward.taken_bytes(plan, *sizes, how)])
+    return tuple(sum(per_rank) for per_rank in zip(*totals))
+
+
+def _check_direction(direction) -> None:
+    if direction not in ("forward", "backward"):
+        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+
+
+def memory_bytes(
+    plan: Plan,
+    rank: int,
+    input_itemsize: int = 4,
+    accum_itemsize: int = 4,
+    *,
+    method: str | None = None,
+    direction: str = "forward",
+    sync: str | None = None,
+    keep_fetched: bool = False,
+) -> PeakMemory:
+    """What ``rank`` is predicted to hold at the busiest moment of a product of ``plan``
+    (``direction="forward"``) or of its gradient (``"backward"``: the jitted gradient with
+    respect to A and B, which runs the product and both backward products), as :func:`matmul`
+    runs it with ``method`` and ``sync`` (None: the defaults in force): a
+    :class:`~osmm_jax._src.planning.memory.PeakMemory` of bytes, ``.total`` the peak.
+
+    Counted: the rank's blocks (A, B and C; backward: A, B, their gradients and C's
+    cotangent) in ``input_itemsize``-byte elements; the products' buffers in
+    ``accum_itemsize``-byte ones (fetched and served pieces, partials for other ranks,
+    operands joined for one GEMM, the all-reduce method's whole matrices; backward: the two
+    backward products' at once, or the forward product's (one_sided: with the pieces the
+    backward ones pack), whichever is more); and the slots of osmm_jax's windows that the
+    products make resident. Not counted: the MPI library's own buffers and XLA's scheduling
+    beyond that (benchmarks/results/memory.md compares this with measured peaks). Where dB's
+    product takes C's cotangent from dA's fetch (:func:`rma_bytes`), its pieces count once;
+    with ``keep_fetched`` (as given to :func:`matmul`) the forward product's fetched pieces
+    count in the backward products' peak, and what those take from them is not fetched again.
+    Local; builds ``rank``'s part of each plan."""
+    method = config.resolve_method(method)
+    resolved = _resolve_sync(sync)
+    _check_direction(direction)
+    rank = checks.integer(rank, "rank")
+    if rank >= plan.nranks:
+        raise ValueError(f"rank must be below the plan's {plan.nranks} ranks, got {rank}")
+    for name, size in (("input_itemsize", input_itemsize), ("accum_itemsize", accum_itemsize)):
+        checks.integer(size, name, minimum=1)
+    plans = (plan,) if direction == "forward" else (plan, *backward_plans(plan))
+    if method == "allreduce":
+        transients = [allreduce_transient(p) for p in plans]
+        packed = [0] * len(plans)
+    else:
+        same = input_itemsize == accum_itemsize
+        how = backward.NONE
+        if direction == "backward":
+            how = backward.reuse(plan, resolved, True, _check_keep_fetched(keep_fetched))
+        transposed = (None, "B", "A")  # dA's B operand is B.T, dB's A operand A.T
+        runs = [
+            _one_sided_run(p, rank, resolved, same, tr, product, plan, how)
+            for p, tr, product in zip(plans, transposed, (None, *backward.PRODUCTS))
+        ]
+        transients = [transient for transient, _ in runs]
+        packed = [served for _, served in runs]
+    transient = transients[0]
+    if direction == "backward":
+        # The backward products run side by side (neither needs the other); a one_sided
+        # product packs the pieces it serves from its inputs alone, which XLA may do while the
+        # forward product still runs.
+        kept = backward.kept_elements(plan, rank, how) if method == "one_sided" else 0
+        transient = max(transients[0] + packed[1] + packed[2], transients[1] + transients[2] + kept)
+    windows = 0
+    if method == "one_sided":
+        windows = max(
+            slots.resident_window_bytes(p, rank, input_itemsize, accum_itemsize, resolved)
+            for p in plans
+        )
+    blocks = [block_area(layout, rank) for layout in (plan.a, plan.b, plan.c)]
+    held = sum(blocks) if direction == "forward" else 2 * (blocks[0] + blocks[1]) + blocks[2]
+    return PeakMemory(held * input_itemsize, transient * accum_itemsize, windows)
+
+
+def _one_sided_run(
+    plan: Plan,
+    rank: int,
+    sync: one_sided.Sync,
+    same_dtype: bool,
+    transposed=None,
+    product=None,
+    of=None,
+    how=backward.NONE,
+):
+    """``(transient, packed)``: the elements (accumulation dtype) a one_sided product of
+    ``plan`` adds on ``rank`` (planning/memory.py), and those of the pieces it packs to serve
+    (``same_dtype``: the inputs are in the accumulation dtype), as ``sync`` runs it;
+    ``transposed``: the operand (``"A"`` or ``"B"``) that is the transpose of an input (a
+    backward product's): served from its block, the block is a transposed copy XLA forms
+    from the input, counted as packed; ``product``: ``"dA"`` or ``"dB"`` of plan ``of``,
+    reusing fetched pieces as ``how`` says (:mod:`.backward`)."""
+    taken = lone = None
+    skip = frozenset()
+    if product is not None:
+        taken, skip = backward.taken(of, rank, product, how), backward.skipped(of, product, how)
+        lone = backward.lone_pieces(of, rank, product, how, sync.mode)
+    executed = one_sided.executed_plan(plan, sync)
+    messages = slots.uses_messages(executed, sync)
+    whole_c = 0
+    if executed is plan.gather_stage:  # the whole C, and its own block's staged image
+        whole_c = plan.c.shape[0] * plan.c.shape[1]
+        whole_c += block_area(executed.c, rank) if messages else 0
+    gets, serves = fetch.moved(executed, rank, taken)
+    served = 0  # the pieces packed to serve, every round's (XLA may pack them all at once)
+    for matrices in fetch.rounds(executed, sync.mode, skip):
+        if sync.mode == "notify" and fetch.packs_pieces(
+            executed, rank, same_dtype, taken, matrices
+        ):
+            served += sum(t.elements for t in serves if t.matrix in matrices)
+    packs = served > 0
+    copies = 0
+    if sync.mode == "notify" and transposed and not packs:
+        if any(t.matrix == transposed for t in serves):
+            copies = block_area(executed.a if transposed == "A" else executed.b, rank)
+            served += copies
+    if fetch.runs_ahead(executed, rank, sync, same_dtype) and not executed.has_deliveries:
+        # The GEMMs on own and fetched pieces are apart, so no one GEMM writes the C block
+        # whole (one_sided._whole_block): it is summed from theirs.
+        copies += block_area(executed.c, rank)
+    if fetch.runs_ahead(executed, rank, sync, same_dtype, taken):
+        # The waiter's result, and with RMA its copy of what the pieces leave from.
+        copies += sum(t.elements for t in gets)
+        if not messages:
+            layouts = {"A": executed.a, "B": executed.b}
+            blocks = sum(block_area(layouts[m], rank) for m in {t.matrix for t in serves})
+            copies += served if packs else blocks
+    if lone is None:
+        lone = fetch.lone_pieces(executed, rank, sync.mode, taken) if executed.has_gets else ()
+    unjoined = fetch.whole_cells(executed, rank, frozenset(lone))
+    transient = one_sided_transient(
+        executed, rank, packs, whole_c, taken or (), messages, copies, unjoined
+    )
+    return transient, served
