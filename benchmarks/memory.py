@@ -9,7 +9,10 @@ what the previous one left), e.g.::
 
 For every layout family (``rows``: A by rows, B replicated, C by rows; ``k_split``: A by
 columns, B and C by rows; ``grid``: all three on a 2-D grid, as square as the rank count
-allows), both methods (``one_sided``, ``allreduce``) and both directions (``forward``: the
+allows; ``sequence``, only when named in ``--families``: A by rows, B and C by columns, a
+sequence-parallel column layer, whose forward product gathers A's rows), both methods
+(``one_sided``, ``allreduce``; ``--keep-fetched``: one_sided with ``keep_fetched``) and both
+directions (``forward``: the
 jitted product; ``backward``: the jitted vector-Jacobian product with respect to A and B for
 a cotangent of C given as an argument, as in training (a constant one, such as the gradient
 of a sum, XLA folds into the program), which runs the forward product and both backward
@@ -17,7 +20,7 @@ ones), on every rank:
 
 * ``needed``: the rank's blocks of A, B and C plus the bytes it receives (the plan's
   ``bytes_received``; for the backward pass, the forward's and both backward plans' summed,
-  less the pieces of C's cotangent that dB's product takes from dA's fetch);
+  less the pieces the backward products take from another product's fetch);
 * ``held``: the call's arguments (the rank's A and B blocks, and the cotangent) plus the
   resident-set high-water mark above the
   resident set before the call (``/proc/self/status`` VmHWM, reset through
@@ -47,10 +50,11 @@ import numpy as np
 import osmm_jax as om
 from benchmarks import common
 from benchmarks.common import COMM, RANK, SIZE
-from osmm_jax._src.runtime import backward
+from osmm_jax._src.runtime import backward, slots
 
 MiB = 2**20
 FAMILIES = ("rows", "k_split", "grid")
+OTHER_FAMILIES = ("sequence",)  # timed only when asked for (--families)
 METHODS = ("one_sided", "allreduce")
 DIRECTIONS = ("forward", "backward")
 
@@ -61,6 +65,8 @@ def layouts(family: str, n: int):
         return om.Layout.rows((n, n)), om.Layout.replicated((n, n)), om.Layout.rows((n, n))
     if family == "k_split":
         return om.Layout.cols((n, n)), om.Layout.rows((n, n)), om.Layout.rows((n, n))
+    if family == "sequence":  # a sequence-parallel column layer: gathers A's rows
+        return om.Layout.rows((n, n)), om.Layout.cols((n, n)), om.Layout.cols((n, n))
     rows = max(d for d in range(1, int(SIZE**0.5) + 1) if SIZE % d == 0)
     grid = (rows, SIZE // rows)
     return tuple(om.Layout.grid((n, n), grid) for _ in range(3))
@@ -81,25 +87,34 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def needed_bytes(plan, direction: str) -> int:
+def needed_bytes(plan, direction: str, keep_fetched: bool = False) -> int:
     """This rank's A, B and C blocks plus the bytes it receives, for ``direction`` (backward:
-    less the pieces of C's cotangent dB's product takes from dA's fetch, which it does not
-    receive again)."""
+    less the pieces the backward products take from dA's fetch and, with ``keep_fetched``,
+    from the forward product's, which they do not receive again)."""
     blocks = sum(int(np.prod(layout.local_shape(RANK))) * 4 for layout in (plan.a, plan.b, plan.c))
     if direction == "forward":
         return blocks + plan.bytes_received()[RANK]
     received = sum(p.bytes_received()[RANK] for p in (plan, *plan.backward()))
-    taken = sum(t.elements * 4 for t in backward.taken_on(plan, RANK) if t.origin == RANK)
+    sync = slots.Sync("notify")
+    how = backward.reuse(plan, sync, backward.shares_cotangent(plan, sync), keep_fetched)
+    taken = sum(
+        t.elements * 4
+        for product in backward.PRODUCTS
+        for t in (backward.taken(plan, RANK, product, how) or ())
+        if t.origin == RANK
+    )
     return blocks + received - taken
 
 
-def measure(family: str, method: str, direction: str, n: int, repeats: int) -> dict:
-    """This rank's figures for one case (bytes)."""
+def measure(
+    family: str, method: str, direction: str, n: int, repeats: int, keep: bool = False
+) -> dict:
+    """This rank's figures for one case (bytes); ``keep``: ``keep_fetched``."""
     plan = om.plan(*layouts(family, n))
     rng = np.random.default_rng(RANK)
     a = jnp.asarray(rng.standard_normal(plan.a.local_shape(RANK)), jnp.float32)
     b = jnp.asarray(rng.standard_normal(plan.b.local_shape(RANK)), jnp.float32)
-    product = lambda x, y: om.matmul(x, y, plan, method=method)  # noqa: E731
+    product = lambda x, y: om.matmul(x, y, plan, method=method, keep_fetched=keep)  # noqa: E731
     if direction == "forward":
         fn, args = jax.jit(product), (a, b)
     else:  # a cotangent XLA cannot fold into constants, as in training
@@ -123,9 +138,9 @@ def measure(family: str, method: str, direction: str, n: int, repeats: int) -> d
     resident = _status_bytes("VmRSS")
     om.release()
     released = resident - _status_bytes("VmRSS")
-    predicted = om.memory_bytes(plan, RANK, method=method, direction=direction)
+    predicted = om.memory_bytes(plan, RANK, method=method, direction=direction, keep_fetched=keep)
     return {
-        "needed": needed_bytes(plan, direction),
+        "needed": needed_bytes(plan, direction, keep),
         "predicted": predicted.total,
         "held": statistics.median(held),
         "kept": statistics.median(kept),
@@ -185,9 +200,16 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=6144, help="M = K = N")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument(
+        "--families",
+        default=",".join(FAMILIES),
+        help=f"of {', '.join(FAMILIES + OTHER_FAMILIES)}",
+    )
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--directions", default=",".join(DIRECTIONS))
+    parser.add_argument(
+        "--keep-fetched", action="store_true", help="one_sided: matmul's keep_fetched"
+    )
     parser.add_argument("--json", default=None, help="append the record to this JSON list")
     parser.add_argument("--label", default="", help="the record's name in the picture")
     parser.add_argument(
@@ -206,12 +228,14 @@ def main(argv=None) -> None:
     for family in args.families.split(","):
         for method in args.methods.split(","):
             for direction in args.directions.split(","):
-                mine = measure(family, method, direction, args.n, args.repeats)
+                keep = args.keep_fetched and method == "one_sided"
+                mine = measure(family, method, direction, args.n, args.repeats, keep)
                 records.append(
                     {
                         "family": family,
                         "method": method,
                         "direction": direction,
+                        **({"keep_fetched": True} if keep else {}),
                         "ranks": COMM.allgather(mine),
                     }
                 )

@@ -188,6 +188,7 @@ def one_sided_transient(
     messages: bool = False,
     ahead: int = 0,
     unjoined=frozenset(),
+    kept: int = 0,
 ) -> int:
     """Elements (accumulation dtype) a one_sided product of ``plan`` adds on ``rank`` beside
     its blocks, at its busiest moment, the larger of:
@@ -214,6 +215,9 @@ def one_sided_transient(
     ``ahead``: elements a fetch run ahead holds on its waiter thread beside the fetch
     (xla_ffi/protocols/deferred.h: its result, and with RMA the buffer its pieces leave from).
 
+    ``kept``: elements of the pieces among ``taken`` that it reads from the forward product's
+    fetched buffers, kept until the backward pass (``keep_fetched``): held as if received.
+
     ``unjoined``: the cells ``(rows, cols)`` whose GEMMs read their operands whole and are not
     joined (``one_sided.reads_whole``): they copy nothing, and XLA writes their partials into
     the result and where a fetched piece was (the GEMMs on fetched pieces run first).
@@ -222,7 +226,7 @@ def one_sided_transient(
     mine = plan.for_rank(rank)
     serves = sum(t.elements for t in mine.served if t not in taken)
     served = (serves if packed else 0) + (serves if messages else 0)
-    fetched = sum(t.elements for t in mine.gets if t not in taken)
+    fetched = sum(t.elements for t in mine.gets if t not in taken) + kept
     partials = sum({(t.rows, t.cols, t.inner): t.elements for t in mine.deliveries}.values())
     joined = _joined_operands(m for m in mine.multiplies if (m.rows, m.cols) not in unjoined)
     compute = max(fetched, joined) + partials * (2 if messages else 1)

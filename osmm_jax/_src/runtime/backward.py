@@ -232,12 +232,13 @@ def _keeps_on(plan: Plan, rank: int, how: Reuse) -> bool:
     return any(t.origin == rank for p in how.keep for t in kept_on(plan, rank, p))
 
 
-def kept_elements(plan: Plan, rank: int, how: Reuse) -> int:
-    """The elements of the forward product's fetched buffers ``rank`` keeps for the backward
-    products (:func:`forward_keeping`): all it fetched where one of them takes from it."""
-    if not _keeps_on(plan, rank, how):
+def kept_elements(plan: Plan, rank: int, product: str, how: Reuse) -> int:
+    """The elements of the pieces ``product`` reads on ``rank`` from the forward product's
+    fetched buffers (:func:`forward_keeping`) instead of fetching them: held from the forward
+    pass until it runs."""
+    if product not in how.keep:
         return 0
-    return sum(t.elements for t in plan.gets_by(rank))
+    return sum(t.elements for t in kept_on(plan, rank, product) if t.origin == rank)
 
 
 def forward_keeping(plan: Plan, rank: int, a, b, chunk_bytes: int, sync: Sync, how: Reuse):

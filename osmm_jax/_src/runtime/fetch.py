@@ -1,10 +1,11 @@
 """The A and B pieces a rank's multiplies need from other ranks, in the product's synchronisation.
 
 Every rank of a plan that gets anything (``plan.has_gets``) calls :func:`fetch_pieces` (or
-:func:`fetch_buffer`) at the same point; only the weight gradient's product may leave out the
-pieces its sibling fetched, or skip its fetch on every rank (:mod:`.backward`). The pieces
-this rank gets (:meth:`~osmm_jax._src.planning.plan.Plan.gets_by`) come back keyed ``(matrix, rows, cols)``, each as the planner asked for it (adjacent pieces from one
-owner joined into one):
+:func:`fetch_buffer`) at the same point; only a backward product may leave out the pieces
+another product fetched, or skip a round on every rank (:mod:`.backward`). The pieces this
+rank gets (:meth:`~osmm_jax._src.planning.plan.Plan.gets_by`) come back keyed ``(matrix,
+rows, cols)``, each as the planner asked for it (adjacent pieces from one owner joined into
+one):
 
 - fence mode: this rank reads them (``MPI_Get`` in one fence epoch of the owners' exposed
   blocks, ``osmm_fetch``);

@@ -79,8 +79,8 @@ def memory_bytes(
     products make resident. Not counted: the MPI library's own buffers and XLA's scheduling
     beyond that (benchmarks/results/memory.md compares this with measured peaks). Where dB's
     product takes C's cotangent from dA's fetch (:func:`rma_bytes`), its pieces count once;
-    with ``keep_fetched`` (as given to :func:`matmul`) the forward product's fetched pieces
-    count in the backward products' peak, and what those take from them is not fetched again.
+    with ``keep_fetched`` (as given to :func:`matmul`) the pieces a backward product takes from
+    the forward product's fetched buffers count as received by it, not fetched again.
     Local; builds ``rank``'s part of each plan."""
     method = config.resolve_method(method)
     resolved = _resolve_sync(sync)
@@ -111,8 +111,7 @@ def memory_bytes(
         # The backward products run side by side (neither needs the other); a one_sided
         # product packs the pieces it serves from its inputs alone, which XLA may do while the
         # forward product still runs.
-        kept = backward.kept_elements(plan, rank, how) if method == "one_sided" else 0
-        transient = max(transients[0] + packed[1] + packed[2], transients[1] + transients[2] + kept)
+        transient = max(transients[0] + packed[1] + packed[2], transients[1] + transients[2])
     windows = 0
     if method == "one_sided":
         windows = max(
@@ -179,7 +178,8 @@ def _one_sided_run(
     if lone is None:
         lone = fetch.lone_pieces(executed, rank, sync.mode, taken) if executed.has_gets else ()
     unjoined = fetch.whole_cells(executed, rank, frozenset(lone))
+    kept = backward.kept_elements(of, rank, product, how) if product is not None else 0
     transient = one_sided_transient(
-        executed, rank, packs, whole_c, taken or (), messages, copies, unjoined
+        executed, rank, packs, whole_c, taken or (), messages, copies, unjoined, kept
     )
     return transient, served
