@@ -87,7 +87,10 @@ bias's) come complete from the products; every other gradient (the
 row-parallel biases, LayerNorms, embeddings, stock layers) is this rank's
 entries' alone, and :func:`value_and_grad` / :func:`sync_grads` with
 :func:`summed_paths` sum exactly those. It moves the same bytes as the
-reductions it replaces, in twice as many transfers.
+reductions it replaces, in twice as many transfers. ``keep_fetched=True`` on
+the column-parallel layer keeps the entries it gathered in the forward pass for
+its backward pass instead of gathering them again (fewer transfers, the same
+bits, the gathered entries held between the passes; off by default).
 
 Supported combinations, on one communicator (``comm``, default COMM_WORLD):
 

@@ -151,3 +151,32 @@ def test_the_allreduce_method_holds_whole_matrices():
 def test_a_peak_is_the_sum_of_its_parts():
     peak = memory.PeakMemory(blocks=3, transient=4, windows=5)
     assert peak.total == 12
+
+
+def test_a_gemm_over_the_whole_block_joins_the_fetched_rows_with_the_own_ones():
+    """A sequence-parallel column layer (A by rows, B and C by columns): each rank's C block is
+    one GEMM over every row of A, its own and the fetched ones joined into one panel."""
+    n, p = 8, 4
+    plan = Plan(
+        Layout.rows((n, n), nranks=p), Layout.cols((n, n), nranks=p), Layout.cols((n, n), nranks=p)
+    )
+    for rank in range(p):
+        assert memory.merged_block_operands(plan, rank) == n * n  # every row of A, K wide
+        fetched = sum(t.elements for t in plan.for_rank(rank).gets)
+        assert (
+            memory.one_sided_transient(
+                plan, rank, False, merged=memory.merged_block_operands(plan, rank)
+            )
+            == fetched + n * n
+        )
+    # Nothing joined where the plan delivers (a K-split) or reads only the rank's own blocks.
+    k_split = Plan(
+        Layout.cols((n, n), nranks=p), Layout.rows((n, n), nranks=p), Layout.rows((n, n), nranks=p)
+    )
+    data_parallel = Plan(
+        Layout.rows((n, n), nranks=p),
+        Layout.replicated((n, n), nranks=p),
+        Layout.rows((n, n), nranks=p),
+    )
+    assert all(memory.merged_block_operands(k_split, r) == 0 for r in range(p))
+    assert all(memory.merged_block_operands(data_parallel, r) == 0 for r in range(p))

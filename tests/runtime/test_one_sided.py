@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from osmm_jax._src.planning import records
 from osmm_jax._src.planning.layout import Layout
 from osmm_jax._src.planning.plan import Plan, backward_plans
 from osmm_jax._src.runtime import fetch, one_sided
@@ -66,7 +67,7 @@ def test_weight_gradient_of_a_data_parallel_layer_is_one_gemm_per_rank(nranks):
         requests = _local_requests(stage, rank)
         # Staged (a gather stage for the replicated dW): one request per owner of its split.
         assert len(requests) == (nranks if stage is not d_w else 1)
-        assert len(one_sided._gemm_groups(requests)) == 1
+        assert len(records.gemm_groups(requests)) == 1
         _check_products(stage, rank, a, b, requests)
         local_a, local_b = stage.a.shard(a, rank), stage.b.shard(b, rank)
         jaxpr = jax.make_jaxpr(
@@ -95,7 +96,7 @@ def test_a_gathered_input_is_one_gemm_per_rank(nranks):
         requests = _local_requests(plan, rank)
         assert len(requests) == nranks  # one per owner of rows
         assert any(mm.a_source != rank for mm, _ in requests)
-        assert len(one_sided._gemm_groups(requests)) == 1
+        assert len(records.gemm_groups(requests)) == 1
         remote = _remote_pieces(plan, rank, a, b)
         _check_products(plan, rank, a, b, requests, remote)
         local_a, local_b = plan.a.shard(a, rank), plan.b.shard(b, rank)
@@ -138,16 +139,6 @@ def test_a_k_split_partial_over_gathered_rows_is_one_gemm(nranks):
         expected = a[rows[0] : rows[1]] @ b[:, cell.cols[0] : cell.cols[1]]
         np.testing.assert_allclose(np.asarray(part), expected, rtol=1e-5, atol=1e-5)
         assert str(jax.make_jaxpr(partials)(local_a, local_b)).count("dot_general") == 1
-
-
-def test_tiles_that_do_not_cover_a_rectangle_are_not_merged():
-    assert one_sided._tiled_rectangle([((0, 2), (0, 3)), ((2, 4), (0, 3))]) == ((0, 4), (0, 3))
-    assert one_sided._tiled_rectangle([((0, 2), (0, 3)), ((0, 2), (3, 5))]) == ((0, 2), (0, 5))
-    grid = [((r, r + 2), (c, c + 3)) for r in (0, 2) for c in (0, 3)]
-    assert one_sided._tiled_rectangle(grid) == ((0, 4), (0, 6))
-    assert one_sided._tiled_rectangle([((0, 2), (0, 3)), ((3, 4), (0, 3))]) is None  # a gap
-    assert one_sided._tiled_rectangle(grid[:3]) is None  # a corner missing
-    assert one_sided._tiled_rectangle([((0, 2), (0, 3))] * 2) is None  # twice the same tile
 
 
 @pytest.mark.parametrize("kinds", [("cols", "rows", "rows"), ("grid", "grid", "grid")])

@@ -24,6 +24,7 @@ from osmm_jax._src import checks, config, units
 from osmm_jax._src.planning.layout import Layout
 from osmm_jax._src.planning.plan import Plan
 from osmm_jax._src.planning.plan_totals import PlanTotals
+from osmm_jax._src.planning.records import gemm_groups, interval_size
 from osmm_jax._src.planning.totals import block_area
 
 
@@ -189,6 +190,7 @@ def one_sided_transient(
     ahead: int = 0,
     unjoined=frozenset(),
     kept: int = 0,
+    merged: int = 0,
 ) -> int:
     """Elements (accumulation dtype) a one_sided product of ``plan`` adds on ``rank`` beside
     its blocks, at its busiest moment, the larger of:
@@ -218,6 +220,9 @@ def one_sided_transient(
     ``kept``: elements of the pieces among ``taken`` that it reads from the forward product's
     fetched buffers, kept until the backward pass (``keep_fetched``): held as if received.
 
+    ``merged``: elements of the operands joined for one GEMM over the whole C block
+    (:func:`merged_block_operands`), copied from the fetched pieces while they are held.
+
     ``unjoined``: the cells ``(rows, cols)`` whose GEMMs read their operands whole and are not
     joined (``one_sided.reads_whole``): they copy nothing, and XLA writes their partials into
     the result and where a fetched piece was (the GEMMs on fetched pieces run first).
@@ -229,8 +234,35 @@ def one_sided_transient(
     fetched = sum(t.elements for t in mine.gets if t not in taken) + kept
     partials = sum({(t.rows, t.cols, t.inner): t.elements for t in mine.deliveries}.values())
     joined = _joined_operands(m for m in mine.multiplies if (m.rows, m.cols) not in unjoined)
-    compute = max(fetched, joined) + partials * (2 if messages else 1)
+    compute = max(fetched, joined) + partials * (2 if messages else 1) + merged
     return max(served + fetched + ahead, compute, whole_c)
+
+
+def merged_block_operands(plan: Plan, rank: int) -> int:
+    """Elements of the operands a one_sided product of ``plan`` joins on ``rank`` for ONE GEMM
+    that writes its whole C block (``one_sided._whole_block``, its fetch not run ahead): where
+    the plan delivers nothing, each of the rank's multiplies is over one inner range, together
+    they tile the block (:func:`~osmm_jax._src.planning.records.gemm_groups`) and some read
+    fetched pieces. The A pieces of the block's row ranges are set one above the other, the B
+    pieces of its column ranges side by side (each only where there are several): a
+    sequence-parallel column layer's own rows and the rows it fetched, joined into one panel
+    of every row."""
+    mine = plan.for_rank(rank)
+    if plan.has_deliveries or not mine.multiplies:
+        return 0
+    requests = [(m, m.rows) for m in mine.multiplies]
+    if len({(m.rows, m.cols) for m, _ in requests}) != len(requests):
+        return 0  # a cell summed over several inner ranges
+    groups = gemm_groups(requests)
+    if len(groups) != 1 or groups[0][1] != tuple(plan.c.blocks[rank]):
+        return 0
+    if all(m.a_source == m.b_source == rank for m, _ in requests):
+        return 0  # cut from the rank's own blocks
+    inner = interval_size(requests[0][0].inner)
+    rows, cols = {m.rows for m, _ in requests}, {m.cols for m, _ in requests}
+    joined_a = inner * sum(interval_size(r) for r in rows) if len(rows) > 1 else 0
+    joined_b = inner * sum(interval_size(c) for c in cols) if len(cols) > 1 else 0
+    return joined_a + joined_b
 
 
 def _joined_operands(multiplies) -> int:

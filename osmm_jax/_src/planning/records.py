@@ -145,3 +145,45 @@ def combine_facts(facts: Iterable[PlanFacts]) -> PlanFacts:
         max((f.max_owners for f in facts), default=0),
         max((f.owner_elements for f in facts), default=0),
     )
+
+
+# -- how a rank's multiplies are grouped into GEMMs (the executor and the memory model) --
+
+
+def gemm_groups(requests, apart=None) -> list:
+    """The GEMMs ``one_sided.products`` runs for ``requests`` (``(multiply, rows)`` pairs):
+    ``(indices, union)`` each, ``union`` the merged rectangle of several requests, or None for
+    a single request's own GEMM.
+    ``apart``: a rank whose purely local requests (both operands its own) merge only with one
+    another, so that their GEMMs need nothing fetched and run while a fetch ahead completes;
+    None: merge regardless."""
+    groups, gemms = {}, []
+    for i, (m, _) in enumerate(requests):
+        groups.setdefault((m.inner, reads_own(m, apart)), []).append(i)
+    for members in groups.values():
+        union = None
+        if len(members) > 1:
+            union = tiled_rectangle([(requests[i][1], requests[i][0].cols) for i in members])
+        if union is None:
+            gemms += [((i,), None) for i in members]
+        else:
+            gemms.append((tuple(members), union))
+    return gemms
+
+
+def reads_own(m, rank) -> bool:
+    """Whether multiply ``m`` reads only ``rank``'s own blocks (False for ``rank`` None)."""
+    return rank is not None and m.a_source == m.b_source == rank
+
+
+def tiled_rectangle(tiles):
+    """The rectangle ``(rows, cols)`` that ``tiles`` (``(rows, cols)`` intervals) cover exactly
+    once, as a grid of whole rows x whole columns; None if they do not."""
+    rows = sorted({r for r, _ in tiles})
+    cols = sorted({c for _, c in tiles})
+    if len(tiles) != len(rows) * len(cols) or len(set(tiles)) != len(tiles):
+        return None
+    for ranges in (rows, cols):
+        if any(prev[1] != nxt[0] for prev, nxt in zip(ranges, ranges[1:])):
+            return None
+    return (rows[0][0], rows[-1][1]), (cols[0][0], cols[-1][1])

@@ -47,6 +47,7 @@ import numpy as np
 
 from osmm_jax._src import dtypes
 from osmm_jax._src.planning.plan import Plan
+from osmm_jax._src.planning.records import gemm_groups, reads_own
 from osmm_jax._src.runtime import fetch, gather, native, primitives, slots
 from osmm_jax._src.runtime.slots import FENCE, Sync, executed_plan
 
@@ -150,7 +151,8 @@ def _dot(a_piece, b_piece, after=None):
 def products(plan: Plan, rank: int, a, b, requests, remote: dict, after=None, apart=False) -> list:
     """``[product(plan, rank, a, b, m, rows, remote, after) for m, rows in requests]``, with the
     GEMMs merged where that is exact and cheaper; ``apart``: never a GEMM over this rank's own
-    pieces and fetched ones together (the fetch runs ahead, :func:`_gemm_groups`).
+    pieces and fetched ones together (the fetch runs ahead,
+    :func:`~osmm_jax._src.planning.records.gemm_groups`).
 
     Requests over the same inner range whose ``rows x m.cols`` rectangles tile one larger
     rectangle are computed as ONE GEMM over that rectangle, which is then sliced. One large
@@ -168,7 +170,7 @@ def products(plan: Plan, rank: int, a, b, requests, remote: dict, after=None, ap
     round differently in the last bits).
     """
     results: list = [None] * len(requests)
-    for members, union in _gemm_groups(requests, rank if apart else None):
+    for members, union in gemm_groups(requests, rank if apart else None):
         if union is None:
             (i,) = members
             m, rows = requests[i]
@@ -199,44 +201,6 @@ def _merged_gemm(plan: Plan, rank: int, a, b, requests, union, remote: dict, aft
     return _dot(a_joined, b_joined, after)
 
 
-def _gemm_groups(requests, apart=None) -> list:
-    """The GEMMs :func:`products` runs for ``requests``: ``(indices, union)`` each, ``union``
-    the merged rectangle of several requests, or None for a single request's own GEMM.
-    ``apart``: a rank whose purely local requests (both operands its own) merge only with one
-    another, so that their GEMMs need nothing fetched and run while a fetch ahead completes;
-    None: merge regardless."""
-    groups, gemms = {}, []
-    for i, (m, _) in enumerate(requests):
-        groups.setdefault((m.inner, _own(m, apart)), []).append(i)
-    for members in groups.values():
-        union = None
-        if len(members) > 1:
-            union = _tiled_rectangle([(requests[i][1], requests[i][0].cols) for i in members])
-        if union is None:
-            gemms += [((i,), None) for i in members]
-        else:
-            gemms.append((tuple(members), union))
-    return gemms
-
-
-def _own(m, rank) -> bool:
-    """Whether multiply ``m`` reads only ``rank``'s own blocks (False for ``rank`` None)."""
-    return rank is not None and m.a_source == m.b_source == rank
-
-
-def _tiled_rectangle(tiles):
-    """The rectangle ``(rows, cols)`` that ``tiles`` (``(rows, cols)`` intervals) cover exactly
-    once, as a grid of whole rows x whole columns; None if they do not."""
-    rows = sorted({r for r, _ in tiles})
-    cols = sorted({c for _, c in tiles})
-    if len(tiles) != len(rows) * len(cols) or len(set(tiles)) != len(tiles):
-        return None
-    for ranges in (rows, cols):
-        if any(prev[1] != nxt[0] for prev, nxt in zip(ranges, ranges[1:])):
-            return None
-    return (rows[0][0], rows[-1][1]), (cols[0][0], cols[-1][1])
-
-
 # -- this rank's GEMMs ---------------------------------------------------------------------
 
 
@@ -250,7 +214,7 @@ class _Operands(NamedTuple):
     remote: dict  # the fetched pieces, {(matrix, rows, cols): array}
     multiplies: dict  # this rank's LocalMultiply by (rows, inner, cols)
     acc: np.dtype  # the accumulation dtype
-    apart: int | None = None  # this rank when its fetch runs ahead (_gemm_groups), else None
+    apart: int | None = None  # this rank when its fetch runs ahead (gemm_groups), else None
     lone: frozenset = frozenset()  # fetched pieces that are a whole buffer (fetch.lone_pieces)
 
 
@@ -314,7 +278,7 @@ def _own_after_fetched(operands: _Operands, requests, owners, rest) -> list:
         by_piece.setdefault(owners[i], []).append(i)
     later = []
     for members in by_piece.values():
-        own = [i for i in members if _own(requests[i][0], rank)]
+        own = [i for i in members if reads_own(requests[i][0], rank)]
         if _read_whole(operands, requests, members) and own and len(own) < len(members):
             later += own
     return later
@@ -359,7 +323,7 @@ def _joined_over_inner(operands: _Operands, npieces: int, requests, owners, afte
     separate GEMMs copy nothing and add one C-sized sum (benchmarks/results/memory.md).
     """
     plan, rank, a, b, remote = operands[:5]
-    groups = _gemm_groups(requests, operands.apart)
+    groups = gemm_groups(requests, operands.apart)
     merged = {i for members, union in groups if union is not None for i in members}
     by_piece: dict[int, list[int]] = {}
     for i, owner in enumerate(owners):
@@ -368,7 +332,7 @@ def _joined_over_inner(operands: _Operands, npieces: int, requests, owners, afte
     for owner, members in by_piece.items():
         if len(members) < 2 or any(i in merged for i in members):
             continue
-        if len({_own(requests[i][0], operands.apart) for i in members}) > 1:
+        if len({reads_own(requests[i][0], operands.apart) for i in members}) > 1:
             continue
         if _read_whole(operands, requests, members):
             continue
@@ -393,7 +357,7 @@ def _whole_block(operands: _Operands, pieces):
     requests, owners = _requests(operands, pieces)
     if not requests or len(set(owners)) != len(owners):
         return None  # nothing, or a piece summed over several inner ranges
-    groups = _gemm_groups(requests, operands.apart)
+    groups = gemm_groups(requests, operands.apart)
     block = tuple(operands.plan.c.blocks[operands.rank])
     if len(groups) != 1 or groups[0][1] != block:
         return None
@@ -412,7 +376,7 @@ def _requests(operands: _Operands, pieces) -> tuple[list, list]:
 
 
 def _gemm_count(operands: _Operands, pieces) -> int:
-    return len(_gemm_groups(_requests(operands, pieces)[0], operands.apart))
+    return len(gemm_groups(_requests(operands, pieces)[0], operands.apart))
 
 
 def _add_local(operands: _Operands, local, rows, cols, part):

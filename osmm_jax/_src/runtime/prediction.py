@@ -7,7 +7,12 @@ given rank's part of the plans (and the sizes agreed on when every rank built th
 from __future__ import annotations
 
 from osmm_jax._src import checks, config
-from osmm_jax._src.planning.memory import PeakMemory, allreduce_transient, one_sided_transient
+from osmm_jax._src.planning.memory import (
+    PeakMemory,
+    allreduce_transient,
+    merged_block_operands,
+    one_sided_transient,
+)
 from osmm_jax._src.planning.plan import Plan, backward_plans
 from osmm_jax._src.planning.totals import block_area
 from osmm_jax._src.runtime import backward, fetch, one_sided, slots
@@ -77,7 +82,9 @@ def memory_bytes(
     backward products' at once, or the forward product's (one_sided: with the pieces the
     backward ones pack), whichever is more); and the slots of osmm_jax's windows that the
     products make resident. Not counted: the MPI library's own buffers and XLA's scheduling
-    beyond that (benchmarks/results/memory.md compares this with measured peaks). Where dB's
+    beyond that (benchmarks/results/memory.md compares this with measured peaks); the
+    operands a backward product joins for one GEMM over its whole block (a K-split's dA, whose
+    joined rows of ``dC`` XLA shares with dB's joined product, which is counted). Where dB's
     product takes C's cotangent from dA's fetch (:func:`rma_bytes`), its pieces count once;
     with ``keep_fetched`` (as given to :func:`matmul`) the pieces a backward product takes from
     the forward product's fetched buffers count as received by it, not fetched again.
@@ -179,7 +186,10 @@ def _one_sided_run(
         lone = fetch.lone_pieces(executed, rank, sync.mode, taken) if executed.has_gets else ()
     unjoined = fetch.whole_cells(executed, rank, frozenset(lone))
     kept = backward.kept_elements(of, rank, product, how) if product is not None else 0
+    merged = 0  # not for a backward product: see memory_bytes
+    if product is None and not fetch.runs_ahead(executed, rank, sync, same_dtype):
+        merged = merged_block_operands(executed, rank) if executed.has_gets else 0
     transient = one_sided_transient(
-        executed, rank, packs, whole_c, taken or (), messages, copies, unjoined, kept
+        executed, rank, packs, whole_c, taken or (), messages, copies, unjoined, kept, merged
     )
     return transient, served
