@@ -63,15 +63,22 @@ def taken_on(plan: Plan, rank: int) -> frozenset:
     of ``dC`` that dA's product gets from the same owner for the same getter. Cached: every
     product's agreement asks (:func:`reuse_facts`)."""
     plan_da, plan_db = backward_plans(plan)
-    mine_da, mine_db = plan_da.for_rank(rank), plan_db.for_rank(rank)
+    return _within(plan_da.for_rank(rank), "A", plan_db.for_rank(rank), "B", transposed=False)
+
+
+def _within(outer, outer_matrix: str, inner, inner_matrix: str, transposed: bool) -> frozenset:
+    """The Transfers of ``inner_matrix`` that a rank's part ``inner`` of one plan gets or
+    serves, each lying (``transposed``: transposed) within a Transfer of ``outer_matrix`` that
+    its part ``outer`` of another plan gets or serves between the same getter and owner."""
     held: dict[tuple[int, int], list] = {}
-    for t in (*mine_da.gets, *mine_da.served):
-        if t.matrix == "A":
-            held.setdefault((t.origin, t.target), []).append((t.rows, t.cols))
+    for t in (*outer.gets, *outer.served):
+        if t.matrix == outer_matrix:
+            rectangle = (t.cols, t.rows) if transposed else (t.rows, t.cols)
+            held.setdefault((t.origin, t.target), []).append(rectangle)
     return frozenset(
         t
-        for t in (*mine_db.gets, *mine_db.served)
-        if t.matrix == "B"
+        for t in (*inner.gets, *inner.served)
+        if t.matrix == inner_matrix
         and any(
             rectangle_within(t.rows, t.cols, *outer) for outer in held.get((t.origin, t.target), ())
         )
@@ -95,19 +102,13 @@ def kept_on(plan: Plan, rank: int, product: str) -> frozenset:
     gets and those it serves, as Transfers of its plan): each lies, transposed, within a piece
     of that matrix the forward product fetched between the same owner and getter."""
     matrix = _OPERAND[product]
-    mine_fwd, mine = plan.for_rank(rank), _backward_plan(plan, product).for_rank(rank)
-    held: dict[tuple[int, int], list] = {}
-    for t in (*mine_fwd.gets, *mine_fwd.served):
-        if t.matrix == matrix:
-            held.setdefault((t.origin, t.target), []).append((t.cols, t.rows))
-    return frozenset(
-        t
-        for t in (*mine.gets, *mine.served)
-        if t.matrix == matrix
-        and any(
-            rectangle_within(t.rows, t.cols, *outer) for outer in held.get((t.origin, t.target), ())
-        )
-    )
+    mine = _backward_plan(plan, product).for_rank(rank)
+    return _within(plan.for_rank(rank), matrix, mine, matrix, transposed=True)
+
+
+def _kept_gets(plan: Plan, rank: int, product: str) -> list:
+    """The pieces of :func:`kept_on` that ``rank`` gets (rather than serves)."""
+    return [t for t in kept_on(plan, rank, product) if t.origin == rank]
 
 
 class Reuse(NamedTuple):
@@ -122,7 +123,7 @@ class Reuse(NamedTuple):
 NONE = Reuse()
 
 
-def reuse(plan: Plan, sync: Sync, share: bool, keep_fetched: bool, needed=("dA", "dB")) -> Reuse:
+def reuse(plan: Plan, sync: Sync, share: bool, keep_fetched: bool, needed=PRODUCTS) -> Reuse:
     """What the backward products of ``plan`` (run one_sided with ``sync``) of those
     ``needed`` take: dB dC's pieces from dA's fetch where ``share`` (both run and have one
     dtype) and :func:`shares_cotangent`; with ``keep_fetched``, each needed product run as
@@ -229,7 +230,7 @@ def taken_bytes(plan: Plan, sync: Sync, input_itemsize: int, accum_itemsize: int
 
 def _keeps_on(plan: Plan, rank: int, how: Reuse) -> bool:
     """Whether a backward product takes, on ``rank``, a piece the forward product got here."""
-    return any(t.origin == rank for p in how.keep for t in kept_on(plan, rank, p))
+    return any(_kept_gets(plan, rank, p) for p in how.keep)
 
 
 def kept_elements(plan: Plan, rank: int, product: str, how: Reuse) -> int:
@@ -238,16 +239,16 @@ def kept_elements(plan: Plan, rank: int, product: str, how: Reuse) -> int:
     pass until it runs."""
     if product not in how.keep:
         return 0
-    return sum(t.elements for t in kept_on(plan, rank, product) if t.origin == rank)
+    return sum(t.elements for t in _kept_gets(plan, rank, product))
 
 
 def forward_keeping(plan: Plan, rank: int, a, b, chunk_bytes: int, sync: Sync, how: Reuse):
     """``(C block, fetched)``: this rank's block of ``plan``'s product and its fetched buffers
     (one per round), kept for the backward products :func:`kept_on` says take from them (empty
     where none takes anything on this rank)."""
-    fetched = _fetched_for(plan, plan, rank, a, b, sync, None, frozenset())
+    fetched = _fetched_for(plan, rank, a, b, sync, None, frozenset())
     lone = fetch.lone_pieces(plan, rank, sync.mode)
-    c = _product(plan, plan, rank, a, b, chunk_bytes, sync, fetched, None, frozenset(), {}, lone)
+    c = _product(plan, rank, a, b, chunk_bytes, sync, fetched, None, frozenset(), {}, lone)
     if not _keeps_on(plan, rank, how):
         fetched = _emptied(fetched)
     return c, fetched
@@ -261,12 +262,10 @@ def d_a_product(plan: Plan, rank: int, d_c, b_t, kept, chunk_bytes: int, sync: S
     this rank)."""
     plan_da = _backward_plan(plan, "dA")
     took, skip = taken(plan, rank, "dA", how), skipped(plan, "dA", how)
-    fetched = _fetched_for(plan, plan_da, rank, d_c, b_t, sync, took, skip, _part("dA", how))
+    fetched = _fetched_for(plan_da, rank, d_c, b_t, sync, took, skip, _part("dA", how))
     extra = _transposed(plan, rank, "dA", kept, sync.mode) if "dA" in how.keep else {}
     lone = lone_pieces(plan, rank, "dA", how, sync.mode)
-    d_a = _product(
-        plan, plan_da, rank, d_c, b_t, chunk_bytes, sync, fetched, took, skip, extra, lone
-    )
+    d_a = _product(plan_da, rank, d_c, b_t, chunk_bytes, sync, fetched, took, skip, extra, lone)
     if not (how.share and _takes_on(plan, rank)):  # hold it no longer than dA needs it
         fetched = _emptied(fetched)
     return d_a, fetched
@@ -278,7 +277,7 @@ def d_b_product(plan: Plan, rank: int, a_t, d_c, kept, from_d_a, chunk_bytes, sy
     and dA's ``from_d_a`` (:func:`d_a_product`'s), and fetching the rest."""
     plan_da, plan_db = backward_plans(plan)
     took, skip = taken(plan, rank, "dB", how), skipped(plan, "dB", how)
-    fetched = _fetched_for(plan, plan_db, rank, a_t, d_c, sync, took, skip, _part("dB", how))
+    fetched = _fetched_for(plan_db, rank, a_t, d_c, sync, took, skip, _part("dB", how))
     extra = _transposed(plan, rank, "dB", kept, sync.mode) if "dB" in how.keep else {}
     if how.share and _takes_on(plan, rank):  # dA's pieces of its A operand, dC: dB's B
         for (matrix, rows, cols), piece in fetch.pieces_in(
@@ -292,12 +291,10 @@ def d_b_product(plan: Plan, rank: int, a_t, d_c, kept, from_d_a, chunk_bytes, sy
             if matrix == "A":
                 extra.setdefault(("B", rows, cols), piece)
     lone = lone_pieces(plan, rank, "dB", how, sync.mode)
-    return _product(
-        plan, plan_db, rank, a_t, d_c, chunk_bytes, sync, fetched, took, skip, extra, lone
-    )
+    return _product(plan_db, rank, a_t, d_c, chunk_bytes, sync, fetched, took, skip, extra, lone)
 
 
-def _fetched_for(plan, executed, rank, x, y, sync, took, skip, part="part") -> tuple:
+def _fetched_for(executed, rank, x, y, sync, took, skip, part="part") -> tuple:
     """``executed``'s own fetched buffers on ``rank`` (none where it fetches nothing);
     ``part``: which reuse leaves ``took`` out, for the call id."""
     if not executed.has_gets:
@@ -312,7 +309,7 @@ def _part(product: str, how: Reuse) -> str:
     return "part" + (" kept" if used.keep else "") + (" shared" if used.share else "")
 
 
-def _product(plan, executed, rank, x, y, chunk_bytes, sync, fetched, took, skip, extra, lone):
+def _product(executed, rank, x, y, chunk_bytes, sync, fetched, took, skip, extra, lone):
     """``executed``'s block on ``rank`` from its own ``fetched`` buffers and the pieces
     ``extra`` another product fetched (``lone``: those that are a whole buffer), its GEMMs
     grouped as its own whole fetch would group them (ahead or not: the same bits)."""
@@ -329,7 +326,7 @@ def _transposed(plan: Plan, rank: int, product: str, kept: tuple, mode: str) -> 
     """The forward product's fetched pieces of ``product``'s transposed operand's matrix, as
     pieces of that operand (transposed, keyed by its rows and columns)."""
     matrix = _OPERAND[product]
-    if not any(t.origin == rank for t in kept_on(plan, rank, product)):
+    if not _kept_gets(plan, rank, product):
         return {}
     return {
         (m, cols, rows): piece.T

@@ -171,7 +171,8 @@ def _one_sided_run(
         if any(t.matrix == transposed for t in serves):
             copies = block_area(executed.a if transposed == "A" else executed.b, rank)
             served += copies
-    if fetch.runs_ahead(executed, rank, sync, same_dtype) and not executed.has_deliveries:
+    ahead = fetch.runs_ahead(executed, rank, sync, same_dtype)  # its GEMMs kept apart
+    if ahead and not executed.has_deliveries:
         # The GEMMs on own and fetched pieces are apart, so no one GEMM writes the C block
         # whole (one_sided._whole_block): it is summed from theirs.
         copies += block_area(executed.c, rank)
@@ -187,8 +188,8 @@ def _one_sided_run(
     unjoined = fetch.whole_cells(executed, rank, frozenset(lone))
     kept = backward.kept_elements(of, rank, product, how) if product is not None else 0
     merged = 0  # not for a backward product: see memory_bytes
-    if product is None and not fetch.runs_ahead(executed, rank, sync, same_dtype):
-        merged = merged_block_operands(executed, rank) if executed.has_gets else 0
+    if product is None and not ahead:
+        merged = merged_block_operands(executed, rank)
     transient = one_sided_transient(
         executed, rank, packs, whole_c, taken or (), messages, copies, unjoined, kept, merged
     )
