@@ -71,19 +71,25 @@ def test_the_message_transport_is_flag_8_and_needs_no_second_set():
 
 def test_the_resident_window_is_the_slots_a_rank_s_origins_write():
     """Notified: a K-split rank's three origins each write a slot of the largest C block (2x8
-    float32, 64 bytes), and a rank with origins below it sums theirs in the accumulator first
-    (one slot more); a grid rank gets its A piece and its B piece from two owners in two
+    float32, 64 bytes); the sum of the origins below a rank, formed before its own partial
+    joins, is held in a slot while its round lasts and needs the accumulator (one slot more)
+    only where a round of origins all below the rank is followed by another; a grid rank gets its A piece and its B piece from two owners in two
     rounds, each writing the same slot (of the most one owner sends, a 4x4 piece, 64 bytes),
     placed without the accumulator. Fenced: the reduce window (one C block) and the exposed A
     and B blocks."""
     notify = slots.Sync("notify")
     k_split = _k_split(m=8, k=8, n=8)
     assert slots.resident_window_bytes(k_split, 0, 4, 4, notify) == 3 * 64
-    for rank in (1, 2, 3):
-        assert slots.resident_window_bytes(k_split, rank, 4, 4, notify) == (3 + 1) * 64
-    one_slot = slots.Sync("notify", slot_budget=64)  # rounds: one slot, and the accumulator
+    for rank in (1, 2, 3):  # every origin in one round
+        assert slots.resident_window_bytes(k_split, rank, 4, 4, notify) == 3 * 64
+    one_slot = slots.Sync("notify", slot_budget=64)  # rounds of one slot
     assert slots.resident_window_bytes(k_split, 0, 4, 4, one_slot) == 64
-    assert slots.resident_window_bytes(k_split, 3, 4, 4, one_slot) == 2 * 64
+    for rank in (1, 2, 3):  # the round of origin 0 is followed by another
+        assert slots.resident_window_bytes(k_split, rank, 4, 4, one_slot) == 2 * 64
+    two_slots = slots.Sync("notify", slot_budget=128)  # rounds (0, 1), (2, 3) less the rank
+    assert slots.resident_window_bytes(k_split, 1, 4, 4, two_slots) == 2 * 64  # (0, 2): 2 above
+    for rank in (2, 3):  # (0, 1), both below, then another round
+        assert slots.resident_window_bytes(k_split, rank, 4, 4, two_slots) == 3 * 64
     assert slots.resident_window_bytes(k_split, 0, 4, 4, slots.FENCE) == 64
     grid = Plan(*(Layout.grid((8, 8), (2, 2)) for _ in range(3)))
     assert slots.fetch_rounds(grid, "notify") == (("A",), ("B",))

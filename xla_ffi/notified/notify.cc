@@ -483,7 +483,6 @@ ffi::Error Finish(BufferOps& ops, NotifiedReduce& n,
   const size_t slots = static_cast<size_t>(n.spec.per_product());  // per round
   const bool above = !origins.empty() && origins.back() > n.rank;
   OrderedSum sum(ops, dtype, local, out, n.slot_base, elements, above);
-  bool local_added = false;
   size_t next_origin = 0;  // the first origin of the round being waited for
   std::vector<int64_t> round;
   const double start = MPI_Wtime();
@@ -527,11 +526,13 @@ ffi::Error Finish(BufferOps& ops, NotifiedReduce& n,
             }
             continue;
           }
-          if (!local_added && round[k] > n.rank) {
-            local_added = true;
+          if (!sum.has_local() && round[k] > n.rank) {
             if (ffi::Error err = sum.AddLocal(); err.failure()) return err;
           }
           if (ffi::Error err = sum.AddSlot(slot); err.failure()) return err;
+        }
+        if (out != nullptr && !n.spec.place) {  // the round's slots are freed below
+          if (ffi::Error err = sum.EndRound(end >= origins.size()); err.failure()) return err;
         }
         MPI_Win_sync(n.slot_win);
         next_origin = end;
@@ -570,7 +571,7 @@ ffi::Error Finish(BufferOps& ops, NotifiedReduce& n,
                                             std::memory_order_relaxed);
   if (out != nullptr && n.spec.place) {
     if (ffi::Error err = PlaceLocal(ops, n, dtype, local, out, elements); err.failure()) return err;
-  } else if (out != nullptr && !local_added) {
+  } else if (out != nullptr && !sum.has_local()) {
     if (ffi::Error err = sum.AddLocal(); err.failure()) return err;
   }
   if (ffi::Error err = Advance(n, state, n.product * kNotifyRoundScale, origins); err.failure()) {

@@ -300,15 +300,26 @@ def bytes_issued(
     return sending.bytes_sent(accum_itemsize, accum_itemsize)
 
 
+def _accumulates(attribute, rank: int) -> bool:
+    """Whether the notified reduce of ``attribute`` (:func:`notify_attribute`) on ``rank``
+    moves a sum into the window's accumulator: some round of ``S`` slots (a product's:
+    half the slots with two sets) holds only origins below ``rank``, and another follows."""
+    slots, flags, count = attribute[0], attribute[2], attribute[3]
+    per_round = slots // 2 if flags & 2 else slots
+    below = sum(1 for origin in attribute[4 : 4 + count] if origin < rank)
+    return count > per_round and below >= per_round
+
+
 def resident_window_bytes(plan: Plan, rank: int, itemsize: int, accum: int, sync: Sync) -> int:
     """Bytes of osmm_jax's windows that one product of ``plan`` makes resident on ``rank``
     (``itemsize``: of an input element, ``accum``: of the accumulation dtype), the largest of
     its uses (one window per communicator serves them all, one after another). Notified: the
     slots this rank's origins write (a slot per origin up to ``S``, of the reduce, the fetch or
-    a staged plan's all-gather), and a reduce's accumulator where an origin ranks below this
-    rank: the fixed-order sum adds those origins' slots there before this rank's own partial
-    (xla_ffi/notified/ordered_sum.h). The fetch and the all-gather place their pieces without
-    it. Fenced: the reduce window (the largest C block), the fetch's exposed blocks and the
+    a staged plan's all-gather), and a reduce's accumulator where a round of its origins,
+    all ranked below this rank, is followed by another: the fixed-order sum adds those
+    origins' slots before this rank's own partial, holding their sum in a slot while the
+    round lasts and in the accumulator after it (xla_ffi/notified/ordered_sum.h). The fetch
+    and the all-gather place their pieces without it. Fenced: the reduce window (the largest C block), the fetch's exposed blocks and the
     all-gather's (the largest block of the split C)."""
     executed = executed_plan(plan, sync)
     mine = executed.for_rank(rank)
@@ -316,7 +327,7 @@ def resident_window_bytes(plan: Plan, rank: int, itemsize: int, accum: int, sync
     if sync.mode == "notify":
         if executed.has_deliveries and plan.nranks > 1:
             attribute = notify_attribute(executed, rank, accum, sync)
-            accumulator = int(any(origin < rank for origin in mine.origins))
+            accumulator = int(_accumulates(attribute, rank))
             uses.append((min(attribute[0], attribute[3]) + accumulator) * attribute[1])
         if executed.has_gets:
             # A round of the fetch (fetch.rounds) touches the slots of its own owners.
