@@ -7,7 +7,13 @@ from __future__ import annotations
 from hypothesis import given, settings
 from strategies import products
 
-from osmm_jax._src.planning.cells import EVERYONE, Decision, cut_cells, decide
+from osmm_jax._src.planning.cells import (
+    EVERYONE,
+    Decision,
+    c_owners_compute_every_cell,
+    cut_cells,
+    decide,
+)
 from osmm_jax._src.planning.layout import Layout
 
 
@@ -95,3 +101,30 @@ def test_ties_go_to_the_c_owner_then_take_turns():
     )
     assert decide(cells, 0, 1, 0).server == 2  # ranks (1, 2) tied, turn 1
     assert decide(cells, 1, 0, 1).server == 1  # ranks (1, 2) tied, turn 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(products(max_dim=12, max_ranks=6))
+def test_the_all_cells_check_of_stationary_c_agrees_with_deciding_each_cell(product):
+    """``c_owners_compute_every_cell`` (every cell at once, as arrays) says yes exactly where
+    :func:`decide`, cell by cell, gives every cell to its C owner."""
+    a, b, c = product[:3]
+    if any(x.is_replicated for x in (a, b, c)):
+        return
+    cells = cut_cells(a, b, c)
+    by_cell = all(
+        decide(cells, mi, ki, ni).primary == cells.c_owner(mi, ni)
+        for mi, ki, ni in cells.every_cell()
+    )
+    assert c_owners_compute_every_cell(cells) == by_cell
+
+
+def test_an_even_grid_is_stationary_c_and_a_k_split_is_not():
+    grid = Layout.grid((8, 8), (2, 2))
+    assert c_owners_compute_every_cell(cut_cells(grid, grid, grid))
+    k_split = (
+        Layout.cols((8, 8), nranks=2),
+        Layout.rows((8, 8), nranks=2),
+        Layout.rows((8, 8), nranks=2),
+    )
+    assert not c_owners_compute_every_cell(cut_cells(*k_split))

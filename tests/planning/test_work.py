@@ -14,7 +14,7 @@ from strategies import worked_products
 from osmm_jax._src.planning import comm_bound
 from osmm_jax._src.planning.layout import Layout
 from osmm_jax._src.planning.plan import Plan, backward_plans, make_plan
-from osmm_jax._src.planning.work import Work, three_d_layouts
+from osmm_jax._src.planning.work import Work, owner_boxes, three_d_layouts
 
 
 def test_a_grid_gives_each_rank_one_box_and_finds_the_rank_of_any_point():
@@ -150,6 +150,48 @@ def test_a_plan_with_a_work_split_computes_the_product_exactly(layouts):
         np.testing.assert_array_equal(block, a_layout.shard(d_c @ b.T, rank))
     for rank, block in enumerate(simulate(plan_db, a.T, d_c)):
         np.testing.assert_array_equal(block, b_layout.shard(a.T @ d_c, rank))
+
+
+@pytest.mark.parametrize("grid", [(2, 2), (2, 3), (3, 2), (3, 3)])
+def test_a_grid_product_s_gradients_are_computed_where_its_product_was(grid):
+    """A product on a grid of C blocks (stationary C) hands its backward products the boxes
+    of its own blocks: each rank does the multiply-adds of the forward product in each (on
+    a 2x2 grid, deciding each cell alone gave two ranks 3 GEMMs and two ranks 1), and the
+    products stay exact."""
+    shape = (12, 12)
+    layout = Layout.grid(shape, grid)
+    plan = make_plan(layout, layout, layout)
+    assert not plan.has_deliveries
+    work = owner_boxes(plan.c, 12)
+    assert work is not None and work.shape == (grid[0], 1, grid[1])
+    for rank in range(plan.nranks):
+        rows_, inner, cols = work.box(rank)
+        assert (rows_, cols) == plan.c.blocks[rank] and inner == (0, 12)
+    plan_da, plan_db = backward_plans(plan)
+    assert plan_da.work == work.permuted((0, 2, 1)) and plan_db.work == work.permuted((1, 0, 2))
+
+    def flops(p, rank):
+        return sum(m.flops for m in p.for_rank(rank).multiplies)
+
+    for rank in range(plan.nranks):
+        assert flops(plan_da, rank) == flops(plan_db, rank) == flops(plan, rank)
+    rng = np.random.default_rng(1)
+    a, b, d_c = (rng.integers(-4, 5, shape).astype(np.float64) for _ in range(3))
+    for rank, block in enumerate(simulate(plan_da, d_c, b.T)):
+        np.testing.assert_array_equal(block, plan.a.shard(d_c @ b.T, rank))
+    for rank, block in enumerate(simulate(plan_db, a.T, d_c)):
+        np.testing.assert_array_equal(block, plan.b.shard(a.T @ d_c, rank))
+
+
+def test_only_a_2d_grid_of_c_blocks_gives_owner_boxes():
+    """Rows or columns of C (a 1-D split: deciding each cell alone already balances it) and a
+    replicated operand keep the cell-by-cell decision."""
+    shape = (8, 8)
+    assert owner_boxes(Layout.rows(shape, nranks=4), 8) is None
+    assert owner_boxes(Layout.cols(shape, nranks=4), 8) is None
+    grid = Layout.grid(shape, (2, 2))
+    replicated = make_plan(Layout.replicated(shape, nranks=4), grid, grid)
+    assert all(p.work is None for p in backward_plans(replicated))
 
 
 @settings(max_examples=200, deadline=None)

@@ -53,6 +53,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
+
 from osmm_jax._src.planning.layout import Interval, Layout
 from osmm_jax._src.planning.records import interval_size
 from osmm_jax._src.planning.work import Work
@@ -280,6 +282,30 @@ def decide(cells: Cells, mi: int, ki: int, ni: int, compute_at_inputs: bool = Fa
     else:
         server = tied[(mi + ki + ni) % len(tied)]
     return Decision(self_serving, server, server, a, b, c)
+
+
+def c_owners_compute_every_cell(cells: Cells) -> bool:
+    """Whether :func:`decide` gives every cell to its C owner (stationary C), for operands
+    that are all partitioned and no work split: the C owner moves no more than the owner of
+    the A or of the B piece would (its inputs to get against theirs and one partial to
+    deliver). It looks at every cell, so it decides them all at once, as arrays."""
+    assert cells.work is None and not (cells.a.replicated or cells.b.replicated)
+    if not (cells.m and cells.k and cells.n):
+        return True  # no cell
+    m, k, n = (
+        np.array([interval_size(iv) for iv in ivs], np.int64) for ivs in (cells.m, cells.k, cells.n)
+    )
+    a = np.array([[cells.a_owner(i, j) for j in range(len(k))] for i in range(len(m))])
+    b = np.array([[cells.b_owner(i, j) for j in range(len(n))] for i in range(len(k))])
+    c = np.array([[cells.c_owner(i, j) for j in range(len(n))] for i in range(len(m))])
+    a, b, c = a[:, :, None], b[None, :, :], c[:, None, :]
+    mk, kn, mn = m[:, None, None] * k[None, :, None], k[None, :, None] * n, m[:, None, None] * n
+
+    def cost(p):
+        return (a != p) * mk + (b != p) * kn + (c != p) * mn
+
+    at_c = cost(c)
+    return bool(np.all((at_c <= cost(a)) & (at_c <= cost(b))))
 
 
 def cells_of_rank(

@@ -23,6 +23,7 @@ from dataclasses import astuple
 
 from osmm_jax._src.planning.cells import (
     Cells,
+    c_owners_compute_every_cell,
     cells_of_rank,
     check_layouts,
     check_work,
@@ -54,7 +55,7 @@ from osmm_jax._src.planning.totals import (
     transfers_facts,
     with_gathers,
 )
-from osmm_jax._src.planning.work import Work
+from osmm_jax._src.planning.work import Work, owner_boxes
 
 
 class RankPlan:
@@ -551,15 +552,33 @@ def direct_plan(plan: Plan) -> Plan:
     )
 
 
+def _stationary_c(plan: Plan) -> bool:
+    """Whether every cell of ``plan`` is computed by the owner of its C block, with no
+    operand replicated and no work split. Looks at every cell; asked only where C's blocks
+    tile a 2-D grid (:func:`owner_boxes`)."""
+    layouts = (plan.a, plan.b, plan.c)
+    if plan.work is not None or any(x.is_replicated for x in layouts):
+        return False
+    return c_owners_compute_every_cell(plan.cells)
+
+
 @functools.lru_cache(maxsize=256)
 def backward_plans(plan: Plan) -> tuple[Plan, Plan]:
     """Plans of the two backward products of ``plan``.
 
     ``dA = dC @ B.T`` (layouts C, B.T -> A) and ``dB = A.T @ dC`` (layouts A.T,
     C -> B): both are ordinary distributed products with transposed layouts, and the same
-    boxes of work (a rank computes the gradients of the multiply-adds it computed).
+    boxes of work (a rank computes the gradients of the multiply-adds it computed): those of
+    ``plan.work``, or, for a product of partitioned operands on a 2-D grid of C blocks whose
+    every rank computes its own block (stationary C), those blocks (:func:`owner_boxes`).
+    Decided cell by cell instead, a grid's backward products fall to the ranks holding both
+    pieces of a cell: on a 2 x 2 grid two ranks then compute three GEMMs each and two
+    compute one.
     """
     work = plan.work
+    if work is None:
+        boxes = owner_boxes(plan.c, plan.dims[1])
+        work = boxes if boxes is not None and _stationary_c(plan) else None
     work_a = None if work is None else work.permuted((0, 2, 1))
     work_b = None if work is None else work.permuted((1, 0, 2))
     d_a = make_plan(plan.c, plan.b.T, plan.a, plan.comm_key, work_a)

@@ -220,6 +220,26 @@ def three_d_layouts(dims, grid, speeds=None) -> tuple[Layout, Layout, Layout, Wo
     return a, b, c, work
 
 
+def owner_boxes(c: Layout, inner: int) -> Work | None:
+    """The split in which every rank computes its own block of C over the whole inner
+    dimension (``inner`` = K), when C's blocks tile a grid of at least 2 x 2 tiles, one rank
+    per tile; else None. A 2-D grid product computes so by default (stationary C, as SUMMA);
+    given to its backward products (:func:`~osmm_jax._src.planning.plan.backward_plans`),
+    each rank computes the gradients of the multiply-adds it computed."""
+    rows = sorted({block[0] for block in c.blocks})
+    cols = sorted({block[1] for block in c.blocks})
+    tiles = {(block[0], block[1]): rank for rank, block in enumerate(c.blocks)}
+    if min(len(rows), len(cols)) < 2 or not len(tiles) == c.nranks == len(rows) * len(cols):
+        return None
+    if any((r, col) not in tiles for r in rows for col in cols):
+        return None
+    ranks = tuple(tiles[(r, col)] for r in rows for col in cols)
+    try:
+        return Work((c.shape[0], inner, c.shape[1]), tuple(rows), ((0, inner),), tuple(cols), ranks)
+    except ValueError:  # tiles that do not cover C edge to edge
+        return None
+
+
 def _coords(flat: int, shape: tuple[int, int, int]) -> tuple[int, int, int]:
     """``(i, ki, j)`` of the box at ``flat = (i * pk + ki) * pn + j`` on a ``shape`` grid."""
     _, pk, pn = shape
