@@ -118,6 +118,23 @@ def test_a_grid_product_holds_the_operands_it_joins_for_one_gemm():
     assert [memory.one_sided_transient(plan, r, packed=False) for r in range(4)] == [64] * 4
 
 
+def test_an_operand_joined_from_the_rank_s_whole_own_block_is_read_in_place():
+    """A sequence-parallel column layer's dB = A.T @ dC (A.T by columns, dC and dB by
+    columns): each rank's dB block is summed over every rank's rows of dC, its A.T pieces
+    (8 x 2 each, three fetched) joined side by side, a copy (64 elements), its dC pieces one
+    above the other, which is its own whole block of dC (2 wide, every row), read in place
+    (the K-split's A.T, its whole block too: tests/runtime/test_backward.py)."""
+    n, p = 8, 4
+    sequence = Plan(
+        Layout.rows((n, n), nranks=p), Layout.cols((n, n), nranks=p), Layout.cols((n, n), nranks=p)
+    )
+    _, d_b = sequence.backward()
+    for rank in range(p):
+        fetched = sum(t.elements for t in d_b.for_rank(rank).gets)
+        assert fetched == 3 * n * 2
+        assert memory.one_sided_transient(d_b, rank, False) == n * n  # not n * n + n * 2
+
+
 def test_a_k_split_holds_the_partials_it_delivers_and_a_staged_plan_the_whole_c():
     plan = _k_split()  # each rank's partial of C is 8x8; 3 blocks of 2x8 go to the others
     assert [memory.one_sided_transient(plan, r, packed=True) for r in range(4)] == [48] * 4

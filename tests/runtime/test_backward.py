@@ -62,9 +62,10 @@ def test_memory_bytes_of_the_gradient_counts_the_shared_pieces_once(monkeypatch)
         taken = backward.taken_on(plan, rank)
         peak = om.memory_bytes(plan, rank, direction="backward", sync="notify")
         d_b_shared = memory.one_sided_transient(d_b, rank, True, taken=taken)
-        # dB's GEMM over all of dC's rows joins its operands (2 x 8 of A.T and 8 x 8 of dC):
-        # that copy, not pieces of its own, is its peak; it serves nothing.
-        assert d_b_shared == 8 * (2 + 8)
+        # dB's GEMM over all of dC's rows joins dC's pieces (8 x 8); its A.T operand is the
+        # rank's whole block of A.T (2 x 8), read in place. That copy, not pieces of its own,
+        # is its peak; it serves nothing.
+        assert d_b_shared == 8 * 8
         d_a_alone = memory.one_sided_transient(d_a, rank, fetch.packs_pieces(d_a, rank, True))
         forward = memory.one_sided_transient(plan, rank, False)
         assert peak.transient == max(forward, d_a_alone + d_b_shared) * 4

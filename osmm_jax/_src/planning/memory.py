@@ -233,7 +233,9 @@ def one_sided_transient(
     served = (serves if packed else 0) + (serves if messages else 0)
     fetched = sum(t.elements for t in mine.gets if t not in taken) + kept
     partials = sum({(t.rows, t.cols, t.inner): t.elements for t in mine.deliveries}.values())
-    joined = _joined_operands(m for m in mine.multiplies if (m.rows, m.cols) not in unjoined)
+    joined = _joined_operands(
+        (m for m in mine.multiplies if (m.rows, m.cols) not in unjoined), plan, rank
+    )
     compute = max(fetched, joined) + partials * (2 if messages else 1) + merged
     return max(served + fetched + ahead, compute, whole_c)
 
@@ -265,18 +267,40 @@ def merged_block_operands(plan: Plan, rank: int) -> int:
     return joined_a + joined_b
 
 
-def _joined_operands(multiplies) -> int:
-    """Elements of the A and B operands of every C cell summed over several inner ranges."""
+def _joined_operands(multiplies, plan: Plan, rank: int) -> int:
+    """Elements of the A and B operands of every C cell summed over several inner ranges,
+    joined for one GEMM: its A pieces side by side, its B pieces one above the other. An
+    operand joined from pieces of ``rank``'s own block that lie in it one after another in
+    memory (inner ranges that follow one another across the block's whole width) is that
+    part of the block, which XLA reads in place (a backward product's whole block of C's
+    cotangent)."""
     cells: dict[tuple, list] = {}
     for m in multiplies:
         cells.setdefault((m.rows, m.cols), []).append(m)
     total = 0
-    for group in cells.values():
-        if len(group) > 1:
-            for m in group:
-                inner = m.inner[1] - m.inner[0]
-                total += inner * (m.rows[1] - m.rows[0] + m.cols[1] - m.cols[0])
+    for (rows, cols), group in cells.items():
+        if len(group) < 2:
+            continue
+        inners = sorted(m.inner for m in group)
+        if not _in_place(group, inners, "a_source", plan.a.blocks[rank][1], rank):
+            total += interval_size(rows) * sum(interval_size(i) for i in inners)
+        if not _in_place(group, inners, "b_source", plan.b.blocks[rank], rank, cols):
+            total += interval_size(cols) * sum(interval_size(i) for i in inners)
     return total
+
+
+def _in_place(group, inners, source: str, block, rank: int, cols=None) -> bool:
+    """Whether the operand joined from ``group``'s pieces (``source``: which operand's owner)
+    is one range of ``rank``'s own block in memory: every piece its own, the inner ranges
+    following one another, and for A (``block``: its column interval) covering the block's
+    columns, for B (``block``: its rows and columns) the block's columns (``cols``)."""
+    if any(getattr(m, source) != rank for m in group):
+        return False
+    if any(prev[1] != nxt[0] for prev, nxt in zip(inners, inners[1:])):
+        return False
+    if cols is None:
+        return (inners[0][0], inners[-1][1]) == tuple(block)
+    return tuple(cols) == tuple(block[1])
 
 
 def allreduce_transient(plan: Plan) -> int:
