@@ -288,24 +288,26 @@ def c_owners_compute_every_cell(cells: Cells) -> bool:
     """Whether :func:`decide` gives every cell to its C owner (stationary C), for operands
     that are all partitioned and no work split: the C owner moves no more than the owner of
     the A or of the B piece would (its inputs to get against theirs and one partial to
-    deliver). It looks at every cell, so it decides them all at once, as arrays."""
+    deliver). It looks at every cell, so it decides them a row of cells at a time, as arrays
+    (K x N cells), and stops at the first cell given to another rank."""
     assert cells.work is None and not (cells.a.replicated or cells.b.replicated)
     if not (cells.m and cells.k and cells.n):
         return True  # no cell
-    m, k, n = (
-        np.array([interval_size(iv) for iv in ivs], np.int64) for ivs in (cells.m, cells.k, cells.n)
-    )
-    a = np.array([[cells.a_owner(i, j) for j in range(len(k))] for i in range(len(m))])
+    k, n = (np.array([interval_size(iv) for iv in ivs], np.int64) for ivs in (cells.k, cells.n))
     b = np.array([[cells.b_owner(i, j) for j in range(len(n))] for i in range(len(k))])
-    c = np.array([[cells.c_owner(i, j) for j in range(len(n))] for i in range(len(m))])
-    a, b, c = a[:, :, None], b[None, :, :], c[:, None, :]
-    mk, kn, mn = m[:, None, None] * k[None, :, None], k[None, :, None] * n, m[:, None, None] * n
+    kn = k[:, None] * n
+    for mi, rows in enumerate(cells.m):
+        a = np.array([cells.a_owner(mi, j) for j in range(len(k))])[:, None]
+        c = np.array([cells.c_owner(mi, j) for j in range(len(n))])[None, :]
+        mk, mn = interval_size(rows) * k[:, None], interval_size(rows) * n[None, :]
 
-    def cost(p):
-        return (a != p) * mk + (b != p) * kn + (c != p) * mn
+        def cost(p):
+            return (a != p) * mk + (b != p) * kn + (c != p) * mn
 
-    at_c = cost(c)
-    return bool(np.all((at_c <= cost(a)) & (at_c <= cost(b))))
+        at_c = cost(c)
+        if not np.all((at_c <= cost(a)) & (at_c <= cost(b))):
+            return False
+    return True
 
 
 def cells_of_rank(
