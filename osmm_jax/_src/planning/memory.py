@@ -24,7 +24,7 @@ from osmm_jax._src import checks, config, units
 from osmm_jax._src.planning.layout import Layout
 from osmm_jax._src.planning.plan import Plan
 from osmm_jax._src.planning.plan_totals import PlanTotals
-from osmm_jax._src.planning.records import gemm_groups, interval_size
+from osmm_jax._src.planning.records import interval_size, one_gemm_over
 from osmm_jax._src.planning.totals import block_area
 
 
@@ -255,8 +255,7 @@ def merged_block_operands(plan: Plan, rank: int) -> int:
     requests = [(m, m.rows) for m in mine.multiplies]
     if len({(m.rows, m.cols) for m, _ in requests}) != len(requests):
         return 0  # a cell summed over several inner ranges
-    groups = gemm_groups(requests)
-    if len(groups) != 1 or groups[0][1] != tuple(plan.c.blocks[rank]):
+    if not one_gemm_over(requests, plan.c.blocks[rank]):
         return 0
     if all(m.a_source == m.b_source == rank for m, _ in requests):
         return 0  # cut from the rank's own blocks
@@ -278,29 +277,27 @@ def _joined_operands(multiplies, plan: Plan, rank: int) -> int:
     for m in multiplies:
         cells.setdefault((m.rows, m.cols), []).append(m)
     total = 0
+    a_cols, b_cols = plan.a.blocks[rank][1], plan.b.blocks[rank][1]
     for (rows, cols), group in cells.items():
         if len(group) < 2:
             continue
         inners = sorted(m.inner for m in group)
-        if not _in_place(group, inners, "a_source", plan.a.blocks[rank][1], rank):
-            total += interval_size(rows) * sum(interval_size(i) for i in inners)
-        if not _in_place(group, inners, "b_source", plan.b.blocks[rank], rank, cols):
-            total += interval_size(cols) * sum(interval_size(i) for i in inners)
+        size = sum(interval_size(i) for i in inners)
+        span = (inners[0][0], inners[-1][1])
+        if not (_own_in_order(group, inners, "a_source", rank) and span == tuple(a_cols)):
+            total += interval_size(rows) * size
+        if not (_own_in_order(group, inners, "b_source", rank) and tuple(cols) == tuple(b_cols)):
+            total += interval_size(cols) * size
     return total
 
 
-def _in_place(group, inners, source: str, block, rank: int, cols=None) -> bool:
-    """Whether the operand joined from ``group``'s pieces (``source``: which operand's owner)
-    is one range of ``rank``'s own block in memory: every piece its own, the inner ranges
-    following one another, and for A (``block``: its column interval) covering the block's
-    columns, for B (``block``: its rows and columns) the block's columns (``cols``)."""
-    if any(getattr(m, source) != rank for m in group):
-        return False
-    if any(prev[1] != nxt[0] for prev, nxt in zip(inners, inners[1:])):
-        return False
-    if cols is None:
-        return (inners[0][0], inners[-1][1]) == tuple(block)
-    return tuple(cols) == tuple(block[1])
+def _own_in_order(group, inners, source: str, rank: int) -> bool:
+    """Whether every piece of ``group`` comes from ``rank``'s own block (``source``: the
+    operand's owner field) and their inner ranges follow one another: joined, they are one
+    range of that block, in memory where it spans the block's whole width."""
+    return all(getattr(m, source) == rank for m in group) and all(
+        prev[1] == nxt[0] for prev, nxt in zip(inners, inners[1:])
+    )
 
 
 def allreduce_transient(plan: Plan) -> int:

@@ -553,11 +553,10 @@ def direct_plan(plan: Plan) -> Plan:
 
 
 def _stationary_c(plan: Plan) -> bool:
-    """Whether every cell of ``plan`` is computed by the owner of its C block, with no
-    operand replicated and no work split. Looks at every cell; asked only where C's blocks
-    tile a 2-D grid (:func:`owner_boxes`)."""
-    layouts = (plan.a, plan.b, plan.c)
-    if plan.work is not None or any(x.is_replicated for x in layouts):
+    """Whether every cell of ``plan`` (no work split) is computed by the owner of its C block,
+    with no operand replicated. Looks at every cell; asked only where C's blocks tile a 2-D
+    grid (:func:`owner_boxes`)."""
+    if plan.a.is_replicated or plan.b.is_replicated:
         return False
     return c_owners_compute_every_cell(plan.cells)
 

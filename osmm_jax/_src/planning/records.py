@@ -171,6 +171,14 @@ def gemm_groups(requests, apart=None) -> list:
     return gemms
 
 
+def one_gemm_over(requests, block, apart=None) -> bool:
+    """Whether :func:`gemm_groups` computes all of ``requests`` as ONE GEMM whose rectangle is
+    ``block`` (a rank's whole C block: ``one_sided._whole_block``, and the operands the memory
+    model counts as joined for it)."""
+    groups = gemm_groups(requests, apart)
+    return len(groups) == 1 and groups[0][1] == tuple(block)
+
+
 def reads_own(m, rank) -> bool:
     """Whether multiply ``m`` reads only ``rank``'s own blocks (False for ``rank`` None)."""
     return rank is not None and m.a_source == m.b_source == rank

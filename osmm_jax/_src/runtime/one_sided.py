@@ -47,7 +47,7 @@ import numpy as np
 
 from osmm_jax._src import dtypes
 from osmm_jax._src.planning.plan import Plan
-from osmm_jax._src.planning.records import gemm_groups, reads_own
+from osmm_jax._src.planning.records import gemm_groups, one_gemm_over, reads_own
 from osmm_jax._src.runtime import fetch, gather, native, primitives, slots
 from osmm_jax._src.runtime.slots import FENCE, Sync, executed_plan
 
@@ -357,9 +357,8 @@ def _whole_block(operands: _Operands, pieces):
     requests, owners = _requests(operands, pieces)
     if not requests or len(set(owners)) != len(owners):
         return None  # nothing, or a piece summed over several inner ranges
-    groups = gemm_groups(requests, operands.apart)
     block = tuple(operands.plan.c.blocks[operands.rank])
-    if len(groups) != 1 or groups[0][1] != block:
+    if not one_gemm_over(requests, block, operands.apart):
         return None
     plan, rank, a, b, remote = operands[:5]
     return _merged_gemm(plan, rank, a, b, requests, block, remote)

@@ -319,8 +319,9 @@ def resident_window_bytes(plan: Plan, rank: int, itemsize: int, accum: int, sync
     all ranked below this rank, is followed by another: the fixed-order sum adds those
     origins' slots before this rank's own partial, holding their sum in a slot while the
     round lasts and in the accumulator after it (xla_ffi/notified/ordered_sum.h). The fetch
-    and the all-gather place their pieces without it. Fenced: the reduce window (the largest C block), the fetch's exposed blocks and the
-    all-gather's (the largest block of the split C)."""
+    and the all-gather place their pieces without it. Fenced: the reduce window (the largest
+    C block), the fetch's exposed blocks and the all-gather's (the largest block of the split
+    C)."""
     executed = executed_plan(plan, sync)
     mine = executed.for_rank(rank)
     uses = []
