@@ -33,6 +33,8 @@ struct Counters {
   std::atomic<int64_t> messages{0};       // messages sent by the message transport (messages.h)
   std::atomic<int64_t> message_bytes{0};  // their bytes, stamps and images' zeros included
   std::atomic<int64_t> resyncs{0};  // times the ranks started again after an abandoned product
+  // Ordered sums whose lower origins moved to the slots window's accumulator (ordered_sum.h).
+  std::atomic<int64_t> accumulator_folds{0};
 
   // Histogram of RMA epoch latencies (opening fence to closing fence, seconds): counts per
   // bucket, not cumulative; the last bucket is +Inf. Lock-free, so recording never blocks.

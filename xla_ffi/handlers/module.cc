@@ -56,6 +56,7 @@ nb::dict Stats() {
   d["messages"] = c.messages.load();
   d["message_bytes"] = c.message_bytes.load();
   d["resyncs"] = c.resyncs.load();
+  d["accumulator_folds"] = c.accumulator_folds.load();
   d["deferred_reduces"] = c.deferred_reduces.load();
   d["fetches_ahead"] = c.fetches_ahead.load();
   d["deferred_held"] = osmm::HeldDeferred();
@@ -192,8 +193,8 @@ NB_MODULE(OSMM_FFI_MODULE, m) {
         "This process's counters since start: rma_ops, rma_bytes, sent_bytes, accumulates, "
         "puts, gets, fences, calls (RMA epochs), agreements; closing_fence_seconds (time in reduce "
         "epochs' closing fences); notifications, notify_wait_seconds, deferred_deliveries, "
-        "credit_reads, credit_pushes, slot_window_bytes, resyncs and deferred_held (the notified "
-        "mode); messages "
+        "credit_reads, credit_pushes, slot_window_bytes, accumulator_folds, resyncs and "
+        "deferred_held (the notified mode); messages "
         "and message_bytes (its message transport); "
         "progress_polls "
         "(MPI polls of the progress thread); staged_bytes and staging_seconds "

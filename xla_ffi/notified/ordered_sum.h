@@ -8,6 +8,7 @@
 
 #include "core/buffer_ops.h"
 #include "core/common.h"
+#include "core/counters.h"
 
 namespace osmm {
 
@@ -72,6 +73,7 @@ class OrderedSum {
   ffi::Error EndRound(bool last) {
     if (state_ != kHeld) return ffi::Error::Success();
     if (last) return AddLocal();
+    GlobalCounters().accumulator_folds.fetch_add(1, std::memory_order_relaxed);
     Fold(held_, acc_, /*copy=*/true);
     state_ = kAcc;
     return ffi::Error::Success();

@@ -199,7 +199,10 @@ def stats() -> dict:
     (live persistent windows) and ``window_bytes`` (their total size); in the
     notified mode ``notifications`` (stamps sent), ``notify_wait_seconds``,
     ``deferred_deliveries``, ``credit_reads``, ``credit_pushes``,
-    ``slot_window_bytes``, ``resyncs`` (times the ranks started again
+    ``slot_window_bytes``, ``accumulator_folds`` (products whose
+    fixed-order sum went through the slots window's accumulator: a round of
+    origins, all below this rank, followed by another; the slots alone hold
+    it otherwise), ``resyncs`` (times the ranks started again
     together after a product abandoned by one of them), ``deferred_reduces``
     (weight gradients whose finish a waiter thread ran, ``OSMM_DEFER``),
     ``fetches_ahead`` (fetches a waiter thread finished while the GEMMs on

@@ -303,7 +303,8 @@ def bytes_issued(
 def _accumulates(attribute, rank: int) -> bool:
     """Whether the notified reduce of ``attribute`` (:func:`notify_attribute`) on ``rank``
     moves a sum into the window's accumulator: some round of ``S`` slots (a product's:
-    half the slots with two sets) holds only origins below ``rank``, and another follows."""
+    half the slots with two sets) holds only origins below ``rank``, and another follows.
+    The native layer counts each such product (``osmm_jax.stats()["accumulator_folds"]``)."""
     slots, flags, count = attribute[0], attribute[2], attribute[3]
     per_round = slots // 2 if flags & 2 else slots
     below = sum(1 for origin in attribute[4 : 4 + count] if origin < rank)

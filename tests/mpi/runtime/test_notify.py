@@ -125,11 +125,21 @@ def test_a_slot_budget_of_one_slot_sums_in_rounds_with_the_same_bits(
     plan = _plan(case)
     _, _, a_loc, b_loc = _blocks(case)
     product = jax.jit(lambda x, y: om.matmul(x, y, plan, sync="notify"))
+    folds = om.stats()["accumulator_folds"]
     unlimited = np.asarray(product(a_loc, b_loc))
+    assert om.stats()["accumulator_folds"] == folds  # a slot per origin: the slots hold the sum
     monkeypatch.setenv(config.SLOT_BUDGET, "1")  # one byte: a single slot, one round per origin
     rounds = np.asarray(jax.jit(lambda x, y: om.matmul(x, y, plan, sync="notify"))(a_loc, b_loc))
     assert unlimited.tobytes() == rounds.tobytes()
     assert om.stats()["slot_window_bytes"] == 2 * _slot_bytes(plan)  # accumulator + one slot
+    # The accumulator is used exactly where the memory model counts it resident: the sum of
+    # the origins below this rank outlives its round (the one slot) when another origin follows.
+    sync = slots.Sync("notify", slot_budget=1, credits=credits)
+    executed = slots.executed_plan(plan, sync)
+    origins = executed.for_rank(RANK).origins
+    expected = any(o < RANK for o in origins) and len(origins) > 1
+    assert slots._accumulates(slots.notify_attribute(executed, RANK, 4, sync), RANK) == expected
+    assert om.stats()["accumulator_folds"] - folds == int(expected)
 
 
 def _slot_bytes(plan) -> int:
