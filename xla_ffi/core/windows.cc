@@ -435,4 +435,33 @@ int64_t LiveWindowCount() { return GlobalCache().live_count.load(); }
 
 int64_t LiveWindowBytes() { return GlobalCache().live_bytes.load(); }
 
+std::vector<WindowRegion> LiveWindowRegions() {
+  std::vector<WindowRegion> regions;
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return regions;
+  Cache& cache = GlobalCache();
+  std::lock_guard<std::mutex> lock(cache.mu);
+  for (const auto& entry : cache.entries) {
+    if (entry->win == MPI_WIN_NULL || entry->memory != nullptr) continue;
+    int me = 0;
+    int size = 0;
+    MPI_Comm_rank(entry->comm, &me);
+    MPI_Comm_size(entry->comm, &size);
+    regions.push_back({true, reinterpret_cast<uintptr_t>(entry->base), entry->bytes});
+    for (int r = 0; r < size; ++r) {
+      MPI_Aint bytes = 0;
+      int disp_unit = 0;
+      void* base = nullptr;
+      if (r == me ||
+          MPI_Win_shared_query(entry->win, r, &bytes, &disp_unit, &base) != MPI_SUCCESS ||
+          base == nullptr) {
+        continue;
+      }
+      regions.push_back({false, reinterpret_cast<uintptr_t>(base), static_cast<int64_t>(bytes)});
+    }
+  }
+  return regions;
+}
+
 }  // namespace osmm

@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <vector>
 
 #include "core/common.h"
 
@@ -155,6 +156,20 @@ ffi::Error ReleaseWindows(int64_t* released_bytes);
 // Number of live windows and their total size in bytes.
 int64_t LiveWindowCount();
 int64_t LiveWindowBytes();
+
+// Where a live window's memory lies in this process: this rank's own, or another rank's
+// mapped here because the window is shared within a node (MPI_Win_shared_query).
+struct WindowRegion {
+  bool own = false;
+  uintptr_t address = 0;
+  int64_t bytes = 0;
+};
+
+// The regions of every live host window (MPI_Win_allocate): this rank's memory, and the
+// memory of the other ranks whose windows MPI maps into this process (none across nodes).
+// Writes into another rank's region make its pages resident in this process's resident set
+// too, which a per-rank memory measurement must tell apart from the rank's own (memory.py).
+std::vector<WindowRegion> LiveWindowRegions();
 
 }  // namespace osmm
 

@@ -66,6 +66,15 @@ nb::dict Stats() {
   return d;
 }
 
+// [(own, address, bytes)] of every live host window's memory in this process (windows.h).
+nb::list WindowRegions() {
+  nb::list regions;
+  for (const osmm::WindowRegion& r : osmm::LiveWindowRegions()) {
+    regions.append(nb::make_tuple(r.own, static_cast<uint64_t>(r.address), r.bytes));
+  }
+  return regions;
+}
+
 // (bucket upper bounds in seconds, counts per bucket with +Inf last, sum of seconds).
 nb::tuple LatencyHistogram() {
   const osmm::Counters& c = osmm::GlobalCounters();
@@ -189,6 +198,10 @@ NB_MODULE(OSMM_FFI_MODULE, m) {
   m.def("drop_uncollected", &osmm::DropUncollected,
         "Forget the results of deferred reduces whose finish did not run (their program failed "
         "between the start and the finish); returns how many.");
+  m.def("window_regions", &WindowRegions,
+        "[(own, address, bytes)]: where the memory of every live host window lies in this "
+        "process, this rank's own and other ranks' that MPI maps here (shared memory within a "
+        "node).");
   m.def("stats", &Stats,
         "This process's counters since start: rma_ops, rma_bytes, sent_bytes, accumulates, "
         "puts, gets, fences, calls (RMA epochs), agreements; closing_fence_seconds (time in reduce "

@@ -172,6 +172,19 @@ def stats() -> dict[str, int | float]:
     return dict(_osmm_ffi.stats())
 
 
+def window_regions() -> list[tuple[bool, int, int]]:
+    """``[(own, address, bytes)]``: where the memory of every live host window lies in this
+    process. ``own``: this rank's memory; else another rank's, which MPI maps into this
+    process where the window is shared within a node (MPICH's shared-memory windows). A
+    write into another rank's region makes those pages part of this process's resident set
+    as well as the owner's, so a per-rank memory measurement must leave them out
+    (``benchmarks/memory.py``)."""
+    return [
+        (bool(own), int(address), int(nbytes))
+        for own, address, nbytes in _osmm_ffi.window_regions()
+    ]
+
+
 def latency_histogram() -> tuple[list[float], list[int], float]:
     """RMA epoch latencies (opening to closing fence of each call, seconds).
 
