@@ -25,22 +25,18 @@ ones), on every rank:
   resident-set high-water mark above the resident set before the call (``/proc/self/status``
   VmHWM, reset through ``/proc/self/clear_refs``), each call after osmm_jax's windows were
   freed, so that the windows it creates count; less the pages of other ranks' windows it
-  wrote into, plus the pages of its own that only other ranks wrote (:func:`window_pages`);
+  wrote into, plus the pages of its own that only other ranks wrote (:func:`benchmarks.pages.window_pages`);
 * ``kept``: what stays resident after the call, its result dropped (windows, slots, caches),
   counted the same way;
 * ``released``: how much of the resident set :func:`osmm_jax.release` then gives back (the
   windows it frees);
 * ``predicted``: :func:`osmm_jax.memory_bytes` for the rank, the method and the direction.
 
-Within a node MPICH maps every rank's window memory into every process (one shared file), and
-Linux counts a shared page in the resident set of each process that touched it: a rank's
-puts into another rank's slot show in its own VmRSS, the slots other ranks wrote into its
-window only once it reads them. Across hosts or devices those pages are the target's memory
-alone, so ``held`` and ``kept`` count a window page on the rank that owns it, from the page
-tables (``/proc/self/pagemap``) and the page cache (``mincore``) over the regions
-``native.window_regions`` names. Other ranks' pages are counted as they are after the call;
-they are written by the fetch at the call's start or by the deliveries while the partials
-they come from are alive, so the peak includes them.
+Within a node MPICH maps every rank's window memory into every process, and Linux counts a
+shared page in the resident set of each process that touched it, so ``held`` and ``kept``
+count a window page on the rank that owns it (``benchmarks/pages.py``). Other ranks' pages
+are counted as they are after the call; the fetch writes them at the call's start and the
+deliveries while the partials they come from are alive, so the peak includes them.
 
 Every figure is the median over ``--repeats`` calls. Rank 0 prints a Markdown table with
 held / needed and held / predicted per case and rank.
@@ -49,7 +45,6 @@ held / needed and held / predicted per case and rank.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import os
 import statistics
@@ -62,7 +57,8 @@ import numpy as np
 import osmm_jax as om
 from benchmarks import common
 from benchmarks.common import COMM, RANK, SIZE
-from osmm_jax._src.runtime import backward, native, slots
+from benchmarks.pages import window_pages
+from osmm_jax._src.runtime import backward, slots
 
 MiB = 2**20
 FAMILIES = ("rows", "k_split", "grid")
@@ -97,49 +93,6 @@ def _reset_peak() -> None:
     """Start the resident-set high-water mark again from the current resident set."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-
-
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-def _page_span(address: int, nbytes: int) -> tuple[int, int]:
-    """The first page and the number of pages of ``nbytes`` bytes at ``address``."""
-    first = address // PAGE
-    return first, max(0, (address + nbytes - 1) // PAGE - first + 1)
-
-
-def _mapped_bytes(address: int, nbytes: int) -> int:
-    """Bytes of the pages of a region that this process's page table maps (it touched them):
-    bit 63 of their ``/proc/self/pagemap`` entries."""
-    first, count = _page_span(address, nbytes)
-    fd = os.open("/proc/self/pagemap", os.O_RDONLY)
-    try:
-        entries = np.frombuffer(os.pread(fd, count * 8, first * 8), np.uint64)
-    finally:
-        os.close(fd)
-    return int(np.count_nonzero(entries >> np.uint64(63))) * PAGE
-
-
-def _resident_bytes(address: int, nbytes: int) -> int:
-    """Bytes of the pages of a region that are in memory, whoever touched them (``mincore``)."""
-    first, count = _page_span(address, nbytes)
-    vector = (ctypes.c_ubyte * count)()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    if libc.mincore(first * PAGE, count * PAGE, vector) != 0:
-        raise OSError(ctypes.get_errno(), "mincore")
-    return sum(v & 1 for v in vector) * PAGE
-
-
-def window_pages() -> int:
-    """What to add to this rank's resident set so that osmm_jax's window pages count on the
-    rank that owns them: the pages of its own windows that only other ranks touched, less
-    the pages of other ranks' windows this rank touched (shared within a node)."""
-    correction = 0
-    for own, address, nbytes in native.window_regions():
-        mapped = _mapped_bytes(address, nbytes)
-        correction += _resident_bytes(address, nbytes) - mapped if own else -mapped
-    return correction
 
 
 def needed_bytes(plan, direction: str, keep_fetched: bool = False) -> int:

@@ -173,7 +173,8 @@ ffi::Error PlaceSlot(BufferOps& ops, const NotifiedReduce& n, size_t index, std:
                      ffi::DataType dtype, const void* local, void* out);
 
 // Placement: `out` = `local` wherever no origin's bytes land (this rank's own part; `elements`
-// in the block), through the accumulator, which placement never writes and so stays zero.
+// in the block): nothing to do where they are one buffer (XLA aliases them), else through the
+// accumulator, which placement never writes and so stays zero.
 ffi::Error PlaceLocal(BufferOps& ops, const NotifiedReduce& n, ffi::DataType dtype,
                       const void* local, void* out, int64_t elements);
 

@@ -24,8 +24,12 @@ ffi::Error PlaceSlot(BufferOps& ops, const NotifiedReduce& n, size_t index, std:
 
 // `out` = `local` wherever no origin's bytes land (this rank's own part), through
 // the accumulator, which placement never writes and so stays zero, a slot's bytes at a time.
+// Where `local` is `out` (XLA aliases the finish's result to its operand) the own part is in
+// place already: reading the accumulator would only make its pages resident (within a node
+// its memory is a shared file, whose unwritten pages a read allocates).
 ffi::Error PlaceLocal(BufferOps& ops, const NotifiedReduce& n, ffi::DataType dtype,
                       const void* local, void* out, int64_t elements) {
+  if (local == out) return ffi::Error::Success();
   const int64_t itemsize = static_cast<int64_t>(ffi::ByteWidth(dtype));
   std::vector<std::pair<int64_t, int64_t>> taken;  // [begin, end) bytes the origins fill
   for (size_t i = 0; i < n.spec.origin_extents.size(); ++i) {

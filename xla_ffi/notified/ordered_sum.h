@@ -38,6 +38,10 @@ class OrderedSum {
       state_ = kOut;  // local + the sum so far, held in a slot
       return ops_.AddWindowInto(dtype_, local_, held_, out_, n_);
     }
+    if (state_ == kEmpty && !origin_above_ && local_ == out_) {
+      state_ = kOut;  // no origin: the sum is the partial, in place (the acc stays untouched)
+      return ffi::Error::Success();
+    }
     if (state_ == kAcc || (state_ == kEmpty && !origin_above_)) {
       state_ = kOut;  // local + the sum so far (an all-zero acc when nothing came)
       return ops_.AddWindowInto(dtype_, local_, acc_, out_, n_);

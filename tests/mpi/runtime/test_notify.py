@@ -17,8 +17,9 @@ from mpi4py import MPI
 from product_cases import default_sync
 
 import osmm_jax as om
+from benchmarks import pages
 from osmm_jax._src import config, dtypes
-from osmm_jax._src.runtime import communicators, slots
+from osmm_jax._src.runtime import communicators, native, slots
 
 jax.config.update("jax_enable_x64", True)
 
@@ -350,6 +351,40 @@ def test_a_grid_product_holds_only_its_fetched_pieces_beside_its_blocks():
     predicted = om.memory_bytes(plan, RANK, sync="notify").transient
     assert predicted == 2 * block_bytes
     assert 2 * block_bytes <= temp <= predicted + 4096
+
+
+@pytest.mark.ranks(min=2, reason="windows other ranks write into")
+@pytest.mark.parametrize("name", ["k_split", "staged", "grid"])
+def test_the_windows_hold_in_memory_the_slots_memory_bytes_counts(name, request):
+    """Within a node the windows are a shared file whose pages take memory only once written
+    (or read): after one product, this rank's window pages in memory are the slots
+    memory_bytes counts (``.windows``), not the accumulator a placement never sums into,
+    nor the slots of origins it does not have."""
+    if name == "staged":  # a reduce-scatter, then the all-gather's placement
+        request.getfixturevalue("staged")
+    n = 512  # blocks of many pages
+    rows, cols = om.Layout.rows((n, n)), om.Layout.cols((n, n))
+    layouts = {
+        "k_split": (cols, rows, rows),
+        "staged": (cols, rows, om.Layout.replicated((n, n))),
+        "grid": (om.Layout.grid((n, n), (SIZE // 2, 2) if SIZE % 2 == 0 else (1, SIZE)),) * 3,
+    }[name]
+    plan = om.plan(*layouts)
+    _, _, a_loc, b_loc = _blocks(layouts)
+    product = jax.jit(lambda x, y: om.matmul(x, y, plan, sync="notify"))
+    product(a_loc, b_loc).block_until_ready()
+    jax.effects_barrier()
+    om.release()  # the windows the next product creates are fresh
+    product(a_loc, b_loc).block_until_ready()
+    jax.effects_barrier()
+    COMM.Barrier()  # every origin's writes are in
+    regions = native.window_regions()
+    if not all(COMM.allgather(any(not own for own, _, _ in regions))):
+        pytest.skip("the windows are not shared memory under this MPI (nothing to tell apart)")
+    resident = sum(pages.resident_bytes(address, nbytes) for own, address, nbytes in regions if own)
+    expected = om.memory_bytes(plan, RANK, sync="notify").windows
+    # A slot need not begin on a page: its neighbours' edge pages may come in too.
+    assert abs(resident - expected) <= 4 * pages.PAGE * (2 + SIZE), (resident, expected)
 
 
 @pytest.mark.ranks(min=3, reason="several owners per getter")
