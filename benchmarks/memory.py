@@ -177,9 +177,10 @@ def print_table(records: list[dict]) -> None:
             )
 
 
-def draw(path: str, out: str) -> None:
+def draw(path: str, out: str, labels: list[str] | None = None) -> None:
     """A bar chart of held / needed (the worst rank) per case, one bar per record of the JSON
-    list at ``path`` (its ``label`` in the legend), saved to ``out``."""
+    list at ``path`` (its ``label`` in the legend; only those ``labels`` if given, in their
+    order), saved to ``out``."""
     import json
 
     import matplotlib
@@ -188,6 +189,9 @@ def draw(path: str, out: str) -> None:
     import matplotlib.pyplot as plt
 
     runs = json.loads(Path(path).read_text())
+    if labels:
+        by_label = {run["label"]: run for run in runs}
+        runs = [by_label[label] for label in labels]
     key = lambda r: (r["family"], r["method"], r["direction"])  # noqa: E731
     cases = list(dict.fromkeys(key(r) for run in runs for r in run["records"]))
     fig, ax = plt.subplots(figsize=(11, 4))
@@ -225,9 +229,15 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--draw", default=None, help="only draw the JSON list at --json to this PNG, no MPI"
     )
+    parser.add_argument(
+        "--draw-label",
+        action="append",
+        default=None,
+        help="with --draw: a record to draw (repeat it; default every record)",
+    )
     args = parser.parse_args(argv)
     if args.draw:
-        draw(args.json, args.draw)
+        draw(args.json, args.draw, args.draw_label)
         return
     if "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         raise SystemExit(
