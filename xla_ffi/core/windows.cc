@@ -448,7 +448,9 @@ std::vector<WindowRegion> LiveWindowRegions() {
     int size = 0;
     MPI_Comm_rank(entry->comm, &me);
     MPI_Comm_size(entry->comm, &size);
-    regions.push_back({true, reinterpret_cast<uintptr_t>(entry->base), entry->bytes});
+    // The whole allocation, header included, as MPI_Win_shared_query gives the others'.
+    const int64_t allocated = entry->bytes + WindowHeader::kBytes;
+    regions.push_back({true, reinterpret_cast<uintptr_t>(entry->base), allocated});
     for (int r = 0; r < size; ++r) {
       MPI_Aint bytes = 0;
       int disp_unit = 0;

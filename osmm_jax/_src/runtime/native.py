@@ -178,7 +178,7 @@ def window_regions() -> list[tuple[bool, int, int]]:
     process where the window is shared within a node (MPICH's shared-memory windows). A
     write into another rank's region makes those pages part of this process's resident set
     as well as the owner's, so a per-rank memory measurement must leave them out
-    (``benchmarks/memory.py``)."""
+    (``benchmarks/pages.py``)."""
     return [
         (bool(own), int(address), int(nbytes))
         for own, address, nbytes in _osmm_ffi.window_regions()
