@@ -86,7 +86,10 @@ def test_the_plan_runs():
 
 @pytest.mark.ranks(min=2, reason="a slow rank is slow only next to a faster one")
 def test_a_rank_slowed_mid_run_by_extra_work_is_detected_and_loses_rows():
-    """Real timings: from step 6 on, the last rank does its product three more times."""
+    """Real timings: from step 6 on, the last rank does its product three more times. The
+    rows it loses are checked when the change is made: later steps may move rows again
+    (under the heterogeneity run's binding the host's load on the other core can make the
+    ranks sharing it the slow ones for a while), which is the Rebalancer doing its job."""
     import time
 
     import jax
@@ -95,7 +98,7 @@ def test_a_rank_slowed_mid_run_by_extra_work_is_detected_and_loses_rows():
     rebalancer = Rebalancer(SIZE * 512, [1.0] * SIZE, window=5, quantum=64)
     dot = jax.jit(jnp.dot)
     b = jnp.ones((256, 256), jnp.float32)
-    slowed_at, changed_at = 6, None
+    slowed_at, changed_at, sizes_then = 6, None, None
     for step in range(30):
         a = jnp.ones((rebalancer.sizes[RANK], 256), jnp.float32)
         dot(a, b).block_until_ready()  # compile outside the timed region
@@ -108,12 +111,13 @@ def test_a_rank_slowed_mid_run_by_extra_work_is_detected_and_loses_rows():
             and step >= slowed_at
             and changed_at is None
         ):
-            changed_at = step
+            changed_at, sizes_then = step, rebalancer.sizes
     assert changed_at is not None, f"no rebalance after the slowdown: {rebalancer.last_event}"
     assert changed_at - slowed_at <= 12, (
         f"detected only {changed_at - slowed_at} steps after the slowdown"
     )
-    assert rebalancer.sizes[SIZE - 1] < 512 and sum(rebalancer.sizes) == SIZE * 512
+    assert sizes_then[SIZE - 1] < 512, f"the slowed rank did not lose rows: {sizes_then}"
+    assert sum(rebalancer.sizes) == SIZE * 512
     assert len(set(MPI.COMM_WORLD.allgather(rebalancer.sizes))) == 1
 
 
