@@ -107,14 +107,19 @@ def test_pieces_are_packed_unless_they_are_whole_rows_in_the_accumulation_dtype(
     assert not any(fetch.packs_pieces(local, r, False) for r in range(4))  # serves nothing
 
 
-def test_the_allreduce_method_holds_no_windows_and_its_products_in_turn():
+def test_the_allreduce_method_of_a_plan_made_elsewhere_counts_its_whole_matrices():
+    """A plan whose communicator is not in this process (built to size a job) is counted from
+    the plan: the whole matrices, the backward products side by side, and MPI's buffer for the
+    largest sum (half the whole 8 x 8 C); no windows."""
     plan = _grid()
+    mpi = 8 * 8 * 4 // 2
     forward = om.memory_bytes(plan, 0, method="allreduce")
-    assert (forward.transient, forward.windows) == (memory.allreduce_transient(plan) * 4, 0)
+    assert (forward.transient, forward.windows) == (memory.allreduce_transient(plan) * 4 + mpi, 0)
     backward = om.memory_bytes(plan, 0, method="allreduce", direction="backward")
     d_a, d_b = plan.backward()
     both = memory.allreduce_transient(d_a) + memory.allreduce_transient(d_b)
-    assert backward.transient == max(memory.allreduce_transient(plan), both) * 4
+    assert backward.transient == max(memory.allreduce_transient(plan), both) * 4 + mpi
+    assert memory.allreduce_transient(plan) == 4 * 8 * 8  # whole A, B, C and the summed C
 
 
 def test_16_bit_inputs_count_their_blocks_in_two_bytes_and_the_buffers_in_four():

@@ -31,10 +31,12 @@ it; the result is cast to the input dtype once, at the end.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from osmm_jax._src import dtypes
-from osmm_jax._src.planning.plan import Plan
+from osmm_jax._src.planning.plan import Plan, backward_plans
 from osmm_jax._src.runtime import one_sided, primitives
 
 
@@ -86,3 +88,60 @@ def _assemble(x, layout, rank, comm_key):
     padded = jnp.zeros(layout.shape, dtypes.accumulation_dtype(x.dtype)).at[rows, cols].set(x)
     summed = primitives.allreduce_sum(padded, comm=comm_key)
     return summed.astype(x.dtype)
+
+
+def compiled_temporaries(plan: Plan, rank: int, dtype, direction: str) -> int:
+    """Bytes of the buffers XLA assigns beside the blocks when this method runs ``plan`` on
+    ``rank``: the temporaries of its compiled program (``memory_analysis()``), for the product
+    (``direction="forward"``) or its gradient with respect to A and B (``"backward"``: the
+    product and both backward products, as the jitted gradient runs them), inputs of ``dtype``.
+    Compiled, never run: no MPI traffic. The blocks themselves are the program's arguments and
+    results, not counted here."""
+    shapes = [plan.a.local_shape(rank), plan.b.local_shape(rank)]
+    if direction == "forward":
+        program = lambda a, b: forward(plan, rank, a, b)  # noqa: E731
+    else:
+        plan_da, plan_db = backward_plans(plan)
+        shapes.append(plan.c.local_shape(rank))
+
+        def program(a, b, d_c):
+            forward(plan, rank, a, b)  # its custom calls run although C is not returned
+            return forward(plan_da, rank, d_c, b.T), forward(plan_db, rank, a.T, d_c)
+
+    arguments = [jax.ShapeDtypeStruct(shape, dtype) for shape in shapes]
+    analysis = jax.jit(program).lower(*arguments).compile().memory_analysis()
+    return int(analysis.temp_size_in_bytes)
+
+
+def mpi_buffer_bytes(plan: Plan, accum_itemsize: int, direction: str) -> int:
+    """Bytes the MPI library holds while this method's largest all-reduce runs: half the
+    message (the receive buffer of a reduce-scatter by recursive halving, which MPICH runs for
+    large sums: 72 MiB for a 144 MiB sum on 4 ranks, measured in
+    benchmarks/results/memory.md); 0 when the plans move nothing."""
+    plans = (plan,) if direction == "forward" else (plan, *backward_plans(plan))
+    largest = 0
+    for p in plans:
+        if not (p.has_gets or p.has_deliveries):
+            continue
+        m, k, n = p.dims
+        sums = [m * n]
+        if p.has_gets:
+            sums += [
+                area for layout, area in ((p.a, m * k), (p.b, k * n)) if not layout.is_replicated
+            ]
+        largest = max(largest, *sums)
+    return largest * accum_itemsize // 2
+
+
+def dtype_of(input_itemsize: int, accum_itemsize: int):
+    """The input dtype whose elements are ``input_itemsize`` bytes and whose accumulation dtype's
+    are ``accum_itemsize`` (bfloat16 standing for both 16-bit types: they lay out the same);
+    None where no supported dtype does, or float64 while JAX runs without 64-bit types."""
+    for dtype in (jnp.bfloat16, jnp.float32, jnp.float64):
+        if np.dtype(dtype).itemsize != input_itemsize:
+            continue
+        if dtype == jnp.float64 and not jax.config.jax_enable_x64:
+            return None
+        if np.dtype(dtypes.accumulation_dtype(dtype)).itemsize == accum_itemsize:
+            return dtype
+    return None

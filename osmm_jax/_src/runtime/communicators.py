@@ -114,6 +114,11 @@ def comm_key(comm: MPI.Intracomm) -> int:
     return native.comm_attribute(comm.handle)
 
 
+def is_known(key: int) -> bool:
+    """Whether ``key`` names a communicator osmm_jax.plan() made in this process."""
+    return key in _by_key
+
+
 def comm_for_key(key: int) -> MPI.Intracomm:
     """The private communicator a plan's ``comm_key`` names."""
     try:

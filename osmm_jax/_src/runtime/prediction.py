@@ -15,7 +15,7 @@ from osmm_jax._src.planning.memory import (
 )
 from osmm_jax._src.planning.plan import Plan, backward_plans
 from osmm_jax._src.planning.totals import block_area
-from osmm_jax._src.runtime import backward, fetch, one_sided, slots
+from osmm_jax._src.runtime import allreduce, backward, communicators, fetch, one_sided, slots
 from osmm_jax._src.runtime.matmul import _check_keep_fetched, _resolve_sync
 
 
@@ -78,11 +78,14 @@ def memory_bytes(
     Counted: the rank's blocks (A, B and C; backward: A, B, their gradients and C's
     cotangent) in ``input_itemsize``-byte elements; the products' buffers in
     ``accum_itemsize``-byte ones (fetched and served pieces, partials for other ranks,
-    operands joined for one GEMM, the all-reduce method's whole matrices; backward: the two
-    backward products' at once, or the forward product's (one_sided: with the pieces the
-    backward ones pack), whichever is more); and the slots of osmm_jax's windows that the
-    products make resident. Not counted: the MPI library's own buffers and XLA's scheduling
-    beyond that (benchmarks/results/memory.md compares this with measured peaks); the
+    operands joined for one GEMM; backward: the two backward products' at once, or the forward
+    product's (one_sided: with the pieces the backward ones pack), whichever is more); and the
+    slots of osmm_jax's windows that the products make resident. The all-reduce method's buffers
+    are what XLA assigns to the program it runs on ``rank``, compiled here (not run; a few
+    seconds for large blocks) where the plan's communicator is in this process, else its whole
+    matrices counted from the plan; with MPI's receive buffer for its largest sum. Not counted
+    for one_sided: the MPI library's own buffers and XLA's scheduling beyond the above
+    (benchmarks/results/memory.md compares this with measured peaks); the
     operands a backward product joins for one GEMM over its whole block (a K-split's dA, whose
     joined rows of ``dC`` XLA shares with dB's joined product, which is counted). Where dB's
     product takes C's cotangent from dA's fetch (:func:`rma_bytes`), its pieces count once;
@@ -97,37 +100,52 @@ def memory_bytes(
         raise ValueError(f"rank must be below the plan's {plan.nranks} ranks, got {rank}")
     for name, size in (("input_itemsize", input_itemsize), ("accum_itemsize", accum_itemsize)):
         checks.integer(size, name, minimum=1)
-    plans = (plan,) if direction == "forward" else (plan, *backward_plans(plan))
+    blocks = [block_area(layout, rank) for layout in (plan.a, plan.b, plan.c)]
+    held = sum(blocks) if direction == "forward" else 2 * (blocks[0] + blocks[1]) + blocks[2]
     if method == "allreduce":
-        transients = [allreduce_transient(p) for p in plans]
-        packed = [0] * len(plans)
-    else:
-        same = input_itemsize == accum_itemsize
-        how = backward.NONE
-        if direction == "backward":
-            how = backward.reuse(plan, resolved, True, _check_keep_fetched(keep_fetched))
-        transposed = (None, "B", "A")  # dA's B operand is B.T, dB's A operand A.T
-        runs = [
-            _one_sided_run(p, rank, resolved, same, tr, product, plan, how)
-            for p, tr, product in zip(plans, transposed, (None, *backward.PRODUCTS))
-        ]
-        transients = [transient for transient, _ in runs]
-        packed = [served for _, served in runs]
+        transient = _allreduce_buffers(plan, rank, input_itemsize, accum_itemsize, direction)
+        return PeakMemory(held * input_itemsize, transient, 0)
+    plans = (plan,) if direction == "forward" else (plan, *backward_plans(plan))
+    same = input_itemsize == accum_itemsize
+    how = backward.NONE
+    if direction == "backward":
+        how = backward.reuse(plan, resolved, True, _check_keep_fetched(keep_fetched))
+    transposed = (None, "B", "A")  # dA's B operand is B.T, dB's A operand A.T
+    runs = [
+        _one_sided_run(p, rank, resolved, same, tr, product, plan, how)
+        for p, tr, product in zip(plans, transposed, (None, *backward.PRODUCTS))
+    ]
+    transients = [transient for transient, _ in runs]
+    packed = [served for _, served in runs]
     transient = transients[0]
     if direction == "backward":
         # The backward products run side by side (neither needs the other); a one_sided
         # product packs the pieces it serves from its inputs alone, which XLA may do while the
         # forward product still runs.
         transient = max(transients[0] + packed[1] + packed[2], transients[1] + transients[2])
-    windows = 0
-    if method == "one_sided":
-        windows = max(
-            slots.resident_window_bytes(p, rank, input_itemsize, accum_itemsize, resolved)
-            for p in plans
-        )
-    blocks = [block_area(layout, rank) for layout in (plan.a, plan.b, plan.c)]
-    held = sum(blocks) if direction == "forward" else 2 * (blocks[0] + blocks[1]) + blocks[2]
+    windows = max(
+        slots.resident_window_bytes(p, rank, input_itemsize, accum_itemsize, resolved)
+        for p in plans
+    )
     return PeakMemory(held * input_itemsize, transient * accum_itemsize, windows)
+
+
+def _allreduce_buffers(plan: Plan, rank: int, input_itemsize: int, accum_itemsize: int, direction):
+    """Bytes the all-reduce method holds on ``rank`` beside the blocks: XLA's temporaries for
+    its program, read from XLA's buffer assignment where the plan's communicator is in this
+    process (:func:`.allreduce.compiled_temporaries`), else counted from the plan (its whole
+    matrices, :func:`~osmm_jax._src.planning.memory.allreduce_transient`: the backward products
+    side by side, or the forward product alone where that holds more); and the MPI library's
+    buffer for its largest sum (:func:`.allreduce.mpi_buffer_bytes`)."""
+    mpi = allreduce.mpi_buffer_bytes(plan, accum_itemsize, direction)
+    dtype = allreduce.dtype_of(input_itemsize, accum_itemsize)
+    if dtype is not None and communicators.is_known(plan.comm_key):
+        return allreduce.compiled_temporaries(plan, rank, dtype, direction) + mpi
+    elements = allreduce_transient(plan)
+    if direction == "backward":
+        both = sum(allreduce_transient(p) for p in backward_plans(plan))
+        elements = max(elements, both)
+    return elements * accum_itemsize + mpi
 
 
 def _one_sided_run(

@@ -1,0 +1,82 @@
+"""osmm_jax.memory_bytes on plans of a live communicator (osmm_jax._src.runtime.prediction):
+the all-reduce method's figure is the buffers XLA assigns to the program that
+:func:`osmm_jax.matmul` runs, for any rank, without MPI traffic."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import osmm_jax as om
+from osmm_jax._src.runtime import allreduce, native
+
+COMM = MPI.COMM_WORLD
+RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
+
+
+def _layouts(family: str, n: int = 48):
+    if family == "k_split":
+        return om.Layout.cols((n, n)), om.Layout.rows((n, n)), om.Layout.rows((n, n))
+    if family == "rows":
+        return om.Layout.rows((n, n)), om.Layout.replicated((n, n)), om.Layout.rows((n, n))
+    grid = (2, SIZE // 2) if SIZE % 2 == 0 else (1, SIZE)
+    return tuple(om.Layout.grid((n, n), grid) for _ in range(3))
+
+
+def _user_program(plan, direction: str, dtype=jnp.float32):
+    """XLA's temporaries for the jitted product or gradient a user writes, on this rank."""
+    a = jnp.ones(plan.a.local_shape(RANK), dtype)
+    b = jnp.ones(plan.b.local_shape(RANK), dtype)
+    product = lambda x, y: om.matmul(x, y, plan, method="allreduce")  # noqa: E731
+    if direction == "forward":
+        fn, args = jax.jit(product), (a, b)
+    else:
+        d_c = jnp.ones(plan.c.local_shape(RANK), dtype)
+        fn, args = jax.jit(lambda x, y, d: jax.vjp(product, x, y)[1](d)), (a, b, d_c)
+    return fn.lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+@pytest.mark.parametrize("family", ["k_split", "rows", "grid"])
+def test_the_allreduce_method_predicts_the_buffers_xla_assigns_to_its_program(family, direction):
+    """Beside the blocks, the prediction is XLA's temporaries for the very program the user's
+    jitted product (or gradient) runs, plus MPI's buffer for the largest sum; and the
+    analysis moved nothing (the native counters did not change)."""
+    plan = om.plan(*_layouts(family))
+    before = native.stats()["rma_bytes"]
+    peak = om.memory_bytes(plan, RANK, method="allreduce", direction=direction)
+    assert native.stats()["rma_bytes"] == before
+    mpi = allreduce.mpi_buffer_bytes(plan, 4, direction)
+    assert peak.transient - mpi == _user_program(plan, direction)
+    assert peak.windows == 0
+    moves = SIZE > 1 and (family != "rows" or direction == "backward")
+    assert (mpi > 0) == moves  # a data-parallel forward product sums nothing
+
+
+@pytest.mark.parametrize("family", ["k_split", "grid"])
+def test_any_rank_predicts_every_rank_s_all_reduce_peak_as_that_rank_does(family):
+    """The compiled program is traced for the rank asked about, not the calling one: rank 0's
+    figures for every rank are each rank's own."""
+    plan = om.plan(*_layouts(family, 40))
+    own = om.memory_bytes(plan, RANK, method="allreduce", direction="backward")
+    everyone = COMM.allgather(tuple(own))
+    if RANK == 0:
+        for rank in range(SIZE):
+            peak = om.memory_bytes(plan, rank, method="allreduce", direction="backward")
+            assert tuple(peak) == everyone[rank]
+    blocks = [int(np.prod(layout.local_shape(RANK))) for layout in (plan.a, plan.b, plan.c)]
+    assert own.blocks == 4 * (2 * (blocks[0] + blocks[1]) + blocks[2])
+
+
+def test_16_bit_inputs_are_predicted_from_a_program_in_bfloat16():
+    """Two-byte inputs with float32 sums are compiled as bfloat16 (float16 lays out the same):
+    the figure is XLA's for the user's bfloat16 program, its blocks in two bytes."""
+    plan = om.plan(*_layouts("grid"))
+    half = om.memory_bytes(plan, RANK, 2, 4, method="allreduce", direction="backward")
+    full = om.memory_bytes(plan, RANK, 4, 4, method="allreduce", direction="backward")
+    assert half.blocks * 2 == full.blocks
+    mpi = allreduce.mpi_buffer_bytes(plan, 4, "backward")
+    assert half.transient - mpi == _user_program(plan, "backward", jnp.bfloat16)
