@@ -55,10 +55,10 @@ ffi::Error ReduceIssueCuda(cudaStream_t stream, int32_t device, ffi::AnyBuffer c
 // memory while the issuer thread may still be sending from them (CUDA-aware mode).
 ffi::Error ReduceFinishCuda(cudaStream_t stream, int32_t device, ffi::ScratchAllocator scratch,
                             ffi::AnyBuffer local, ffi::Token, ffi::RemainingArgs,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Token>,
-                            int64_t comm) {
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Token>, int64_t comm,
+                            int64_t local_offset) {
   CudaBufferOps ops(stream, device, &scratch);
-  return ReduceFinish(ops, local, out, comm);
+  return ReduceFinish(ops, local, out, comm, local_offset);
 }
 
 // The marker is a device scalar: it is aliased to the result (see the lowering), so nothing is

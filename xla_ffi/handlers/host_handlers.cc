@@ -63,10 +63,10 @@ ffi::Error ReduceIssueHost(ffi::AnyBuffer chunk, ffi::Token, ffi::Result<ffi::An
 // The remaining operands are the chunk buffers: taking them keeps XLA from reusing their
 // memory while the issuer thread may still be reading them.
 ffi::Error ReduceFinishHost(ffi::AnyBuffer local, ffi::Token, ffi::RemainingArgs,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Token>,
-                            int64_t comm) {
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Token>, int64_t comm,
+                            int64_t local_offset) {
   HostBufferOps ops;
-  return ReduceFinish(ops, local, out, comm);
+  return ReduceFinish(ops, local, out, comm, local_offset);
 }
 
 ffi::Error WatchHost(ffi::AnyBuffer marker, ffi::Token, ffi::Result<ffi::AnyBuffer> out,

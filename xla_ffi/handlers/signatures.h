@@ -82,7 +82,8 @@ auto ReduceFinishSignature(Binding&& binding) {
       .RemainingArgs()                 // every chunk, kept alive
       .template Ret<ffi::AnyBuffer>()  // out
       .template Ret<ffi::Token>()      // ordering token out
-      .template Attr<int64_t>("comm");
+      .template Attr<int64_t>("comm")
+      .template Attr<int64_t>("local_offset");  // where the C block starts in local and out
 }
 
 template <typename Binding>

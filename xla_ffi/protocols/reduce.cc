@@ -475,7 +475,7 @@ ffi::Error ReduceIssue(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::An
 }
 
 ffi::Error ReduceFinish(BufferOps& ops, ffi::AnyBuffer local, ffi::Result<ffi::AnyBuffer> out,
-                        int64_t comm_handle) {
+                        int64_t comm_handle, int64_t local_offset) {
   ReduceEpoch* epoch = nullptr;
   if (ffi::Error err = OpenEpochCall("osmm_reduce_finish", comm_handle, nullptr, &epoch);
       err.failure()) {
@@ -491,17 +491,22 @@ ffi::Error ReduceFinish(BufferOps& ops, ffi::AnyBuffer local, ffi::Result<ffi::A
     problem = "osmm_reduce_finish: " + std::to_string(epoch->next_chunk) + " of " +
               std::to_string(epoch->chunk_sizes.size()) + " chunks were issued";
   }
-  const int64_t n = static_cast<int64_t>(local.element_count());
+  const int64_t n = epoch->local_elements;
   if (problem.empty() &&
       (local.element_type() != epoch->dtype || out->element_type() != epoch->dtype ||
-       n != epoch->local_elements || !SameDims(local, *out))) {
-    problem = "osmm_reduce_finish: local and out must match the epoch's dtype and C block";
+       local_offset < 0 || local_offset + n > static_cast<int64_t>(local.element_count()) ||
+       !SameDims(local, *out))) {
+    problem = "osmm_reduce_finish: local and out must match the epoch's dtype and hold its C block";
   }
+  // This rank's block inside local and out (only computed where the check above passed).
+  const int64_t skip = problem.empty() ? local_offset * epoch->itemsize : 0;
+  const std::byte* local_block = static_cast<const std::byte*>(local.untyped_data()) + skip;
+  std::byte* out_block = static_cast<std::byte*>(out->untyped_data()) + skip;
   if (epoch->notified != nullptr) {
     if (epoch->progress) EndProgress();  // the finish drives progress itself while it waits
     std::string failure;
-    ffi::Error err = FinishNotifiedEpoch(ops, epoch, problem, false, local.untyped_data(),
-                                         problem.empty() ? out->untyped_data() : nullptr, &failure);
+    ffi::Error err = FinishNotifiedEpoch(ops, epoch, problem, false, local_block,
+                                         problem.empty() ? out_block : nullptr, &failure);
     RecordEpochLatency(MPI_Wtime() - epoch->start_time);
     ForgetEpoch(epoch->key);
     if (err.failure()) return err;
@@ -551,7 +556,7 @@ ffi::Error ReduceFinish(BufferOps& ops, ffi::AnyBuffer local, ffi::Result<ffi::A
     return ffi::Error::Internal(problem);
   }
   if (closing.failure()) return closing;
-  return ops.AddWindowInto(dtype, local.untyped_data(), received, out->untyped_data(), n);
+  return ops.AddWindowInto(dtype, local_block, received, out_block, n);
 }
 
 ffi::Error CloseAbandonedReduce(BufferOps& ops, uint64_t comm_key) {

@@ -41,8 +41,11 @@ ffi::Error ReduceStartDeferred(BufferOps& ops, ffi::AnyBuffer chunk, ffi::AnyBuf
 ffi::Error ReduceIssue(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::AnyBuffer> ticket,
                        int64_t comm_handle, int64_t index);
 
+// `local` and `out` hold this rank's C block from element `local_offset` on (0: they are the
+// block), so that a block can be summed in place inside a larger buffer (a staged plan's
+// whole C, runtime/gather.py).
 ffi::Error ReduceFinish(BufferOps& ops, ffi::AnyBuffer local, ffi::Result<ffi::AnyBuffer> out,
-                        int64_t comm_handle);
+                        int64_t comm_handle, int64_t local_offset = 0);
 
 // Closes a reduce epoch still open on the communicator with key `comm_key` (CommKey of the
 // caller's communicator) because its finish never ran on this rank: an error stopped this

@@ -191,6 +191,7 @@ def one_sided_transient(
     unjoined=frozenset(),
     kept: int = 0,
     merged: int = 0,
+    in_result: bool = False,
 ) -> int:
     """Elements (accumulation dtype) a one_sided product of ``plan`` adds on ``rank`` beside
     its blocks, at its busiest moment, the larger of:
@@ -203,7 +204,9 @@ def one_sided_transient(
       strided block: copies either way), plus the partials it delivers (one buffer per cell,
       every chunk kept until the reduce finishes);
     - ``whole_c``: a staged plan's all-gather (``plan`` its gather stage) holds the whole
-      replicated C (elements) as it assembles it.
+      replicated C (elements) as it assembles it; one summed in place (``in_result``, its
+      partial one GEMM over the whole C, ``one_sided.sums_in_place``) assembles it in the
+      result, its partials delivered from there, and holds the copy of its rows it sends.
 
     ``taken``: the pieces (Transfers of ``plan``) the product takes from another product's
     fetch instead of its own (dB's from dA's, :mod:`osmm_jax._src.runtime.backward`), counted
@@ -236,7 +239,8 @@ def one_sided_transient(
     joined = _joined_operands(
         (m for m in mine.multiplies if (m.rows, m.cols) not in unjoined), plan, rank
     )
-    compute = max(fetched, joined) + partials * (2 if messages else 1) + merged
+    copies = (1 if messages else 0) if in_result else (2 if messages else 1)
+    compute = max(fetched, joined) + partials * copies + merged
     return max(served + fetched + ahead, compute, whole_c)
 
 

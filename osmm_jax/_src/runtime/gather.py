@@ -19,6 +19,13 @@ synchronisation of the product:
 
 Both move each block once to every other rank: ``(P - 1) / P`` of C in and out of each rank,
 as the second half of a ring all-reduce does.
+
+:func:`reduce_and_gather_in_place` runs both stages in one buffer where a rank's partial is one
+GEMM over the whole C and the split is by rows (a data-parallel weight gradient, notified,
+not deferred): its partial's rows for other ranks leave from that buffer, its own rows are
+summed there (``osmm_reduce_finish``'s ``local_offset``) and the others' blocks are placed
+over the rest, so XLA holds no partial beside the result: at 6144^3 on 4 ranks the gradient
+holds 541 MiB where the separate partials held 649 (benchmarks/results/memory.md).
 """
 
 from __future__ import annotations
@@ -77,9 +84,11 @@ def _got_from_owners(plan: Plan, rank: int, block):
     return jnp.concatenate(pieces, axis=0 if split.kind == "rows" else 1)
 
 
-def _sent_by_owners(plan: Plan, rank: int, block, sync: Sync):
+def _sent_by_owners(plan: Plan, rank: int, block, sync: Sync, local=None):
     """Notified mode: this rank's block goes into a slot of every other rank's window, and the
-    other owners' blocks arrive in this rank's slots (see the module docstring)."""
+    other owners' blocks arrive in this rank's slots (see the module docstring). ``local``:
+    the whole C (accumulation dtype) with this rank's block in place and zeros elsewhere, to
+    receive the others' blocks; None: made here from ``block``."""
     acc = dtypes.accumulation_dtype(block.dtype)
     spec = slots.gather_slots(plan, rank, np.dtype(acc).itemsize, sync)
     rows, cols = plan.gather_stage.c.blocks[rank]
@@ -91,9 +100,54 @@ def _sent_by_owners(plan: Plan, rank: int, block, sync: Sync):
         records += native.transfer_record(native.OP_ACCUMULATE, target, rows, cols, where, 0)
     mine = block.astype(acc)
     buffer = mine.reshape(-1) if spec.targets else jnp.zeros((0,), acc)
-    local = jnp.zeros((m, n), acc).at[rows[0] : rows[1], cols[0] : cols[1]].set(mine)
+    if local is None:
+        local = jnp.zeros((m, n), acc).at[rows[0] : rows[1], cols[0] : cols[1]].set(mine)
     call_id = primitives.call_id(plan.fingerprint, "gather", str(acc), sync.mode, spec.notify[:3])
     summed = primitives.notified_round(
         [buffer], [records], local, comm=plan.comm_key, call_id=call_id, notify=spec.notify
     )
     return summed.astype(block.dtype)
+
+
+def places_rows(plan: Plan, rank: int, itemsize: int, sync: Sync) -> bool:
+    """Whether staged ``plan``'s notified all-gather on ``rank`` places whole row blocks (a
+    row split): each arrives whole and lands over zeros in its rows, so that the result can be
+    any buffer whose other rows are zeroed first (:func:`reduce_and_gather_in_place`). ``itemsize``: of the
+    accumulation dtype."""
+    if sync.mode != "notify" or plan.gather_stage.c.kind != "rows":
+        return False
+    return bool(slots.gather_slots(plan, rank, itemsize, sync).notify[2] & 4)
+
+
+def reduce_and_gather_in_place(plan: Plan, rank: int, whole, chunk_bytes: int, sync: Sync):
+    """The whole C of staged ``plan`` on this rank, from ``whole`` (M x N, the accumulation
+    dtype), this rank's partial of the whole C, where ``one_sided.sums_in_place``: the other
+    ranks' rows of it leave from it to their owners, this rank's rows are summed there (the
+    same sum, bit for bit, as from a block of its own), and the other blocks are placed over
+    the rest, zeroed where it lies; only the copy of this rank's rows that it sends is made."""
+    stage = plan.gather_stage
+    n = plan.c.shape[1]
+    records = []
+    for t in stage.deliveries_from(rank):  # the target's rows, where they lie in the whole C
+        op = native.OP_ACCUMULATE if t.op == "accumulate" else native.OP_PUT
+        block = stage.c.blocks[t.target]
+        records += native.transfer_record(op, t.target, t.rows, t.cols, block, t.rows[0] * n)
+    notify = slots.notify_attribute(stage, rank, whole.dtype.itemsize, sync)
+    rows, cols = stage.c.blocks[rank]
+    ids = (stage.fingerprint, "reduce", str(whole.dtype), chunk_bytes, sync.mode, notify[:3])
+    primitives.reduce_start(
+        whole.reshape(-1),
+        comm=plan.comm_key,
+        call_id=primitives.call_id(*ids),  # the chunked reduce's: ranks may send either way
+        window_bytes=(1 + notify[0]) * notify[1],
+        local_elements=(rows[1] - rows[0]) * n,
+        overlap=False,
+        transfers=[records],
+        chunk_sizes=[whole.size],
+        notify=notify,
+    )
+    whole = primitives.reduce_finish(whole, [], comm=plan.comm_key, local_offset=rows[0] * n)
+    row = jnp.arange(plan.c.shape[0])[:, None]
+    zeroed = jnp.where((row >= rows[0]) & (row < rows[1]), whole, jnp.zeros((), whole.dtype))
+    mine = whole[rows[0] : rows[1], cols[0] : cols[1]]
+    return _sent_by_owners(plan, rank, mine, sync, zeroed)

@@ -77,6 +77,11 @@ def forward(
     executed = executed_plan(plan, sync)  # a staged plan's gather stage, or its direct plan
     if executed is not plan:
         assert fetched is None, "pieces fetched for a staged plan"  # caller's bug
+        whole = None
+        if executed is plan.gather_stage:
+            whole = _summed_in_place(plan, rank, a, b, chunk_bytes, sync)
+        if whole is not None:
+            return whole.astype(a.dtype)
         block = forward(executed, rank, a, b, chunk_bytes, sync)
         if executed is plan.gather_stage:
             return gather.gather_blocks(plan, rank, block, sync)
@@ -99,6 +104,37 @@ def forward(
     if not plan.has_deliveries:
         return local.astype(a.dtype)
     return primitives.reduce_finish(local, buffers, comm=plan.comm_key).astype(a.dtype)
+
+
+def sums_in_place(plan: Plan, rank: int, sync: Sync, itemsize: int):
+    """Staged ``plan``'s GEMM request on ``rank`` when it runs in place
+    (:func:`_summed_in_place`): notified and not deferred, C split by rows, and this rank's
+    partial one GEMM over the whole C (a data-parallel weight gradient); else None.
+    ``itemsize``: of the accumulation dtype."""
+    stage = plan.gather_stage
+    if sync.mode != "notify" or sync.defer or plan.nranks == 1 or stage.has_gets:
+        return None
+    if stage.c.kind != "rows" or not gather.places_rows(plan, rank, itemsize, sync):
+        return None
+    cells = _cells(stage, rank)
+    if any(len(c.inner) != 1 or c.cols != (0, plan.c.shape[1]) for c in cells):
+        return None
+    multiplies = {(m.rows, m.inner, m.cols): m for m in stage.multiplies_on(rank)}
+    requests = [(multiplies[(c.rows, c.inner[0], c.cols)], c.rows) for c in cells]
+    return requests if one_gemm_over(requests, tuple((0, d) for d in plan.c.shape)) else None
+
+
+def _summed_in_place(plan: Plan, rank: int, a, b, chunk_bytes: int, sync: Sync):
+    """Staged ``plan``'s whole C on this rank where :func:`sums_in_place`: the GEMM's buffer
+    becomes the result (:func:`.gather.reduce_and_gather_in_place`), no partial is held beside
+    it. None elsewhere."""
+    itemsize = np.dtype(dtypes.accumulation_dtype(a.dtype)).itemsize
+    requests = sums_in_place(plan, rank, sync, itemsize)
+    if requests is None:
+        return None
+    whole_c = tuple((0, d) for d in plan.c.shape)
+    whole = _merged_gemm(plan.gather_stage, rank, a, b, requests, whole_c, {})
+    return gather.reduce_and_gather_in_place(plan, rank, whole, chunk_bytes, sync)
 
 
 def product(plan: Plan, rank: int, a, b, m, rows, remote: dict, after=None):

@@ -112,7 +112,7 @@ def memory_bytes(
         how = backward.reuse(plan, resolved, True, _check_keep_fetched(keep_fetched))
     transposed = (None, "B", "A")  # dA's B operand is B.T, dB's A operand A.T
     runs = [
-        _one_sided_run(p, rank, resolved, same, tr, product, plan, how)
+        _one_sided_run(p, rank, resolved, same, tr, product, plan, how, accum_itemsize)
         for p, tr, product in zip(plans, transposed, (None, *backward.PRODUCTS))
     ]
     transients = [transient for transient, _ in runs]
@@ -148,6 +148,19 @@ def _allreduce_buffers(plan: Plan, rank: int, input_itemsize: int, accum_itemsiz
     return elements * accum_itemsize + mpi
 
 
+def _gathered(plan: Plan, executed: Plan, rank: int, sync, messages: bool, accum_itemsize: int):
+    """``(whole_c, in_place)`` for :func:`one_sided_transient`: what a staged plan's all-gather
+    holds (the whole C, and with messages its own block's staged image; in place the whole C
+    is the result, and it holds the copy of its rows it sends), and whether it runs in place
+    (``one_sided.sums_in_place``). ``(0, False)`` for a plan run as itself."""
+    if executed is not plan.gather_stage:
+        return 0, False
+    in_place = one_sided.sums_in_place(plan, rank, sync, accum_itemsize) is not None
+    block = block_area(executed.c, rank)
+    whole_c = block if in_place else plan.c.shape[0] * plan.c.shape[1]
+    return whole_c + (block if messages else 0), in_place
+
+
 def _one_sided_run(
     plan: Plan,
     rank: int,
@@ -157,6 +170,7 @@ def _one_sided_run(
     product=None,
     of=None,
     how=backward.NONE,
+    accum_itemsize=4,
 ):
     """``(transient, packed)``: the elements (accumulation dtype) a one_sided product of
     ``plan`` adds on ``rank`` (planning/memory.py), and those of the pieces it packs to serve
@@ -164,7 +178,8 @@ def _one_sided_run(
     ``transposed``: the operand (``"A"`` or ``"B"``) that is the transpose of an input (a
     backward product's): served from its block, the block is a transposed copy XLA forms
     from the input, counted as packed; ``product``: ``"dA"`` or ``"dB"`` of plan ``of``,
-    reusing fetched pieces as ``how`` says (:mod:`.backward`)."""
+    reusing fetched pieces as ``how`` says (:mod:`.backward`); ``accum_itemsize``: bytes of an
+    element of the accumulation dtype."""
     taken = lone = None
     skip = frozenset()
     if product is not None:
@@ -172,10 +187,7 @@ def _one_sided_run(
         lone = backward.lone_pieces(of, rank, product, how, sync.mode)
     executed = one_sided.executed_plan(plan, sync)
     messages = slots.uses_messages(executed, sync)
-    whole_c = 0
-    if executed is plan.gather_stage:  # the whole C, and its own block's staged image
-        whole_c = plan.c.shape[0] * plan.c.shape[1]
-        whole_c += block_area(executed.c, rank) if messages else 0
+    whole_c, in_place = _gathered(plan, executed, rank, sync, messages, accum_itemsize)
     gets, serves = fetch.moved(executed, rank, taken)
     served = 0  # the pieces packed to serve, every round's (XLA may pack them all at once)
     for matrices in fetch.rounds(executed, sync.mode, skip):
@@ -208,7 +220,5 @@ def _one_sided_run(
     merged = 0  # not for a backward product: see memory_bytes
     if product is None and not ahead:
         merged = merged_block_operands(executed, rank)
-    transient = one_sided_transient(
-        executed, rank, packs, whole_c, taken or (), messages, copies, unjoined, kept, merged
-    )
-    return transient, served
+    counts = (packs, whole_c, taken or (), messages, copies, unjoined, kept, merged, in_place)
+    return one_sided_transient(executed, rank, *counts), served

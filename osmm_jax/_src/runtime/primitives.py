@@ -218,9 +218,11 @@ def reduce_issue(chunk, *, comm, index):
     return osmm_reduce_issue_p.bind(chunk, comm=int(comm), index=int(index))
 
 
-def reduce_finish(local, chunks, *, comm):
-    """Bind ``osmm_reduce_finish``: ``local`` plus everything other ranks delivered to this rank."""
-    return osmm_reduce_finish_p.bind(local, *chunks, comm=int(comm))
+def reduce_finish(local, chunks, *, comm, local_offset=0):
+    """Bind ``osmm_reduce_finish``: ``local`` plus everything other ranks delivered to this rank.
+    ``local_offset``: the element of ``local`` (flattened) where this rank's C block starts (0:
+    ``local`` is the block); only the block is summed, the rest is returned as it was."""
+    return osmm_reduce_finish_p.bind(local, *chunks, comm=int(comm), local_offset=int(local_offset))
 
 
 def watched(run, *, comm):
@@ -334,7 +336,7 @@ def _reduce_issue_lowering(ctx, chunk, **attrs):
     return _lower_with_token("osmm_reduce_issue", ctx, chunk, **attrs)
 
 
-def _reduce_finish_lowering(ctx, local, *chunks, comm):
+def _reduce_finish_lowering(ctx, local, *chunks, comm, local_offset):
     return _lower_with_token(
         "osmm_reduce_finish",
         ctx,
@@ -344,6 +346,7 @@ def _reduce_finish_lowering(ctx, local, *chunks, comm):
         # The finished block is written over the local partial: no fresh output buffer.
         aliases={0: 0},
         comm=comm,
+        local_offset=local_offset,
     )
 
 

@@ -134,3 +134,36 @@ def test_a_base_that_would_write_past_the_targets_block_delivers_nothing(key):
     # Nothing was left in any slot: the same reduce with every base 0 gives exactly ones.
     out = jax.block_until_ready(_notified_ring(key, base_on_rank1=0)(local))
     np.testing.assert_array_equal(np.asarray(out), np.ones((ROWS, COLS)))
+
+
+@pytest.mark.ranks(min=2, reason="a rank needs a neighbour to send to")
+@pytest.mark.parametrize("mode", ["fence", "notify"])
+def test_a_block_inside_a_larger_buffer_is_summed_where_it_lies(key, mode):
+    """``local_offset``: the finish sums the block that starts there (one row down in a
+    buffer of two more rows) and leaves the rows around it as they were."""
+    target, origin = (RANK + 1) % SIZE, (RANK - 1) % SIZE
+    record = [native.OP_ACCUMULATE, target, 0, ROWS, COLS, 0, 0, COLS]
+    notify = (1, 64, 0, 1, origin, 1, target, 1, 0) if mode == "notify" else ()
+
+    @jax.jit
+    def run(local):
+        chunk = jnp.ones((ROWS * COLS,), jnp.float32)
+        primitives.reduce_start(
+            chunk,
+            comm=key,
+            call_id=primitives.call_id("offset", mode),
+            window_bytes=64 * (2 if notify else 1),
+            local_elements=ROWS * COLS,
+            overlap=False,
+            transfers=[record],
+            chunk_sizes=[ROWS * COLS],
+            notify=notify,
+        )
+        return primitives.reduce_finish(local, [chunk], comm=key, local_offset=COLS)
+
+    around = np.full((ROWS + 2, COLS), 7.0, np.float32)
+    around[1 : ROWS + 1] = 2.0
+    out = np.asarray(jax.block_until_ready(run(jnp.asarray(around))))
+    expected = around.copy()
+    expected[1 : ROWS + 1] += 1.0
+    np.testing.assert_array_equal(out, expected)

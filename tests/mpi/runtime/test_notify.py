@@ -19,7 +19,8 @@ from product_cases import default_sync
 import osmm_jax as om
 from benchmarks import pages
 from osmm_jax._src import config, dtypes
-from osmm_jax._src.runtime import communicators, native, slots
+from osmm_jax._src.runtime import communicators, native, one_sided, slots
+from osmm_jax._src.runtime.matmul import _resolve_sync
 
 jax.config.update("jax_enable_x64", True)
 
@@ -459,3 +460,43 @@ def test_a_rank_notifies_only_the_ranks_it_exchanges_with(monkeypatch, transport
     np.testing.assert_allclose(c, plan.c.shard(a @ b, RANK), rtol=1e-4, atol=1e-4)
     assert om.stats()["notifications"] - before == expected
     assert COMM.allreduce(expected) < 2 * SIZE * (SIZE - 1)  # fewer than every rank to every rank
+
+
+@pytest.mark.ranks(min=3, reason="a replicated C is staged from 3 ranks on")
+def test_a_weight_gradient_is_summed_in_its_result_with_the_bits_of_separate_partials(
+    staged, monkeypatch
+):
+    """The data-parallel weight gradient (dB = A.T @ dC, each rank's partial one GEMM over the
+    whole replicated dB) is reduce-scattered and gathered in the GEMM's own buffer: the bits
+    of the path that sends its partials from buffers of their own, on every rank, whatever
+    the chunk size (one GEMM either way); XLA holds no partial beside the gradient, only the
+    copy of the rank's rows it sends, as memory_bytes counts."""
+    M, K, N = 45, 96, 38
+    plan = om.plan(om.Layout.rows((M, K)), om.Layout.replicated((K, N)), om.Layout.rows((M, N)))
+    d_b_plan = plan.backward()[1]
+    assert one_sided.sums_in_place(d_b_plan, RANK, _NOTIFY, 4) is not None
+    rng = np.random.default_rng(5)
+    a, b, d_c = (rng.standard_normal(s).astype(np.float32) for s in ((M, K), (K, N), (M, N)))
+    args = (plan.a.shard(a, RANK), b, plan.c.shard(d_c, RANK))
+
+    def run(chunk_bytes=None):
+        def product(x, y):
+            return om.matmul(x, y, plan, sync="notify", chunk_bytes=chunk_bytes)
+
+        gradient = jax.jit(lambda x, y, d: jax.vjp(product, x, y)[1](d))
+        temp = gradient.lower(*args).compile().memory_analysis().temp_size_in_bytes
+        return [np.asarray(g) for g in gradient(*args)], temp
+
+    (d_a, d_b), temp = run()
+    assert run(chunk_bytes=256)[0][1].tobytes() == d_b.tobytes()
+    monkeypatch.setattr(one_sided, "_summed_in_place", lambda *args: None)
+    (d_a_apart, d_b_apart), temp_apart = run()
+    assert d_b.tobytes() == d_b_apart.tobytes() and d_a.tobytes() == d_a_apart.tobytes()
+    assert len(set(COMM.allgather(d_b.tobytes()))) == 1
+    np.testing.assert_allclose(d_b, a.T @ d_c, rtol=2e-5, atol=2e-4)
+    whole = K * N * 4
+    own_rows = int(np.prod(d_b_plan.gather_stage.c.local_shape(RANK))) * 4
+    assert temp_apart >= whole > temp >= own_rows
+    peak = om.memory_bytes(plan, RANK, direction="backward", sync="notify")
+    if not slots.uses_messages(d_b_plan, _resolve_sync("notify")):  # no images staged to send
+        assert peak.transient == own_rows
