@@ -8,7 +8,7 @@ import osmm_jax as om
 from osmm_jax._src.planning import memory
 from osmm_jax._src.planning.layout import Layout
 from osmm_jax._src.planning.plan import Plan
-from osmm_jax._src.runtime import fetch, slots
+from osmm_jax._src.runtime import allreduce, fetch, slots
 
 
 @pytest.fixture(autouse=True)
@@ -120,6 +120,16 @@ def test_the_allreduce_method_of_a_plan_made_elsewhere_counts_its_whole_matrices
     both = memory.allreduce_transient(d_a) + memory.allreduce_transient(d_b)
     assert backward.transient == max(memory.allreduce_transient(plan), both) * 4 + mpi
     assert memory.allreduce_transient(plan) == 4 * 8 * 8  # whole A, B, C and the summed C
+
+
+@pytest.mark.parametrize(
+    ("nranks", "shares"),
+    [(2, [0.5, 0.5]), (3, [0.0, 1.0, 0.5]), (4, [0.5] * 4), (6, [0, 1, 0, 1, 0.5, 0.5])],
+)
+def test_mpich_receives_half_a_sum_or_on_a_paired_rank_all_of_it(nranks, shares):
+    """Beyond a power of two, the first ranks pair up: the even one sends, the odd one
+    receives the whole message (as measured on 3 ranks); the rest receive half."""
+    assert [allreduce.receive_share(r, nranks) for r in range(nranks)] == shares
 
 
 def test_16_bit_inputs_count_their_blocks_in_two_bytes_and_the_buffers_in_four():

@@ -113,11 +113,10 @@ def compiled_temporaries(plan: Plan, rank: int, dtype, direction: str) -> int:
     return int(analysis.temp_size_in_bytes)
 
 
-def mpi_buffer_bytes(plan: Plan, accum_itemsize: int, direction: str) -> int:
-    """Bytes the MPI library holds while this method's largest all-reduce runs: half the
-    message (the receive buffer of a reduce-scatter by recursive halving, which MPICH runs for
-    large sums: 72 MiB for a 144 MiB sum on 4 ranks, measured in
-    benchmarks/results/memory.md); 0 when the plans move nothing."""
+def mpi_buffer_bytes(plan: Plan, rank: int, accum_itemsize: int, direction: str) -> int:
+    """Bytes the MPI library holds on ``rank`` while this method's largest all-reduce runs:
+    the part of the message it receives into a buffer of its own (:func:`receive_share`); 0
+    when the plans move nothing."""
     plans = (plan,) if direction == "forward" else (plan, *backward_plans(plan))
     largest = 0
     for p in plans:
@@ -126,11 +125,25 @@ def mpi_buffer_bytes(plan: Plan, accum_itemsize: int, direction: str) -> int:
         m, k, n = p.dims
         sums = [m * n]
         if p.has_gets:
-            sums += [
-                area for layout, area in ((p.a, m * k), (p.b, k * n)) if not layout.is_replicated
-            ]
+            wholes = ((p.a, m * k), (p.b, k * n))
+            sums += [area for layout, area in wholes if not layout.is_replicated]
         largest = max(largest, *sums)
-    return largest * accum_itemsize // 2
+    return int(largest * accum_itemsize * receive_share(rank, plan.nranks))
+
+
+def receive_share(rank: int, nranks: int) -> float:
+    """The part of a large sum's message that MPICH's all-reduce (a reduce-scatter by
+    recursive halving, then an all-gather) receives into a buffer of its own on ``rank``: half,
+    on a power-of-two number of ranks. Otherwise, with ``rem`` ranks beyond the largest power
+    of two, the first ``2 * rem`` pair up first: the even one of each pair sends its whole
+    message to the odd one, which receives it whole, and takes no further part. Measured on
+    this machine (benchmarks/results/memory.md): 72 MiB for a 144 MiB sum on every one of 4
+    ranks; 0, 36 and 18 MiB for a 36 MiB sum on ranks 0, 1 and 2 of 3."""
+    below = 1 << (nranks.bit_length() - 1)
+    paired = 2 * (nranks - below)
+    if rank < paired:
+        return float(rank % 2)
+    return 0.5
 
 
 def dtype_of(input_itemsize: int, accum_itemsize: int):

@@ -137,7 +137,7 @@ def _allreduce_buffers(plan: Plan, rank: int, input_itemsize: int, accum_itemsiz
     matrices, :func:`~osmm_jax._src.planning.memory.allreduce_transient`: the backward products
     side by side, or the forward product alone where that holds more); and the MPI library's
     buffer for its largest sum (:func:`.allreduce.mpi_buffer_bytes`)."""
-    mpi = allreduce.mpi_buffer_bytes(plan, accum_itemsize, direction)
+    mpi = allreduce.mpi_buffer_bytes(plan, rank, accum_itemsize, direction)
     dtype = allreduce.dtype_of(input_itemsize, accum_itemsize)
     if dtype is not None and communicators.is_known(plan.comm_key):
         return allreduce.compiled_temporaries(plan, rank, dtype, direction) + mpi
@@ -220,5 +220,11 @@ def _one_sided_run(
     merged = 0  # not for a backward product: see memory_bytes
     if product is None and not ahead:
         merged = merged_block_operands(executed, rank)
+    fetched = sum(t.elements for t in gets)
+    fits = fetched * (1 if same_dtype else 2) <= block_area(executed.c, rank)  # 16-bit C
+    if merged and not executed.has_deliveries and fits:
+        # The fetched pieces are joined before the one GEMM writes the result, which they
+        # fit: XLA lends them the result's memory (seen on 2 ranks, where they are as large).
+        merged -= fetched
     counts = (packs, whole_c, taken or (), messages, copies, unjoined, kept, merged, in_place)
     return one_sided_transient(executed, rank, *counts), served
