@@ -492,14 +492,16 @@ ffi::Error ReduceFinish(BufferOps& ops, ffi::AnyBuffer local, ffi::Result<ffi::A
               std::to_string(epoch->chunk_sizes.size()) + " chunks were issued";
   }
   const int64_t n = epoch->local_elements;
+  const int64_t count = static_cast<int64_t>(local.element_count());
+  const bool inside = local_offset != kLocalIsBlock;  // the block inside a larger buffer
   if (problem.empty() &&
       (local.element_type() != epoch->dtype || out->element_type() != epoch->dtype ||
-       local_offset < 0 || local_offset + n > static_cast<int64_t>(local.element_count()) ||
+       (inside ? local_offset < 0 || local_offset + n > count : count != n) ||
        !SameDims(local, *out))) {
-    problem = "osmm_reduce_finish: local and out must match the epoch's dtype and hold its C block";
+    problem = "osmm_reduce_finish: local and out must match the epoch's dtype and C block";
   }
   // This rank's block inside local and out (only computed where the check above passed).
-  const int64_t skip = problem.empty() ? local_offset * epoch->itemsize : 0;
+  const int64_t skip = problem.empty() && inside ? local_offset * epoch->itemsize : 0;
   const std::byte* local_block = static_cast<const std::byte*>(local.untyped_data()) + skip;
   std::byte* out_block = static_cast<std::byte*>(out->untyped_data()) + skip;
   if (epoch->notified != nullptr) {

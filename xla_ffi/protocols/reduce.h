@@ -41,11 +41,14 @@ ffi::Error ReduceStartDeferred(BufferOps& ops, ffi::AnyBuffer chunk, ffi::AnyBuf
 ffi::Error ReduceIssue(BufferOps& ops, ffi::AnyBuffer chunk, ffi::Result<ffi::AnyBuffer> ticket,
                        int64_t comm_handle, int64_t index);
 
-// `local` and `out` hold this rank's C block from element `local_offset` on (0: they are the
-// block), so that a block can be summed in place inside a larger buffer (a staged plan's
-// whole C, runtime/gather.py).
+// `local_offset` of ReduceFinish when `local` and `out` are exactly this rank's C block.
+inline constexpr int64_t kLocalIsBlock = -1;
+
+// With `local_offset` >= 0, `local` and `out` hold this rank's C block from that element on,
+// so that a block is summed in place inside a larger buffer (a staged plan's whole C,
+// runtime/gather.py); the rest of `out` is `local`'s.
 ffi::Error ReduceFinish(BufferOps& ops, ffi::AnyBuffer local, ffi::Result<ffi::AnyBuffer> out,
-                        int64_t comm_handle, int64_t local_offset = 0);
+                        int64_t comm_handle, int64_t local_offset = kLocalIsBlock);
 
 // Closes a reduce epoch still open on the communicator with key `comm_key` (CommKey of the
 // caller's communicator) because its finish never ran on this rank: an error stopped this

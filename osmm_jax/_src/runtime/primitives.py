@@ -218,11 +218,13 @@ def reduce_issue(chunk, *, comm, index):
     return osmm_reduce_issue_p.bind(chunk, comm=int(comm), index=int(index))
 
 
-def reduce_finish(local, chunks, *, comm, local_offset=0):
+def reduce_finish(local, chunks, *, comm, local_offset=None):
     """Bind ``osmm_reduce_finish``: ``local`` plus everything other ranks delivered to this rank.
-    ``local_offset``: the element of ``local`` (flattened) where this rank's C block starts (0:
-    ``local`` is the block); only the block is summed, the rest is returned as it was."""
-    return osmm_reduce_finish_p.bind(local, *chunks, comm=int(comm), local_offset=int(local_offset))
+    ``local_offset``: None where ``local`` is this rank's C block, else the element of
+    ``local`` (flattened) where the block starts inside it; only the block is summed, the rest
+    is returned as it was."""
+    offset = -1 if local_offset is None else int(local_offset)  # -1: kLocalIsBlock (reduce.h)
+    return osmm_reduce_finish_p.bind(local, *chunks, comm=int(comm), local_offset=offset)
 
 
 def watched(run, *, comm):
