@@ -304,19 +304,27 @@ def _own_in_order(group, inners, source: str, rank: int) -> bool:
     )
 
 
-def allreduce_transient(plan: Plan) -> int:
-    """Elements (accumulation dtype) the all-reduce method adds on every rank for one product
-    of ``plan``: the whole A and B it assembles when a rank lacks pieces (a replicated one
-    passes through), the whole C it sums into and, unless C is replicated (then the sum is the
-    result), the all-reduced C it cuts the block from. 0 when the plan moves nothing."""
+def allreduce_sums(plan: Plan) -> list[int]:
+    """Elements of each whole matrix the all-reduce method sums over the ranks for one product
+    of ``plan``: A and B, assembled when a rank lacks pieces (a replicated one passes
+    through), and C; none when the plan moves nothing."""
     if not (plan.has_gets or plan.has_deliveries):
-        return 0
+        return []
     m, k, n = plan.dims
-    total = m * n * (1 if plan.c.is_replicated else 2)
+    sums = [m * n]
     if plan.has_gets:
         wholes = ((plan.a, m * k), (plan.b, k * n))
-        total += sum(area for layout, area in wholes if not layout.is_replicated)
-    return total
+        sums += [area for layout, area in wholes if not layout.is_replicated]
+    return sums
+
+
+def allreduce_transient(plan: Plan) -> int:
+    """Elements (accumulation dtype) the all-reduce method adds on every rank for one product
+    of ``plan``: each whole matrix it sums (:func:`allreduce_sums`) and, unless C is
+    replicated (then the sum is the result), the all-reduced C it cuts the block from."""
+    sums = allreduce_sums(plan)
+    m, _, n = plan.dims
+    return sum(sums) + (m * n if sums and not plan.c.is_replicated else 0)
 
 
 FIT_ROUNDS = 12

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from osmm_jax._src import dtypes
+from osmm_jax._src.planning.memory import allreduce_sums
 from osmm_jax._src.planning.plan import Plan, backward_plans
 from osmm_jax._src.runtime import one_sided, primitives
 
@@ -118,16 +119,7 @@ def mpi_buffer_bytes(plan: Plan, rank: int, accum_itemsize: int, direction: str)
     the part of the message it receives into a buffer of its own (:func:`receive_share`); 0
     when the plans move nothing."""
     plans = (plan,) if direction == "forward" else (plan, *backward_plans(plan))
-    largest = 0
-    for p in plans:
-        if not (p.has_gets or p.has_deliveries):
-            continue
-        m, k, n = p.dims
-        sums = [m * n]
-        if p.has_gets:
-            wholes = ((p.a, m * k), (p.b, k * n))
-            sums += [area for layout, area in wholes if not layout.is_replicated]
-        largest = max(largest, *sums)
+    largest = max((n for p in plans for n in allreduce_sums(p)), default=0)
     return int(largest * accum_itemsize * receive_share(rank, plan.nranks))
 
 

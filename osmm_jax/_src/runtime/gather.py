@@ -129,16 +129,18 @@ def reduce_and_gather_in_place(plan: Plan, rank: int, whole, chunk_bytes: int, s
     n = plan.c.shape[1]
     records = []
     for t in stage.deliveries_from(rank):  # the target's rows, where they lie in the whole C
-        op = native.OP_ACCUMULATE if t.op == "accumulate" else native.OP_PUT
         block = stage.c.blocks[t.target]
-        records += native.transfer_record(op, t.target, t.rows, t.cols, block, t.rows[0] * n)
+        offset = t.rows[0] * n
+        records += native.transfer_record(
+            native.OP_CODES[t.op], t.target, t.rows, t.cols, block, offset
+        )
     notify = slots.notify_attribute(stage, rank, whole.dtype.itemsize, sync)
     rows, cols = stage.c.blocks[rank]
-    ids = (stage.fingerprint, "reduce", str(whole.dtype), chunk_bytes, sync.mode, notify[:3])
+    ids = slots.reduce_call_parts(stage, whole.dtype, chunk_bytes, sync, notify)
     primitives.reduce_start(
         whole.reshape(-1),
         comm=plan.comm_key,
-        call_id=primitives.call_id(*ids),  # the chunked reduce's: ranks may send either way
+        call_id=primitives.call_id(*ids),
         window_bytes=(1 + notify[0]) * notify[1],
         local_elements=(rows[1] - rows[0]) * n,
         overlap=False,

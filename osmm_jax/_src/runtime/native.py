@@ -68,6 +68,8 @@ OP_ACCUMULATE: int = _osmm_ffi.OP_ACCUMULATE
 """``kind`` of a reduce record that adds into the target (MPI_Accumulate, MPI_SUM)."""
 OP_PUT: int = _osmm_ffi.OP_PUT
 """``kind`` of a reduce record that writes the target (MPI_Put)."""
+OP_CODES: dict[str, int] = {"accumulate": OP_ACCUMULATE, "put": OP_PUT}
+"""The reduce record ``kind`` of each op a plan's Transfer names."""
 REGION_A: int = _osmm_ffi.REGION_A
 """``kind`` of a fetch record that reads the A region of the target's expose window."""
 REGION_B: int = _osmm_ffi.REGION_B

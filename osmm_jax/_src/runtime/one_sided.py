@@ -51,8 +51,6 @@ from osmm_jax._src.planning.records import gemm_groups, one_gemm_over, reads_own
 from osmm_jax._src.runtime import fetch, gather, native, primitives, slots
 from osmm_jax._src.runtime.slots import FENCE, Sync, executed_plan
 
-_OPS = {"accumulate": native.OP_ACCUMULATE, "put": native.OP_PUT}
-
 
 def forward(
     plan: Plan,
@@ -77,15 +75,13 @@ def forward(
     executed = executed_plan(plan, sync)  # a staged plan's gather stage, or its direct plan
     if executed is not plan:
         assert fetched is None, "pieces fetched for a staged plan"  # caller's bug
-        whole = None
-        if executed is plan.gather_stage:
-            whole = _summed_in_place(plan, rank, a, b, chunk_bytes, sync)
+        if executed is not plan.gather_stage:
+            return forward(executed, rank, a, b, chunk_bytes, sync)
+        whole = _summed_in_place(plan, rank, a, b, chunk_bytes, sync)
         if whole is not None:
             return whole.astype(a.dtype)
         block = forward(executed, rank, a, b, chunk_bytes, sync)
-        if executed is plan.gather_stage:
-            return gather.gather_blocks(plan, rank, block, sync)
-        return block
+        return gather.gather_blocks(plan, rank, block, sync)
     operands = _operands(plan, rank, a, b, sync, fetched, ahead, lone)
     local = jnp.zeros(plan.c.local_shape(rank), operands.acc)
     cells = _cells(plan, rank)
@@ -527,7 +523,7 @@ def _deliver(operands: _Operands, cells: list[_Cell], local, chunk_bytes: int, o
     if sync.mode == "notify" and plan.nranks > 1:
         notify = slots.notify_attribute(plan, operands.rank, acc.itemsize, sync)
         window_bytes = (1 + notify[0]) * notify[1]  # the accumulator and S slots
-    ids = (plan.fingerprint, "reduce", str(acc), chunk_bytes, sync.mode, notify[:3])
+    ids = slots.reduce_call_parts(plan, acc, chunk_bytes, sync, notify)
     if sync.defer and notify and not overlap:
         # Every piece this rank keeps is computed before the partials leave: the waiter sums
         # the whole block. Ranks decide alone (the same protocol either way), so the call id
@@ -591,7 +587,7 @@ def _chunk_records(plan: Plan, chunks: list[list]) -> tuple[list[list[int]], lis
         for cell, rows in pieces:
             for t in cell.deliveries:
                 records += native.transfer_record(
-                    _OPS[t.op], t.target, rows, t.cols, plan.c.blocks[t.target], offset
+                    native.OP_CODES[t.op], t.target, rows, t.cols, plan.c.blocks[t.target], offset
                 )
             offset += (rows[1] - rows[0]) * (cell.cols[1] - cell.cols[0])
         transfers.append(records)

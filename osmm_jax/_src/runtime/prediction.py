@@ -106,13 +106,13 @@ def memory_bytes(
         transient = _allreduce_buffers(plan, rank, input_itemsize, accum_itemsize, direction)
         return PeakMemory(held * input_itemsize, transient, 0)
     plans = (plan,) if direction == "forward" else (plan, *backward_plans(plan))
-    same = input_itemsize == accum_itemsize
+    itemsizes = (input_itemsize, accum_itemsize)
     how = backward.NONE
     if direction == "backward":
         how = backward.reuse(plan, resolved, True, _check_keep_fetched(keep_fetched))
     transposed = (None, "B", "A")  # dA's B operand is B.T, dB's A operand A.T
     runs = [
-        _one_sided_run(p, rank, resolved, same, tr, product, plan, how, accum_itemsize)
+        _one_sided_run(p, rank, resolved, itemsizes, tr, product, plan, how)
         for p, tr, product in zip(plans, transposed, (None, *backward.PRODUCTS))
     ]
     transients = [transient for transient, _ in runs]
@@ -165,21 +165,21 @@ def _one_sided_run(
     plan: Plan,
     rank: int,
     sync: one_sided.Sync,
-    same_dtype: bool,
+    itemsizes: tuple[int, int],
     transposed=None,
     product=None,
     of=None,
     how=backward.NONE,
-    accum_itemsize=4,
 ):
     """``(transient, packed)``: the elements (accumulation dtype) a one_sided product of
     ``plan`` adds on ``rank`` (planning/memory.py), and those of the pieces it packs to serve
-    (``same_dtype``: the inputs are in the accumulation dtype), as ``sync`` runs it;
+    (``itemsizes``: bytes of an input element and of an accumulation one), as ``sync`` runs it;
     ``transposed``: the operand (``"A"`` or ``"B"``) that is the transpose of an input (a
     backward product's): served from its block, the block is a transposed copy XLA forms
     from the input, counted as packed; ``product``: ``"dA"`` or ``"dB"`` of plan ``of``,
-    reusing fetched pieces as ``how`` says (:mod:`.backward`); ``accum_itemsize``: bytes of an
-    element of the accumulation dtype."""
+    reusing fetched pieces as ``how`` says (:mod:`.backward`)."""
+    input_itemsize, accum_itemsize = itemsizes
+    same_dtype = input_itemsize == accum_itemsize
     taken = lone = None
     skip = frozenset()
     if product is not None:
@@ -221,7 +221,7 @@ def _one_sided_run(
     if product is None and not ahead:
         merged = merged_block_operands(executed, rank)
     fetched = sum(t.elements for t in gets)
-    fits = fetched * (1 if same_dtype else 2) <= block_area(executed.c, rank)  # 16-bit C
+    fits = fetched * accum_itemsize <= block_area(executed.c, rank) * input_itemsize
     if merged and not executed.has_deliveries and fits:
         # The fetched pieces are joined before the one GEMM writes the result, which they
         # fit: XLA lends them the result's memory (seen on 2 ranks, where they are as large).

@@ -59,6 +59,16 @@ def window_bytes(plan: Plan, itemsize: int, budget: float) -> int:
     return (1 + slot_count(plan, itemsize, budget)) * slot_bytes(plan, itemsize)
 
 
+def reduce_call_parts(plan: Plan, acc, chunk_bytes, sync: Sync, notify: tuple) -> tuple:
+    """What names a product's reduce on every rank (``primitives.call_id`` of it): ``plan``,
+    the accumulation dtype ``acc``, the chunk size asked for, the synchronisation and the
+    window's shape (``notify[:3]``). The same whichever way a rank sends its partials (chunk by
+    chunk, or in place from the whole C: ``one_sided.sums_in_place``), which each rank decides
+    alone, from the plan, the same way on every call (so that every rank meets a new call
+    signature, and agrees on it, on the same call)."""
+    return (plan.fingerprint, "reduce", str(acc), chunk_bytes, sync.mode, notify[:3])
+
+
 def notify_attribute(plan: Plan, rank: int, itemsize: int, sync: Sync) -> tuple[int, ...]:
     """The ``notify`` attribute of ``osmm_reduce_start`` for ``rank``: ``(S, slot_bytes,
     flags, n_origins, *origins, n_targets, *targets)``, from ``rank``'s own part of the plan

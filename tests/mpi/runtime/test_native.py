@@ -32,20 +32,28 @@ def _reduce_to_next(key: int, target_on_rank0: int):
 
     @jax.jit
     def run(local):
-        chunk = jnp.ones((ROWS * COLS,), jnp.float32)
-        primitives.reduce_start(
-            chunk,
-            comm=key,
-            call_id=primitives.call_id("test", target_on_rank0),
-            window_bytes=ROWS * COLS * 4,
-            local_elements=ROWS * COLS,
-            overlap=False,
-            transfers=[record],
-            chunk_sizes=[ROWS * COLS],
-        )
+        call_id = primitives.call_id("test", target_on_rank0)
+        chunk = _send_ones(key, record, call_id, ROWS * COLS * 4)
         return primitives.reduce_finish(local, [chunk], comm=key)
 
     return run
+
+
+def _send_ones(key: int, record: list, call_id: int, window_bytes: int, notify=()):
+    """Start a reduce that delivers a 3x4 block of ones by ``record``; returns its chunk."""
+    chunk = jnp.ones((ROWS * COLS,), jnp.float32)
+    primitives.reduce_start(
+        chunk,
+        comm=key,
+        call_id=call_id,
+        window_bytes=window_bytes,
+        local_elements=ROWS * COLS,
+        overlap=False,
+        transfers=[record],
+        chunk_sizes=[ROWS * COLS],
+        notify=notify,
+    )
+    return chunk
 
 
 @pytest.fixture
@@ -147,18 +155,8 @@ def test_a_block_inside_a_larger_buffer_is_summed_where_it_lies(key, mode):
 
     @jax.jit
     def run(local):
-        chunk = jnp.ones((ROWS * COLS,), jnp.float32)
-        primitives.reduce_start(
-            chunk,
-            comm=key,
-            call_id=primitives.call_id("offset", mode),
-            window_bytes=64 * (2 if notify else 1),
-            local_elements=ROWS * COLS,
-            overlap=False,
-            transfers=[record],
-            chunk_sizes=[ROWS * COLS],
-            notify=notify,
-        )
+        call_id = primitives.call_id("offset", mode)
+        chunk = _send_ones(key, record, call_id, 64 * (2 if notify else 1), notify)
         return primitives.reduce_finish(local, [chunk], comm=key, local_offset=COLS)
 
     around = np.full((ROWS + 2, COLS), 7.0, np.float32)

@@ -490,6 +490,12 @@ def test_a_weight_gradient_is_summed_in_its_result_with_the_bits_of_separate_par
 
     (d_a, d_b), temp = run()
     assert run(chunk_bytes=256)[0][1].tobytes() == d_b.tobytes()
+    real = one_sided._summed_in_place
+    # Ranks decide alone: rank 0 sends from partials of their own while the others do not.
+    # (A new chunk size: a rank's decision is the same on every call of one reduce, so the
+    # ranks agree on its signature the first time; a single chunk, so the same bits.)
+    monkeypatch.setattr(one_sided, "_summed_in_place", lambda *args: real(*args) if RANK else None)
+    assert run(chunk_bytes=1 << 30)[0][1].tobytes() == d_b.tobytes()
     monkeypatch.setattr(one_sided, "_summed_in_place", lambda *args: None)
     (d_a_apart, d_b_apart), temp_apart = run()
     assert d_b.tobytes() == d_b_apart.tobytes() and d_a.tobytes() == d_a_apart.tobytes()

@@ -11,19 +11,11 @@ import pytest
 from mpi4py import MPI
 
 import osmm_jax as om
+from benchmarks.memory import layouts  # the memory benchmark's families
 from osmm_jax._src.runtime import allreduce, native
 
 COMM = MPI.COMM_WORLD
 RANK, SIZE = COMM.Get_rank(), COMM.Get_size()
-
-
-def _layouts(family: str, n: int = 48):
-    if family == "k_split":
-        return om.Layout.cols((n, n)), om.Layout.rows((n, n)), om.Layout.rows((n, n))
-    if family == "rows":
-        return om.Layout.rows((n, n)), om.Layout.replicated((n, n)), om.Layout.rows((n, n))
-    grid = (2, SIZE // 2) if SIZE % 2 == 0 else (1, SIZE)
-    return tuple(om.Layout.grid((n, n), grid) for _ in range(3))
 
 
 def _user_program(plan, direction: str, dtype=jnp.float32):
@@ -45,7 +37,7 @@ def test_the_allreduce_method_predicts_the_buffers_xla_assigns_to_its_program(fa
     """Beside the blocks, the prediction is XLA's temporaries for the very program the user's
     jitted product (or gradient) runs, plus MPI's buffer for the largest sum; and the
     analysis moved nothing (the native counters did not change)."""
-    plan = om.plan(*_layouts(family))
+    plan = om.plan(*layouts(family, 48))
     before = native.stats()["rma_bytes"]
     peak = om.memory_bytes(plan, RANK, method="allreduce", direction=direction)
     assert native.stats()["rma_bytes"] == before
@@ -61,7 +53,7 @@ def test_the_allreduce_method_predicts_the_buffers_xla_assigns_to_its_program(fa
 def test_any_rank_predicts_every_rank_s_all_reduce_peak_as_that_rank_does(family):
     """The compiled program is traced for the rank asked about, not the calling one: rank 0's
     figures for every rank are each rank's own."""
-    plan = om.plan(*_layouts(family, 40))
+    plan = om.plan(*layouts(family, 40))
     own = om.memory_bytes(plan, RANK, method="allreduce", direction="backward")
     everyone = COMM.allgather(tuple(own))
     if RANK == 0:
@@ -75,7 +67,7 @@ def test_any_rank_predicts_every_rank_s_all_reduce_peak_as_that_rank_does(family
 def test_16_bit_inputs_are_predicted_from_a_program_in_bfloat16():
     """Two-byte inputs with float32 sums are compiled as bfloat16 (float16 lays out the same):
     the figure is XLA's for the user's bfloat16 program, its blocks in two bytes."""
-    plan = om.plan(*_layouts("grid"))
+    plan = om.plan(*layouts("grid", 48))
     half = om.memory_bytes(plan, RANK, 2, 4, method="allreduce", direction="backward")
     full = om.memory_bytes(plan, RANK, 4, 4, method="allreduce", direction="backward")
     assert half.blocks * 2 == full.blocks
@@ -89,8 +81,7 @@ def test_a_sequence_parallel_product_s_buffers_are_those_xla_assigns():
     XLA's temporaries for the user's program, on 1-4 ranks at the memory benchmark's 3072^3
     (compiled, not run): on 2 ranks the fetched rows fit the result, and XLA lends them its
     memory, as memory_bytes counts."""
-    n = 3072
-    plan = om.plan(om.Layout.rows((n, n)), om.Layout.cols((n, n)), om.Layout.cols((n, n)))
+    plan = om.plan(*layouts("sequence", 3072))
     a = jnp.ones(plan.a.local_shape(RANK), jnp.float32)
     b = jnp.ones(plan.b.local_shape(RANK), jnp.float32)
     program = jax.jit(lambda x, y: om.matmul(x, y, plan)).lower(a, b).compile()
