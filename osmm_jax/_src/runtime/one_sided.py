@@ -112,6 +112,9 @@ def sums_in_place(plan: Plan, rank: int, sync: Sync, itemsize: int):
         return None
     if stage.c.kind != "rows" or not gather.places_rows(plan, rank, itemsize, sync):
         return None
+    mine = stage.for_rank(rank)
+    if any(t.op != "accumulate" for t in mine.deliveries + mine.received):
+        return None  # a put (a block with one remote contributor) is summed apart: not here
     cells = _cells(stage, rank)
     if any(len(c.inner) != 1 or c.cols != (0, plan.c.shape[1]) for c in cells):
         return None

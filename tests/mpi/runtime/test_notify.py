@@ -464,6 +464,34 @@ def test_a_rank_notifies_only_the_ranks_it_exchanges_with(monkeypatch, transport
 
 
 @pytest.mark.ranks(min=3, reason="a replicated C is staged from 3 ranks on")
+def test_a_staged_sum_with_an_empty_contributor_is_right_after_other_products(staged):
+    """K split with the last rank holding no columns: on 3 ranks a block then has one remote
+    contributor, delivered by put, and such a stage is not summed in the GEMM's buffer (summed
+    there, after other products, it gave wrong sums: random products, seed 1406902262, case
+    59). Every result, after products of other data and dtypes, is A @ B."""
+    M, K, N = 31, 2 * (SIZE - 1), 5
+    weights = (1.0,) * (SIZE - 1) + (0.0,)
+    plan = om.plan(
+        om.Layout.cols((M, K), weights=weights),
+        om.Layout.replicated((K, N)),
+        om.Layout.replicated((M, N)),
+    )
+    stage = plan.gather_stage
+    for rank in range(SIZE):
+        mine = stage.for_rank(rank)
+        if any(t.op == "put" for t in mine.deliveries + mine.received):
+            assert one_sided.sums_in_place(plan, rank, _NOTIFY, 4) is None
+    rng = np.random.default_rng(11)
+    for dtype in (jnp.bfloat16, jnp.float32, jnp.bfloat16):
+        a = rng.standard_normal((M, K)).astype(dtype)
+        b = rng.standard_normal((K, N)).astype(dtype)
+        for chunk_bytes in (24, None):
+            c = om.matmul(plan.a.shard(a, RANK), b, plan, sync="notify", chunk_bytes=chunk_bytes)
+            exact = a.astype(np.float32) @ b.astype(np.float32)
+            np.testing.assert_allclose(np.asarray(c, np.float32), exact, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.ranks(min=3, reason="a replicated C is staged from 3 ranks on")
 def test_a_weight_gradient_is_summed_in_its_result_with_the_bits_of_separate_partials(
     staged, monkeypatch
 ):
