@@ -105,7 +105,9 @@ def forward(
 def sums_in_place(plan: Plan, rank: int, sync: Sync, itemsize: int):
     """Staged ``plan``'s GEMM request on ``rank`` when it runs in place
     (:func:`_summed_in_place`): notified and not deferred, C split by rows, and this rank's
-    partial one GEMM over the whole C (a data-parallel weight gradient); else None.
+    partial one GEMM over the whole C (a data-parallel weight gradient), every other rank
+    adding to this rank's rows by accumulate (with a rank that adds nothing, an empty K block,
+    the in-place sum went wrong after other products); else None.
     ``itemsize``: of the accumulation dtype."""
     stage = plan.gather_stage
     if sync.mode != "notify" or sync.defer or plan.nranks == 1 or stage.has_gets:
@@ -113,8 +115,8 @@ def sums_in_place(plan: Plan, rank: int, sync: Sync, itemsize: int):
     if stage.c.kind != "rows" or not gather.places_rows(plan, rank, itemsize, sync):
         return None
     mine = stage.for_rank(rank)
-    if any(t.op != "accumulate" for t in mine.deliveries + mine.received):
-        return None  # a put (a block with one remote contributor) is summed apart: not here
+    if len(mine.origins) < plan.nranks - 1 or {t.op for t in mine.received} != {"accumulate"}:
+        return None
     cells = _cells(stage, rank)
     if any(len(c.inner) != 1 or c.cols != (0, plan.c.shape[1]) for c in cells):
         return None

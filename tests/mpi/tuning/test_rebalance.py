@@ -86,10 +86,10 @@ def test_the_plan_runs():
 
 @pytest.mark.ranks(min=2, reason="a slow rank is slow only next to a faster one")
 def test_a_rank_slowed_mid_run_by_extra_work_is_detected_and_loses_rows():
-    """Real timings: from step 6 on, the last rank does its product three more times. The
-    rows it loses are checked when the change is made: later steps may move rows again
-    (under the heterogeneity run's binding the host's load on the other core can make the
-    ranks sharing it the slow ones for a while), which is the Rebalancer doing its job."""
+    """Real timings: from step 6 on, the last rank does its product three more times; within
+    12 steps a change takes rows from it. Its rows are checked when that change is made: other
+    changes may come before or after it (with ranks sharing cores, the host's load can make
+    another rank the slow one for a while), which is the Rebalancer doing its job."""
     import time
 
     import jax
@@ -98,7 +98,7 @@ def test_a_rank_slowed_mid_run_by_extra_work_is_detected_and_loses_rows():
     rebalancer = Rebalancer(SIZE * 512, [1.0] * SIZE, window=5, quantum=64)
     dot = jax.jit(jnp.dot)
     b = jnp.ones((256, 256), jnp.float32)
-    slowed_at, changed_at, sizes_then = 6, None, None
+    slowed_at, lost_at, changes = 6, None, []
     for step in range(30):
         a = jnp.ones((rebalancer.sizes[RANK], 256), jnp.float32)
         dot(a, b).block_until_ready()  # compile outside the timed region
@@ -106,17 +106,16 @@ def test_a_rank_slowed_mid_run_by_extra_work_is_detected_and_loses_rows():
         repeats = 4 if (RANK == SIZE - 1 and step >= slowed_at) else 1
         for _ in range(repeats):
             dot(a, b).block_until_ready()
-        if (
-            rebalancer.observe(time.perf_counter() - start)
-            and step >= slowed_at
-            and changed_at is None
-        ):
-            changed_at, sizes_then = step, rebalancer.sizes
-    assert changed_at is not None, f"no rebalance after the slowdown: {rebalancer.last_event}"
-    assert changed_at - slowed_at <= 12, (
-        f"detected only {changed_at - slowed_at} steps after the slowdown"
+        if rebalancer.observe(time.perf_counter() - start) and step >= slowed_at:
+            changes.append((step, rebalancer.sizes))
+            if lost_at is None and rebalancer.sizes[SIZE - 1] < 512:
+                lost_at = step
+    assert lost_at is not None, (
+        f"the slowed rank never lost rows; changes {changes}, last {rebalancer.last_event}"
     )
-    assert sizes_then[SIZE - 1] < 512, f"the slowed rank did not lose rows: {sizes_then}"
+    assert lost_at - slowed_at <= 12, (
+        f"the slowed rank lost rows only {lost_at - slowed_at} steps after the slowdown"
+    )
     assert sum(rebalancer.sizes) == SIZE * 512
     assert len(set(MPI.COMM_WORLD.allgather(rebalancer.sizes))) == 1
 
