@@ -368,6 +368,18 @@ def thunk_spans(events: list[dict]) -> list[dict]:
     return spans
 
 
+def wall_offset(events: list[dict], walls_ns: list, index: int) -> float:
+    """What to add to the trace clock (us) of traced step ``index`` to put it on the wall
+    clock: each traced step (:func:`traced`) began right after a barrier, with
+    ``time.time_ns()`` read just before the call whose first ``PjitFunction(...)`` event
+    opens it."""
+    anchors = []
+    for e in sorted(events, key=lambda e: e["ts"]):
+        if e["name"].startswith("PjitFunction(") and (not anchors or e["ts"] - anchors[-1] > 1e3):
+            anchors.append(e["ts"])
+    return walls_ns[index][0] / 1e3 - anchors[index]
+
+
 def kind_of(name: str, gemms: dict) -> str:
     if name.startswith("osmm_"):
         return name.split(".")[0]
@@ -393,14 +405,7 @@ def plot(args) -> None:
         spans = thunk_spans(rec["events"])
         runs = sorted({s["run_id"] for s in spans}, key=lambda r: int(r))
         run = runs[args.run]
-        anchors = []
-        for e in sorted(rec["events"], key=lambda e: e["ts"]):
-            if e["name"].startswith("PjitFunction(") and (
-                not anchors or e["ts"] - anchors[-1] > 1000.0
-            ):
-                anchors.append(e["ts"])
-        index = runs.index(run)
-        offset = rec["walls_ns"][index][0] / 1e3 - anchors[index]
+        offset = wall_offset(rec["events"], rec["walls_ns"], runs.index(run))
         spans = [
             dict(s, start=s["start"] + offset, end=s["end"] + offset)
             for s in spans

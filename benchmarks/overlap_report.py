@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import sys
 import tempfile
@@ -26,6 +27,19 @@ from benchmarks.sync_report import ALL_CONFIGS
 
 CONFIGS = {**ALL_CONFIGS, "shm3_112": Config(3, False, "3 ranks, shared memory, bound 1:1:2")}
 JOB_TIMEOUT_S = 900.0
+
+
+def config_command(name: str, program: list[str], hosts, scratch: Path, settings=None):
+    """``benchmarks.sync_latency.job_command`` for configuration ``name`` (``shm3_112`` bound
+    1:1:2), with ``settings`` (``{variable: value}``) set in every rank."""
+    config = CONFIGS[name]
+    if settings:
+        config = dataclasses.replace(config, env={**config.env, **settings})
+    command, env = job_command(config, program, hosts, scratch)
+    if name == "shm3_112":
+        at = command.index("-n") + 2
+        command[at:at] = ["-bind-to", "user:0,0,1"]
+    return command, env
 
 
 def run_config(
@@ -51,10 +65,7 @@ def run_config(
             program = [sys.executable, "-m", "benchmarks.lm_step", "--repeats", str(repeats)]
             program += ["--out", scratch, "--json", str(Path(scratch) / "lm_step.json")]
             program += ["--meetings"] if meetings else []
-        command, env = job_command(config, program, hosts, Path(scratch))
-        if name == "shm3_112":
-            at = command.index("-n") + 2
-            command[at:at] = ["-bind-to", "user:0,0,1"]
+        command, env = config_command(name, program, hosts, Path(scratch))
         started = time.perf_counter()
         end = run_job(command, env, JOB_TIMEOUT_S, merge_stderr=True)
         saved = Path(scratch) / "lm_step.json"

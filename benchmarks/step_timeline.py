@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import glob
 import json
 import os
@@ -249,19 +248,14 @@ def measure(spans: list[dict]) -> dict:
 
 
 def aligned_last_run(rec: dict) -> list[dict]:
-    """The spans of ``rec``'s last traced step, shifted to the wall clock (us): each traced
-    step began right after a barrier, with ``time.time_ns()`` read just before the call whose
-    first ``PjitFunction(...)`` event opens it."""
+    """The spans of ``rec``'s last traced step, on the wall clock (us)."""
+    from benchmarks.overlap_probe import wall_offset
+
     runs = step_runs(rec)
-    anchors = []
-    for e in sorted(rec["events"], key=lambda e: e["ts"]):
-        if e["name"].startswith("PjitFunction(") and (not anchors or e["ts"] - anchors[-1] > 1e3):
-            anchors.append(e["ts"])
-    index = len(runs) - 1
-    offset = rec["walls_ns"][index][0] / 1e3 - anchors[index]
+    offset = wall_offset(rec["events"], rec["walls_ns"], len(runs) - 1)
     return [
         dict(s, start=s["start"] + offset, end=s["end"] + offset, issued=s["issued"] + offset)
-        for s in runs[index]
+        for s in runs[-1]
     ]
 
 
@@ -377,8 +371,8 @@ def report(args) -> None:
 def run(args) -> int:
     """:func:`record` for every step in every configuration (``benchmarks.overlap_report``'s
     configurations), then :func:`report`."""
-    from benchmarks.overlap_report import CONFIGS
-    from benchmarks.sync_latency import job_command, netns, run_job
+    from benchmarks.overlap_report import CONFIGS, config_command
+    from benchmarks.sync_latency import netns, run_job
 
     names = args.configs.split(",")
     settings = dict(item.split("=", 1) for item in args.setting)
@@ -397,13 +391,7 @@ def run(args) -> int:
                 program += ["--traced", str(args.traced)]
                 program += ["--batch", str(args.batch), "--width", str(args.width)]
                 with tempfile.TemporaryDirectory() as scratch:
-                    config = dataclasses.replace(
-                        CONFIGS[name], env={**CONFIGS[name].env, **settings}
-                    )
-                    command, env = job_command(config, program, hosts, Path(scratch))
-                    if name == "shm3_112":
-                        at = command.index("-n") + 2
-                        command[at:at] = ["-bind-to", "user:0,0,1"]
+                    command, env = config_command(name, program, hosts, Path(scratch), settings)
                     started = time.perf_counter()
                     end = run_job(command, env, 900.0, merge_stderr=True)
                 took = time.perf_counter() - started
